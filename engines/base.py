@@ -1,0 +1,168 @@
+"""The Engine protocol: the one interface between the harness and anything that generates tokens.
+
+The harness owns the clock: it calls `step()` and timestamps what comes back, so an engine
+never measures its own latency. Records here are plain frozen dataclasses with no torch
+import, so the harness and the reports can use them on a machine without torch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class EngineError(Exception):
+    """A problem the user can fix (bad model folder, bad option, bad request); shown as one line."""
+
+
+class ModelLoadError(EngineError):
+    """The model folder cannot be loaded: missing files, unsupported architecture, bad tensors."""
+
+
+class InvalidRequestError(EngineError):
+    """A request the engine cannot serve (token ids outside the vocabulary, too long, ...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. temperature 0 means greedy; top_k 0 and top_p 1 disable them."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request. `ignore_eos` makes the output exactly `max_new_tokens` long."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    ignore_eos: bool = False
+    # Return the float32 logits of every generated token (for agreement metrics and tests).
+    return_logits: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise InvalidRequestError(f"request {self.request_id}: prompt is empty")
+        if self.max_new_tokens < 1:
+            raise InvalidRequestError(
+                f"request {self.request_id}: max_new_tokens must be >= 1, got {self.max_new_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    finish_reason is "length" (max_new_tokens or model length reached), "stop" (EOS) or
+    "abort"; None while the request is still running. `logits` holds one float32 row per new
+    token when the request asked for them (a torch tensor [n, vocab]).
+    """
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None
+    logits: Any = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Everything one `step()` did. Counters are for this step only; the harness sums them.
+
+    experts_hit counts distinct (layer, expert) pairs that ran at least one token. Transfer
+    counters cover every byte that crossed host<->device during the step (0 on a CPU-only run).
+    `extras` carries engine-specific per-step series (bit widths, cache hits, ...).
+    """
+
+    outputs: tuple[RequestOutput, ...] = ()
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0
+    experts_hit: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_transfers: int = 0
+    d2h_transfers: int = 0
+    extras: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts about a started engine, written into every result file."""
+
+    name: str
+    model: str | None
+    architecture: str | None
+    device: str
+    dtype: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    kv_capacity_tokens: int = 0
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """Step-driven generation engine.
+
+    Lifecycle: construct with a config dataclass (cheap), `start()` (load weights, allocate
+    caches), then any interleaving of `add_request`, `step`, `abort`, and finally `stop()`.
+    `step()` returns only after the device work it launched has finished, so the caller's
+    timestamps are true completion times.
+    """
+
+    name: ClassVar[str]
+    config_cls: ClassVar[type]
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequestError for one the engine can never serve."""
+
+    @abstractmethod
+    def step(self) -> StepOutput: ...
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop a request; its final output (finish_reason "abort") comes with the next step."""
+
+    @abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> Engine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,128 @@
+"""A model-free engine with a parametric latency model, for fast and exact harness tests.
+
+Each step admits waiting requests (up to `max_num_seqs`), prefills every new prompt whole
+(emitting its first token) and decodes one token for every running request. It sleeps
+    base_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_token * decode_tokens
+so the harness measures known latencies. Tokens are a deterministic function of the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from engines.base import (
+    Engine,
+    EngineInfo,
+    EngineRequest,
+    InvalidRequestError,
+    RequestOutput,
+    StepOutput,
+)
+
+
+@dataclass(frozen=True)
+class DummyConfig:
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    base_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    decode_ms_per_token: float = 0.0
+    max_num_seqs: int = 256
+    vocab_size: int = 32000
+    eos_token_id: int = 2
+    max_model_len: int = 1 << 20
+
+
+@dataclass
+class _Running:
+    request: EngineRequest
+    generated: int = 0
+
+
+class DummyEngine(Engine):
+    name = "dummy"
+    config_cls = DummyConfig
+
+    def __init__(self, config: DummyConfig) -> None:
+        self.config = config
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: dict[str, _Running] = {}
+        self._aborted: list[str] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self._waiting.clear()
+        self._running.clear()
+
+    def add_request(self, request: EngineRequest) -> None:
+        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"request {request.request_id}: token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.config.vocab_size})"
+            )
+        self._waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        known = len(waiting) < len(self._waiting) or request_id in self._running
+        self._waiting = waiting
+        self._running.pop(request_id, None)
+        if known:
+            self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    def _token(self, request: EngineRequest, index: int) -> int:
+        # Never EOS, so outputs have exactly max_new_tokens tokens unless a test asks otherwise.
+        token = (sum(request.prompt_ids) * 31 + index * 7 + 3) % self.config.vocab_size
+        return token + 1 if token == self.config.eos_token_id else token
+
+    def step(self) -> StepOutput:
+        cfg = self.config
+        outputs = [RequestOutput(rid, finished=True, finish_reason="abort") for rid in self._aborted]
+        self._aborted = []
+        decode_ids = list(self._running)
+        prefill_tokens = 0
+        while self._waiting and len(self._running) < cfg.max_num_seqs:
+            request = self._waiting.popleft()
+            self._running[request.request_id] = _Running(request)
+            prefill_tokens += len(request.prompt_ids)
+        delay_ms = cfg.base_ms + cfg.prefill_ms_per_token * prefill_tokens
+        delay_ms += cfg.decode_ms_per_token * len(decode_ids)
+        if delay_ms > 0:
+            time.sleep(delay_ms / 1e3)
+        for rid in list(self._running):
+            run = self._running[rid]
+            token = self._token(run.request, run.generated)
+            run.generated += 1
+            done = run.generated >= run.request.max_new_tokens
+            if done:
+                del self._running[rid]
+            outputs.append(RequestOutput(rid, (token,), done, "length" if done else None))
+        return StepOutput(
+            outputs=tuple(outputs),
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=len(decode_ids),
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+        )
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            name=self.name,
+            model=None,
+            architecture=None,
+            device="none",
+            dtype="none",
+            vocab_size=self.config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            eos_token_ids=(self.config.eos_token_id,),
+            config=asdict(self.config),
+        )

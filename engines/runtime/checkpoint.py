@@ -1,0 +1,236 @@
+"""Read a local Hugging Face MoE folder (config.json + safetensors) into runtime weights.
+
+Handles one `model.safetensors` or shards listed in `model.safetensors.index.json`, experts
+stored per expert (`experts.{e}.w1|w3|w2` or `experts.{e}.{gate,up,down}_proj`) or fused
+(`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`). Loading is strict: every
+expected tensor must exist with the shape config.json implies, and every tensor in the
+files must be used, so a checkpoint we do not understand fails loudly instead of running
+with random weights. Errors are ModelLoadError with the file and tensor named.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from engines.base import ModelLoadError
+from engines.runtime.config import ModelConfig, parse_config
+from engines.runtime.transfer import TransferLedger
+from engines.runtime.weights import (
+    AttentionWeights,
+    DenseExperts,
+    LayerWeights,
+    MLPWeights,
+    ModelWeights,
+    MoEWeights,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Buffers some exporters save that carry no learned weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    raw_config: dict[str, Any]
+    key_files: dict[str, Path]  # tensor name -> safetensors file holding it
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Validate the folder layout and parse its config; reads no tensor data yet."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelLoadError(f"model folder {root} does not exist")
+    if not root.is_dir():
+        raise ModelLoadError(f"--model must be a folder with config.json and safetensors files; {root} is a file")
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{root} has no config.json; expected a Hugging Face model folder")
+    raw = read_json(config_path)
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_path}: expected a JSON object")
+    gen_path = root / "generation_config.json"
+    generation = read_json(gen_path) if gen_path.is_file() else None
+    config = parse_config(raw, str(config_path), generation)
+    return Checkpoint(root, config, raw, _key_files(root))
+
+
+def _key_files(root: Path) -> dict[str, Path]:
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: missing or empty 'weight_map'")
+        for shard in sorted(set(weight_map.values())):
+            if not (root / shard).is_file():
+                raise ModelLoadError(f"shard {shard} listed in {index} is missing from {root}")
+        return {key: root / shard for key, shard in weight_map.items()}
+    single = root / SINGLE_FILE
+    if single.is_file():
+        try:
+            with safe_open(single, "pt") as f:
+                return {key: single for key in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"cannot read {single}: {exc}") from None
+    if any(root.glob("*.bin")):
+        raise ModelLoadError(f"{root} holds PyTorch .bin weights; pwbench reads safetensors only (re-save with save_pretrained)")
+    raise ModelLoadError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+class _Reader:
+    """Tensor access by name across shards, with shape checks and a record of what was used."""
+
+    def __init__(self, ckpt: Checkpoint, stack: ExitStack, device: torch.device, dtype: torch.dtype, ledger: TransferLedger):
+        self.ckpt, self.stack, self.device, self.dtype, self.ledger = ckpt, stack, device, dtype, ledger
+        self.handles: dict[Path, Any] = {}
+        self.used: set[str] = set()
+        self.missing: list[str] = []
+
+    def _handle(self, file: Path) -> Any:
+        if file not in self.handles:
+            try:
+                self.handles[file] = self.stack.enter_context(safe_open(file, "pt"))
+            except (SafetensorError, OSError) as exc:
+                raise ModelLoadError(f"cannot read {file}: {exc}") from None
+        return self.handles[file]
+
+    def has(self, key: str) -> bool:
+        return key in self.ckpt.key_files
+
+    def get(self, key: str, shape: tuple[int, ...]) -> Tensor | None:
+        """The tensor at model dtype on the device; None (and recorded as missing) if absent."""
+        file = self.ckpt.key_files.get(key)
+        if file is None:
+            self.missing.append(key)
+            return None
+        handle = self._handle(file)
+        try:
+            found = tuple(handle.get_slice(key).get_shape())
+            if found != shape:
+                raise ModelLoadError(
+                    f"tensor {key} in {file} has shape {list(found)}, but config.json implies {list(shape)}"
+                )
+            tensor = handle.get_tensor(key)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"cannot read tensor {key} from {file}: {exc}") from None
+        self.used.add(key)
+        return self.ledger.to_device(tensor.to(self.dtype), tag="load")
+
+
+def load_weights(
+    ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger
+) -> tuple[ModelWeights, dict[int, DenseExperts]]:
+    """Dense weights plus each MoE layer's routed experts at full precision."""
+    cfg = ckpt.config
+    if cfg.quantization:
+        method = cfg.quantization.get("quant_method", "?")
+        raise ModelLoadError(
+            f"{ckpt.path} is a quantized checkpoint (quant_method {method!r}); the full-precision "
+            "engine needs a full-precision folder"
+        )
+    with ExitStack() as stack:
+        reader = _Reader(ckpt, stack, device, dtype, ledger)
+        D, V = cfg.hidden_size, cfg.vocab_size
+        embed = reader.get("model.embed_tokens.weight", (V, D))
+        norm = reader.get("model.norm.weight", (D,))
+        lm_head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", (V, D))
+        layers, experts = [], {}
+        for i in range(cfg.num_layers):
+            layer, layer_experts = _load_layer(reader, cfg, i)
+            layers.append(layer)
+            if layer_experts is not None:
+                experts[i] = layer_experts
+        if reader.missing:
+            shown = ", ".join(reader.missing[:4])
+            more = f" (and {len(reader.missing) - 4} more)" if len(reader.missing) > 4 else ""
+            raise ModelLoadError(f"{ckpt.path}: {len(reader.missing)} tensors missing: {shown}{more}")
+        unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES))
+        if unused:
+            raise ModelLoadError(
+                f"{ckpt.path}: {len(unused)} tensors do not belong to a {cfg.architecture} model of this "
+                f"config (first: {unused[0]}); a different architecture or a quantized export?"
+            )
+    return ModelWeights(embed, norm, lm_head, layers), experts  # type: ignore[arg-type]
+
+
+def _load_layer(reader: _Reader, cfg: ModelConfig, i: int) -> tuple[LayerWeights, DenseExperts | None]:
+    p = f"model.layers.{i}."
+    D, hd = cfg.hidden_size, cfg.head_dim
+    get = reader.get
+    bias = cfg.qkv_bias
+    norm_q = {"head": (hd,), "full": (cfg.q_size,)}.get(cfg.qk_norm)
+    norm_k = {"head": (hd,), "full": (cfg.kv_size,)}.get(cfg.qk_norm)
+    attn = AttentionWeights(
+        q=get(p + "self_attn.q_proj.weight", (cfg.q_size, D)),
+        k=get(p + "self_attn.k_proj.weight", (cfg.kv_size, D)),
+        v=get(p + "self_attn.v_proj.weight", (cfg.kv_size, D)),
+        o=get(p + "self_attn.o_proj.weight", (D, cfg.q_size)),
+        q_bias=get(p + "self_attn.q_proj.bias", (cfg.q_size,)) if bias else None,
+        k_bias=get(p + "self_attn.k_proj.bias", (cfg.kv_size,)) if bias else None,
+        v_bias=get(p + "self_attn.v_proj.bias", (cfg.kv_size,)) if bias else None,
+        o_bias=get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None,
+        q_norm=get(p + "self_attn.q_norm.weight", norm_q) if norm_q else None,
+        k_norm=get(p + "self_attn.k_norm.weight", norm_k) if norm_k else None,
+    )
+    attn_norm = get(p + "input_layernorm.weight", (D,))
+    mlp_norm = get(p + "post_attention_layernorm.weight", (D,))
+    if not cfg.moe_layers[i]:
+        mlp = _load_mlp(reader, p + "mlp.", cfg.dense_intermediate_size, D)
+        return LayerWeights(attn_norm, attn, mlp_norm, mlp), None  # type: ignore[arg-type]
+    # Mixtral checkpoints say block_sparse_moe; transformers' in-memory names and GPTQModel say mlp.
+    mp = p + ("block_sparse_moe." if reader.has(p + "block_sparse_moe.gate.weight") else "mlp.")
+    moe = MoEWeights(router=get(mp + "gate.weight", (cfg.num_experts, D)))  # type: ignore[arg-type]
+    if cfg.shared_expert_intermediate_size:
+        moe.shared = _load_mlp(reader, mp + "shared_expert.", cfg.shared_expert_intermediate_size, D)
+        moe.shared_gate = get(mp + "shared_expert_gate.weight", (1, D))
+    experts = _load_experts(reader, cfg, mp + "experts.")
+    return LayerWeights(attn_norm, attn, mlp_norm, moe), experts  # type: ignore[arg-type]
+
+
+def _load_mlp(reader: _Reader, prefix: str, inter: int, D: int) -> MLPWeights | None:
+    gate = reader.get(prefix + "gate_proj.weight", (inter, D))
+    up = reader.get(prefix + "up_proj.weight", (inter, D))
+    down = reader.get(prefix + "down_proj.weight", (D, inter))
+    if gate is None or up is None or down is None:
+        return None
+    return MLPWeights(torch.cat([gate, up]), down)
+
+
+def _load_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> DenseExperts | None:
+    E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if reader.has(prefix + "gate_up_proj"):
+        gate_up = reader.get(prefix + "gate_up_proj", (E, 2 * I, D))
+        down = reader.get(prefix + "down_proj", (E, D, I))
+        return DenseExperts(gate_up, down) if gate_up is not None and down is not None else None
+    names = ("w1", "w3", "w2") if reader.has(prefix + "0.w1.weight") else ("gate_proj", "up_proj", "down_proj")
+    gate_up = torch.empty(E, 2 * I, D, dtype=reader.dtype, device=reader.device)
+    down = torch.empty(E, D, I, dtype=reader.dtype, device=reader.device)
+    complete = True
+    for e in range(E):
+        g = reader.get(f"{prefix}{e}.{names[0]}.weight", (I, D))
+        u = reader.get(f"{prefix}{e}.{names[1]}.weight", (I, D))
+        d = reader.get(f"{prefix}{e}.{names[2]}.weight", (D, I))
+        if g is None or u is None or d is None:
+            complete = False
+            continue
+        gate_up[e, :I], gate_up[e, I:], down[e] = g, u, d
+    return DenseExperts(gate_up, down) if complete else None

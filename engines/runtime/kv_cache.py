@@ -1,0 +1,99 @@
+"""Paged KV cache: fixed-size blocks in one pool per layer, a block table per sequence.
+
+Token t of a sequence lives in slot `table[t // B] * B + t % B` of every layer's pool. Blocks
+are taken from a free list as a sequence grows and returned when it ends or is preempted,
+so memory follows live tokens, not the longest possible request. The allocator is pure
+Python (no torch), which lets the scheduler plan without touching the device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class BlockAllocator:
+    """Free-list allocator of block ids with per-sequence block tables."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # Pop from the end: recently freed blocks are reused first (warm in cache).
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self.tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks(self, seq_id: str, num_tokens: int) -> int:
+        """Blocks to add so that `seq_id` covers positions [0, num_tokens)."""
+        return max(0, self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())))
+
+    def can_grow(self, seq_id: str, num_tokens: int) -> bool:
+        return self.extra_blocks(seq_id, num_tokens) <= len(self._free)
+
+    def grow(self, seq_id: str, num_tokens: int) -> None:
+        need = self.extra_blocks(seq_id, num_tokens)
+        if need > len(self._free):
+            raise MemoryError(f"KV cache full: {seq_id} needs {need} blocks, {len(self._free)} free")
+        table = self.tables.setdefault(seq_id, [])
+        for _ in range(need):
+            table.append(self._free.pop())
+
+    def free(self, seq_id: str) -> None:
+        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+
+    def tokens_fitting(self, seq_id: str, start: int) -> int:
+        """How many tokens from position `start` on fit with the blocks held plus all free ones."""
+        held = len(self.tables.get(seq_id, ()))
+        return max(0, (held + len(self._free)) * self.block_size - start)
+
+    def slots(self, seq_id: str, start: int, length: int) -> list[int]:
+        table, B = self.tables[seq_id], self.block_size
+        return [table[p // B] * B + p % B for p in range(start, start + length)]
+
+
+class PagedKVCache:
+    """Device memory for K and V: per layer a pool [num_blocks, B, K, hd] each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        # torch.empty: pages are touched only when written, so a large CPU pool costs nothing up front.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store new keys/values [T, K, hd] at flat slot indices [T]."""
+        self.k[layer].view(-1, *k.shape[1:])[slots] = k
+        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+
+    def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V for block tables [N, nb] as [N, nb*B, K, hd] (padded tables read block 0)."""
+        n, nb = tables.shape
+        k = self.k[layer][tables].view(n, nb * self.block_size, *self.k[layer].shape[2:])
+        v = self.v[layer][tables].view(n, nb * self.block_size, *self.v[layer].shape[2:])
+        return k, v

@@ -1,0 +1,42 @@
+"""Next-token choice: greedy, or seeded temperature / top-k / top-p sampling.
+
+Each sampled request owns a torch.Generator seeded from its SamplingParams, so its tokens
+depend on its own seed and logits only, not on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engines.base import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def filter_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """One row [V]: temperature-scaled logits with tokens outside top-k / top-p set to -inf."""
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        probs, order = torch.sort(torch.softmax(scaled, dim=-1), descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it < top_p.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return scaled
+
+
+def sample(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """logits [S, V] float32 -> token ids [S] (on the logits' device)."""
+    tokens = torch.argmax(logits, dim=-1)
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            probs = torch.softmax(filter_logits(logits[row], p), dim=-1)
+            tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+    return tokens

@@ -1,0 +1,64 @@
+"""TransferLedger: the single place where host<->device traffic is made and counted.
+
+Every copy the runtime makes between host memory and the device goes through `to_device` /
+`to_host` (or is reported with `record` when a kernel or a side stream does the copy), so
+bytes moved per step and per token are exact, not estimated. When the device is the CPU
+nothing crosses a bus and nothing is counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TransferCounts:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_transfers: int = 0
+    d2h_transfers: int = 0
+
+
+class TransferLedger:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.crosses_bus = device.type != "cpu"
+        self._step = Counter[str]()
+        self.total = Counter[str]()  # since start, per "direction:tag"
+
+    def to_device(self, tensor: Tensor, tag: str = "data", non_blocking: bool = False) -> Tensor:
+        if tensor.device == self.device:
+            return tensor
+        out = tensor.to(self.device, non_blocking=non_blocking)
+        if self.crosses_bus:
+            self.record("h2d", tensor.numel() * tensor.element_size(), tag)
+        return out
+
+    def to_host(self, tensor: Tensor, tag: str = "data") -> Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        self.record("d2h", tensor.numel() * tensor.element_size(), tag)
+        return tensor.to("cpu")
+
+    def tensor(self, data: list, dtype: torch.dtype, tag: str = "data") -> Tensor:
+        """Build a tensor from host data and move it to the device (counted)."""
+        return self.to_device(torch.tensor(data, dtype=dtype), tag)
+
+    def record(self, direction: str, nbytes: int, tag: str = "data", transfers: int = 1) -> None:
+        if direction not in ("h2d", "d2h"):
+            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        for counter in (self._step, self.total):
+            counter[f"{direction}:bytes"] += nbytes
+            counter[f"{direction}:count"] += transfers
+            counter[f"{direction}:{tag}"] += nbytes
+
+    def take_step(self) -> TransferCounts:
+        """Counts since the previous call (one engine step), then reset."""
+        c = self._step
+        counts = TransferCounts(c["h2d:bytes"], c["d2h:bytes"], c["h2d:count"], c["d2h:count"])
+        self._step = Counter()
+        return counts

@@ -1,0 +1,121 @@
+"""Weight records of the runtime and the expert store, the one place expert weights live.
+
+Dense weights (embeddings, attention, norms, routers, shared experts) are plain tensors in
+dataclasses. Routed-expert weights sit behind `ExpertStore`, so later engines can keep them
+quantized, paged, or on the host without touching the model code: the model asks the store
+for a layer's experts and hands the result to the expert compute function.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AttentionWeights:
+    q: Tensor  # [H*hd, D]
+    k: Tensor  # [K*hd, D]
+    v: Tensor  # [K*hd, D]
+    o: Tensor  # [D, H*hd]
+    q_bias: Tensor | None = None
+    k_bias: Tensor | None = None
+    v_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+    q_norm: Tensor | None = None  # [hd] per head, or [H*hd] over the projection
+    k_norm: Tensor | None = None
+
+
+@dataclass
+class MLPWeights:
+    """A SwiGLU MLP: gate rows first in gate_up, like transformers' fused experts."""
+
+    gate_up: Tensor  # [2I, D]
+    down: Tensor  # [D, I]
+
+
+@dataclass
+class MoEWeights:
+    router: Tensor  # [E, D]
+    shared: MLPWeights | None = None
+    shared_gate: Tensor | None = None  # [1, D]
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor
+    attn: AttentionWeights
+    mlp_norm: Tensor
+    mlp: MLPWeights | MoEWeights
+
+
+@dataclass
+class ModelWeights:
+    embed: Tensor  # [V, D]
+    norm: Tensor  # [D]
+    lm_head: Tensor  # [V, D]; the same tensor as embed when tied
+    layers: list[LayerWeights]
+
+    def nbytes(self) -> int:
+        """Bytes of every dense tensor, counting a tied embedding once."""
+        seen: set[int] = set()
+        total = 0
+        for t in _tensors(self):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _tensors(obj: object):
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, list):
+        for item in obj:
+            yield from _tensors(item)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for f in fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+
+
+@dataclass
+class DenseExperts:
+    """All routed experts of one layer, full precision: the compute's input."""
+
+    gate_up: Tensor  # [E, 2I, D]
+    down: Tensor  # [E, D, I]
+
+
+class ExpertStore(ABC):
+    """Owns the routed-expert weights of every MoE layer.
+
+    `layer(i)` returns what the expert compute needs for layer i, making it resident first
+    if the store keeps weights elsewhere (any copy goes through the engine's TransferLedger).
+    """
+
+    @abstractmethod
+    def layer(self, index: int) -> object: ...
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Device bytes held for routed experts now."""
+
+
+class DenseExpertStore(ExpertStore):
+    """Every expert resident on the device at the model dtype (the `moe` engine)."""
+
+    def __init__(self, layers: dict[int, DenseExperts]) -> None:
+        self._layers = layers
+
+    def layer(self, index: int) -> DenseExperts:
+        return self._layers[index]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for e in self._layers.values() for t in (e.gate_up, e.down))
+
+    @staticmethod
+    def empty_like(experts: DenseExperts) -> DenseExperts:
+        return DenseExperts(torch.empty_like(experts.gate_up), torch.empty_like(experts.down))
