@@ -128,9 +128,10 @@ class HFEngine(Engine):
     def abort(self, request_id: str) -> None:
         before = len(self._waiting)
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
-        active = any(r.request.request_id == request_id and not r.done for r in self._rows)
-        if active:
-            self._aborted.add(request_id)  # the stopping criterion drops the row
+        active = [r for r in self._rows if r.request.request_id == request_id and not r.done]
+        for row in active:
+            row.done = True  # emit nothing more for it
+            self._aborted.add(request_id)  # and let the stopping criterion end the row
         if active or len(self._waiting) < before:
             self._abort_outputs.append(RequestOutput(request_id, finished=True, finish_reason="abort"))
 
@@ -174,9 +175,7 @@ class HFEngine(Engine):
         req = row.request
         row.generated += 1
         reason = None
-        if req.request_id in self._aborted:
-            reason = "abort"
-        elif not req.ignore_eos and token in self.eos_ids:
+        if not req.ignore_eos and token in self.eos_ids:
             reason = "stop"
         elif row.generated >= req.max_new_tokens:
             reason = "length"

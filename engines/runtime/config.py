@@ -134,6 +134,12 @@ def _eos_ids(generation: Mapping[str, Any], raw: Mapping[str, Any]) -> tuple[int
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _num_experts(get: _Getter) -> int:
+    # The key differs by architecture and by transformers version (attribute_map aliases).
+    key = "num_local_experts" if get.raw.get("num_local_experts") is not None else "num_experts"
+    return get.int(key)
+
+
 def _qwen_moe_layers(get: _Getter, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     step = int(get.opt("decoder_sparse_step", 1))
     dense = set(get.opt("mlp_only_layers", []) or [])
@@ -143,7 +149,7 @@ def _qwen_moe_layers(get: _Getter, num_layers: int, num_experts: int) -> tuple[b
 def _mixtral(get: _Getter, num_layers: int) -> dict[str, Any]:
     window = get.raw.get("sliding_window")
     return dict(
-        num_experts=get.int("num_local_experts"),
+        num_experts=_num_experts(get),
         moe_intermediate_size=get.int("intermediate_size"),
         moe_layers=(True,) * num_layers,
         dense_intermediate_size=0,
@@ -158,7 +164,7 @@ def _mixtral(get: _Getter, num_layers: int) -> dict[str, Any]:
 
 
 def _qwen2_moe(get: _Getter, num_layers: int) -> dict[str, Any]:
-    num_experts = get.int("num_experts")
+    num_experts = _num_experts(get)
     windows: list[int | None] = [None] * num_layers
     if get.opt("use_sliding_window", False):
         window = get.int("sliding_window")
@@ -183,7 +189,7 @@ def _qwen2_moe(get: _Getter, num_layers: int) -> dict[str, Any]:
 
 
 def _qwen3_moe(get: _Getter, num_layers: int) -> dict[str, Any]:
-    num_experts = get.int("num_experts")
+    num_experts = _num_experts(get)
     window = get.raw.get("sliding_window") if get.opt("use_sliding_window", False) else None
     bias = bool(get.opt("attention_bias", False))
     return dict(
@@ -205,7 +211,7 @@ def _olmoe(get: _Getter, num_layers: int) -> dict[str, Any]:
     bias = bool(get.opt("attention_bias", False))
     clip = get.raw.get("clip_qkv")
     return dict(
-        num_experts=get.int("num_experts"),
+        num_experts=_num_experts(get),
         moe_intermediate_size=get.int("intermediate_size"),
         moe_layers=(True,) * num_layers,
         dense_intermediate_size=0,

@@ -1,0 +1,107 @@
+"""Every bad input of `pwbench generate` gives one line on stderr, a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import edit_config
+
+
+def pwbench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_missing_folder(tmp_path):
+    assert_user_error(pwbench("generate", "--model", str(tmp_path / "nope"), "--prompt-ids", "1,2"), "does not exist")
+
+
+def test_folder_without_config(tmp_path):
+    assert_user_error(pwbench("generate", "--model", str(tmp_path), "--prompt-ids", "1"), "config.json")
+
+
+def test_missing_shard(checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("mixtral", "sharded"))
+    shard = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))[-1]
+    (folder / shard).unlink()
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1,2"), shard, "missing")
+
+
+def test_unsupported_architecture(checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("mixtral"))
+    edit_config(folder, model_type="llama")
+    assert_user_error(
+        pwbench("generate", "--model", str(folder), "--prompt-ids", "1"),
+        "'llama'", "mixtral, olmoe, qwen2_moe, qwen3_moe",
+    )
+
+
+def test_tensor_of_wrong_shape(checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("olmoe"))
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.layers.1.self_attn.k_proj.weight"
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), key, "[31, 96]", "[32, 96]")
+
+
+def test_missing_tensor(checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("qwen3_moe"))
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), "experts.3.up_proj", "missing")
+
+
+def test_quantized_checkpoint_is_refused(checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("mixtral"))
+    edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4})
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), "quantized", "gptq")
+
+
+def test_corrupt_config_json(checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("mixtral"))
+    (folder / "config.json").write_text('{"model_type": "mixtral",\n  "hidden_size": 96,,\n}')
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), "config.json", "line 2")
+
+
+@pytest.mark.parametrize("engine", ["moe", "hf"])
+def test_token_ids_outside_vocabulary(engine, checkpoints):
+    folder = checkpoints("mixtral")
+    assert_user_error(
+        pwbench("generate", "--model", str(folder), "--engine", engine, "--prompt-ids", "1,2,257"),
+        "token id 257", "[0, 257)",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--prompt-ids", "1,x"], "comma-separated integers"),
+        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, hf, moe"),
+        (["--prompt-ids", "1", "--set", "block_size"], "key=value"),
+        (["--prompt-ids", "1", "--set", "blocksize=4"], "valid options:"),
+        (["--prompt-ids", "1", "--set", "block_size=four"], "expects int"),
+        (["--prompt-ids", "1", "--dtype", "float8"], "float32, float16, bfloat16"),
+        pytest.param(["--prompt-ids", "1", "--device", "cuda"], "--device cpu",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+        (["--prompt", "hello"], "tokenizer.json"),
+        ([], "at least one"),
+    ],
+)
+def test_bad_options(args, fragment, checkpoints):
+    assert_user_error(pwbench("generate", "--model", str(checkpoints("mixtral")), *args), fragment)

@@ -1,0 +1,76 @@
+"""Tiny random checkpoints of every supported architecture, written by transformers' own
+config classes and save_pretrained: the layouts users have on disk, at test size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Odd sizes on purpose: hidden 96, 6 experts, grouped-query attention, top-2 and top-3, a head
+# dim that differs from hidden/heads (Qwen3), a dense layer between MoE layers (Qwen2-MoE).
+ARCH_KWARGS: dict[str, dict] = {
+    "mixtral": dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=64,
+        num_local_experts=6, num_experts_per_tok=2, num_hidden_layers=2,
+    ),
+    "qwen2_moe": dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=72,
+        moe_intermediate_size=40, shared_expert_intermediate_size=56, num_experts=6,
+        num_experts_per_tok=3, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=False,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=72,
+        moe_intermediate_size=40, num_experts=6, num_experts_per_tok=3, num_hidden_layers=2,
+        norm_topk_prob=True,
+    ),
+    "olmoe": dict(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=48,
+        num_experts=6, num_experts_per_tok=2, num_hidden_layers=2, clip_qkv=3.0,
+    ),
+}
+ARCHS = tuple(ARCH_KWARGS)
+VOCAB = 257
+EOS = 2
+
+
+def build_hf_model(arch: str, seed: int = 0, **overrides):
+    """A random transformers model of `arch` (float32, eval mode)."""
+    import torch
+    import transformers
+
+    cls_cfg, cls_model = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    }[arch]
+    kwargs = dict(ARCH_KWARGS[arch], vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
+                  bos_token_id=1, pad_token_id=0, initializer_range=0.08, tie_word_embeddings=False)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    return cls_model(cls_cfg(**kwargs)).eval()
+
+
+def save_checkpoint(model, path: Path, layout: str = "per_expert") -> Path:
+    """Write `model` as a HF folder: per_expert (save_pretrained), sharded, or fused 3-D experts."""
+    path.mkdir(parents=True, exist_ok=True)
+    if layout == "per_expert":
+        model.save_pretrained(path)
+    elif layout == "sharded":
+        model.save_pretrained(path, max_shard_size="150KB")
+    elif layout == "fused":
+        from safetensors.torch import save_file
+
+        model.save_pretrained(path)
+        (path / "model.safetensors").unlink()
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        raise ValueError(layout)
+    return path
+
+
+def edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))

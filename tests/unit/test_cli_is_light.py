@@ -1,0 +1,48 @@
+"""`pwbench --help` and `pwbench ls engines` import neither torch nor triton; packages keep their arrows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "triton", "transformers", "safetensors", "numpy")
+
+
+def imported_after(code: str) -> set[str]:
+    probe = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return set(proc.stdout.split("\n")[-2].split())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["ls", "engines"], ["ls", "--help"], ["generate", "--help"]])
+def test_cli_paths_import_nothing_heavy(argv):
+    code = f"from harness.cli import app\ntry:\n    app({argv!r})\nexcept SystemExit:\n    pass"
+    mods = imported_after(code)
+    assert not [m for m in HEAVY if m in mods]
+
+
+def test_ls_engines_lists_every_engine():
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "ls", "engines"], capture_output=True, text=True)
+    names = [line.split()[0] for line in proc.stdout.splitlines()]
+    assert names == ["dummy", "hf", "moe"]
+
+
+@pytest.mark.parametrize(
+    "module, forbidden",
+    [
+        ("engines.registry", HEAVY + ("harness", "workloads", "reports")),
+        ("engines.base", HEAVY),
+        ("engines.dummy", HEAVY + ("harness", "workloads", "reports")),
+        ("engines.moe_engine", ("harness", "workloads", "reports", "triton")),
+        ("engines.hf_engine", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
+        ("reports", HEAVY + ("engines", "harness", "workloads")),
+        ("workloads", HEAVY + ("engines", "harness", "reports")),
+    ],
+)
+def test_package_arrows(module, forbidden):
+    mods = imported_after(f"import {module}")
+    leaked = [m for m in forbidden if m in mods]
+    assert not leaked, f"importing {module} pulled in {leaked}"
