@@ -1,1 +1,5 @@
-"""Everything that turns a trace or a generator into timed requests (see the workloads issue)."""
+"""Everything that turns a trace or a generator into timed requests; no torch, no engines.
+
+registry (names, WorkloadSpec, ModelTarget, build_workload) -> shapes (request skeletons) ->
+arrivals and assemble (times, bounds, clipping) -> synth (token ids). traces/ reads files.
+"""

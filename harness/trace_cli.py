@@ -1,0 +1,134 @@
+"""`pwbench trace info|convert`: summarise a trace file, or convert it to pwbench JSONL.
+
+`trace_app` is a typer app for harness/cli.py to mount as `trace`. Commands import the
+readers (and numpy) inside their bodies, so `--help` stays fast. A bad trace is one
+`error:` line on stderr and exit code 2, as for every pwbench user error.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import typer
+
+from harness.cli import fail, user_errors
+from workloads.base import WorkloadError
+
+trace_app = typer.Typer(
+    help="Inspect request traces and convert them to pwbench JSONL.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+FormatOption = Annotated[
+    str | None, typer.Option("--format", help="Trace format (default: detected from the file's first line).")
+]
+SkipOption = Annotated[
+    bool, typer.Option("--skip-bad-lines", help="Skip malformed lines, count them and report them at the end.")
+]
+MAX_LISTED = 10  # skipped lines listed one by one; the rest are counted
+
+
+def trace_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """user_errors, plus WorkloadError (a bad trace file) as a one-line error."""
+
+    @user_errors
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except WorkloadError as exc:
+            raise fail(str(exc)) from None
+
+    return wrapper
+
+
+def _report_skipped(trace) -> None:
+    for message in trace.bad_lines[:MAX_LISTED]:
+        typer.echo(f"skipped {message}", err=True)
+    if len(trace.bad_lines) > MAX_LISTED:
+        typer.echo(f"skipped {len(trace.bad_lines) - MAX_LISTED} more malformed lines", err=True)
+    for note in trace.dropped:
+        typer.echo(f"left out: {note}", err=True)
+
+
+def print_columns(rows: list[tuple[str, str]]) -> None:
+    """Two aligned columns: a name and its text."""
+    width = max(len(name) for name, _ in rows)
+    for name, text in rows:
+        typer.echo(f"{name.ljust(width)}  {text}")
+
+
+def _number(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}{unit}" if float(value).is_integer() else f"{value:,.1f}{unit}"
+
+
+@trace_app.command("formats")
+def formats() -> None:
+    """List the trace formats pwbench reads, one per line."""
+    from workloads.traces.formats import list_formats
+
+    print_columns(list_formats())
+
+
+@trace_app.command("info")
+@trace_errors
+def info(
+    path: Annotated[str, typer.Argument(help="Trace file (a RAGPulse folder stands for its 0_trace.jsonl).")],
+    format: FormatOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
+    skip_bad_lines: SkipOption = False,
+) -> None:
+    """Summarise a trace: requests, duration, token lengths, sessions, prefix reuse."""
+    from workloads.traces.formats import read_trace
+    from workloads.traces.stats import summarize
+
+    trace = read_trace(path, format, skip_bad_lines)
+    summary = summarize(trace)
+    _report_skipped(trace)
+    if as_json:
+        typer.echo(json.dumps(summary.as_dict()))
+        return
+    rows = [
+        ("format", summary.format),
+        ("requests", f"{summary.requests:,}"),
+        ("duration", _number(summary.duration_s, " s") if summary.duration_s is not None else "- (no arrival times)"),
+    ]
+    for label, stats in (("input tokens", summary.input_tokens), ("output tokens", summary.output_tokens)):
+        rows.append((label, f"mean {_number(stats.mean)}  p50 {_number(stats.p50)}  p99 {_number(stats.p99)}  max {stats.max:,}"))
+    rows.append(("sessions", f"{summary.sessions:,}" if summary.sessions is not None else "- (the format has none)"))
+    if summary.prefix_blocks is None:
+        rows.append(("prefix blocks", "- (the format has none)"))
+    else:
+        rows.append((
+            "prefix blocks",
+            f"{summary.prefix_blocks:,} references, {summary.prefix_repeat_share:.1%} repeat an earlier id "
+            f"({summary.repeated_token_share:.1%} of prompt tokens)",
+        ))
+    if summary.bad_lines_skipped:
+        rows.append(("skipped", f"{summary.bad_lines_skipped:,} malformed lines"))
+    print_columns(rows)
+
+
+@trace_app.command("convert")
+@trace_errors
+def convert(
+    path: Annotated[str, typer.Argument(help="Trace file in any supported format.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="The pwbench JSONL file to write.")],
+    format: FormatOption = None,
+    skip_bad_lines: SkipOption = False,
+) -> None:
+    """Convert a trace to pwbench JSONL (written to a temp file, then renamed into place)."""
+    from workloads.traces.formats import read_trace
+    from workloads.traces.jsonl_formats import write_pwbench
+
+    trace = read_trace(path, format, skip_bad_lines)
+    _report_skipped(trace)
+    written = write_pwbench(trace, output)
+    typer.echo(f"wrote {len(trace.rows):,} requests ({trace.format} -> pwbench) to {written}")

@@ -1,0 +1,150 @@
+"""From a workload's shape to its request list: arrivals, bounds, clipping, then content.
+
+A workload's shape step is a stream of sessions (lists of RequestSkeleton, turn by turn,
+think gaps set, arrivals unset unless replayed). `assemble` applies the arrival process,
+keeps the first `requests` / those before `duration_s`, clips to the model's context and
+only then synthesizes tokens, so a bounded run never synthesizes a whole trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from workloads.arrivals import apply_arrivals, open_loop_times
+from workloads.base import Request, WorkloadError
+from workloads.synth import HashBlockSynthesizer, PromptSynthesizer, RequestSkeleton, to_request
+
+DEFAULT_REQUESTS = 100  # a generated workload without --requests or --duration
+DEFAULT_CONCURRENCY = 4  # closed-loop users when the spec does not say
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a workload's shape step hands to assemble()."""
+
+    sessions: Callable[[int], Iterator[list[RequestSkeleton]]]  # size hint (requests) -> stream
+    mean_turns: float  # requests per session on average (sets the session start rate)
+    default_arrival: str
+    default_rate: float = 1.0  # requests per second
+    default_burstiness: float = 1.0
+    finite: bool = False  # a trace: the stream ends
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The built request list plus what the build changed or left out (for the result file)."""
+
+    name: str
+    arrival: str
+    requests: tuple[Request, ...]
+    notes: tuple[str, ...] = ()
+    concurrency: int | None = None  # closed loop: users the harness runs at once
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.arrival == "closed"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The shape step's result: skeletons in send order, before any token is synthesized."""
+
+    arrival: str
+    skeletons: tuple[RequestSkeleton, ...]
+    notes: tuple[str, ...]
+
+
+def assemble(spec, target, shape: Shape, synthesizer: PromptSynthesizer | None = None) -> Workload:
+    """spec: registry.WorkloadSpec; target: registry.ModelTarget."""
+    plan = make_plan(spec, target, shape)
+    synthesizer = synthesizer or HashBlockSynthesizer(spec.seed, target.vocab_size, tuple(target.special_ids))
+    label = spec.name.partition(":")[0]
+    requests = tuple(to_request(s, synthesizer.synthesize(s), f"{label}-{s.index:05d}") for s in plan.skeletons)
+    concurrency = (spec.concurrency or DEFAULT_CONCURRENCY) if plan.arrival == "closed" else None
+    return Workload(spec.name, plan.arrival, requests, plan.notes, concurrency)
+
+
+def make_plan(spec, target, shape: Shape) -> Plan:
+    """Arrivals, bounds and clipping: everything but the tokens."""
+    arrival = spec.arrival or shape.default_arrival
+    rate = spec.rate if spec.rate is not None else shape.default_rate
+    burstiness = 1.0 if arrival == "poisson" else spec.burstiness or shape.default_burstiness
+    notes = list(shape.notes)
+    limit = spec.requests
+    if limit is None and not shape.finite and (spec.duration_s is None or arrival in ("closed", "offline")):
+        limit = DEFAULT_REQUESTS
+        if spec.duration_s is not None:
+            notes.append(f"{arrival} arrivals: duration_s bounds the run, not the list; built {limit} requests")
+    open_loop = arrival in ("poisson", "gamma")
+    if arrival == "poisson" and spec.burstiness not in (None, 1.0):
+        raise WorkloadError(f"burstiness={spec.burstiness} needs gamma arrivals; use --arrival gamma")
+    session_rate = rate / shape.mean_turns  # so that requests (not sessions) arrive at `rate`
+    stream = shape.sessions(limit or math.ceil(rate * (spec.duration_s or 0)) or DEFAULT_REQUESTS)
+    if open_loop and limit is None and spec.duration_s is not None:  # as many sessions as start in time
+        starts = open_loop_times(session_rate, burstiness, spec.seed, until_s=spec.duration_s)
+        sessions = _take(stream, sessions=len(starts))
+    else:
+        sessions = _take(stream, requests=limit)
+        starts = open_loop_times(session_rate, burstiness, spec.seed, n=len(sessions)) if open_loop else None
+    skeletons = apply_arrivals(sessions, arrival, spec.time_scale, starts)
+    if arrival in ("trace", "poisson", "gamma") and spec.duration_s is not None:
+        skeletons = [s for s in skeletons if s.arrival_s < spec.duration_s]
+    skeletons = skeletons[:limit] if limit is not None else skeletons
+    if not skeletons:
+        raise WorkloadError(f"workload {spec.name!r} has no requests within duration_s={spec.duration_s}; raise it")
+    skeletons, clipped = _clip_all(skeletons, target.max_model_len)
+    if clipped:
+        notes.append(
+            f"{clipped} of {len(skeletons)} requests clipped to max_model_len {target.max_model_len} "
+            f"(prompt cut to its first tokens, output to at most {target.max_model_len // 2}); --scale shrinks instead"
+        )
+    return Plan(arrival, tuple(skeletons), tuple(notes))
+
+
+def _take(stream: Iterator[list[RequestSkeleton]], requests: int | None = None, sessions: int | None = None):
+    """Sessions from the stream until `requests` turns or `sessions` sessions (or its end)."""
+    taken: list[list[RequestSkeleton]] = []
+    turns = 0
+    for session in stream:
+        if (requests is not None and turns >= requests) or (sessions is not None and len(taken) >= sessions):
+            break
+        taken.append(session)
+        turns += len(session)
+    return taken
+
+
+def _clip_all(skeletons: list[RequestSkeleton], max_len: int) -> tuple[list[RequestSkeleton], int]:
+    out, clipped = [], 0
+    for s in skeletons:
+        if s.input_tokens + s.output_tokens <= max_len:
+            out.append(s)
+            continue
+        clipped += 1
+        out.append(clip(s, max_len))
+    return out, clipped
+
+
+def clip(s: RequestSkeleton, max_len: int) -> RequestSkeleton:
+    """Fit prompt + output into max_len: output to at most max_len // 2, prompt to its head."""
+    output = max(1, min(s.output_tokens, max_len // 2))
+    prompt = max(1, min(s.input_tokens, max_len - output))
+    starts, kept = 0, 0
+    lengths = []
+    for span in s.spans():
+        if starts >= prompt:
+            break
+        lengths.append(min(span, prompt - starts))
+        starts += span
+        kept += 1
+    return dataclasses.replace(
+        s,
+        input_tokens=prompt,
+        output_tokens=output,
+        blocks=s.blocks[:kept],
+        block_lengths=tuple(lengths) if s.block_lengths else (),
+        block_kinds=s.block_kinds[:kept],
+    )
