@@ -58,6 +58,10 @@ class EngineRequest:
     ignore_eos: bool = False
     # Return the float32 logits of every generated token (for agreement metrics and tests).
     return_logits: bool = False
+    # Return the logits at every prompt position (teacher forcing: log-likelihoods, KL against
+    # a reference engine). Row j is the distribution of token j+1; the last row is that of the
+    # first generated token.
+    return_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -74,7 +78,8 @@ class RequestOutput:
 
     finish_reason is "length" (max_new_tokens or model length reached), "stop" (EOS) or
     "abort"; None while the request is still running. `logits` holds one float32 row per new
-    token when the request asked for them (a torch tensor [n, vocab]).
+    token when the request asked for them (a torch tensor [n, vocab]); `prompt_logits` comes
+    with the request's first token ([prompt_len, vocab]) when asked for.
     """
 
     request_id: str
@@ -82,6 +87,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     logits: Any = None
+    prompt_logits: Any = None
 
 
 @dataclass(frozen=True)
@@ -94,12 +100,14 @@ class StepOutput:
     """
 
     outputs: tuple[RequestOutput, ...] = ()
+    started: tuple[str, ...] = ()  # requests whose first prompt token was computed in this step
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
     num_preempted: int = 0
     experts_hit: int = 0
+    context_tokens: int = 0  # K/V positions attended, summed over the step's sequences
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     h2d_transfers: int = 0
@@ -123,6 +131,9 @@ class EngineInfo:
     kv_cache_bytes: int = 0
     kv_capacity_tokens: int = 0
     config: Mapping[str, Any] = field(default_factory=dict)
+    # For efficiency metrics: dense_weight_bytes, bytes_per_expert, active_params_per_token,
+    # kv_bytes_per_token (engines that know their model fill it).
+    model_stats: Mapping[str, float] = field(default_factory=dict)
 
 
 class Engine(ABC):

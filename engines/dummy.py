@@ -4,12 +4,14 @@ Each step admits waiting requests (up to `max_num_seqs`), prefills every new pro
 (emitting its first token) and decodes one token for every running request. It sleeps
     base_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_token * decode_tokens
 so the harness measures known latencies. Tokens are a deterministic function of the prompt.
+Tests may pass their own `sleep` (a simulated clock) to get exact timings.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from engines.base import (
@@ -46,8 +48,8 @@ class DummyEngine(Engine):
     name = "dummy"
     config_cls = DummyConfig
 
-    def __init__(self, config: DummyConfig) -> None:
-        self.config = config
+    def __init__(self, config: DummyConfig, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.config, self._sleep = config, sleep
         self._waiting: deque[EngineRequest] = deque()
         self._running: dict[str, _Running] = {}
         self._aborted: list[str] = []
@@ -60,6 +62,8 @@ class DummyEngine(Engine):
         self._running.clear()
 
     def add_request(self, request: EngineRequest) -> None:
+        if request.return_logits or request.return_prompt_logits:
+            raise InvalidRequestError(f"request {request.request_id}: engine dummy has no model and returns no logits")
         bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
             raise InvalidRequestError(
@@ -90,14 +94,16 @@ class DummyEngine(Engine):
         self._aborted = []
         decode_ids = list(self._running)
         prefill_tokens = 0
+        started = []
         while self._waiting and len(self._running) < cfg.max_num_seqs:
             request = self._waiting.popleft()
             self._running[request.request_id] = _Running(request)
             prefill_tokens += len(request.prompt_ids)
+            started.append(request.request_id)
         delay_ms = cfg.base_ms + cfg.prefill_ms_per_token * prefill_tokens
         delay_ms += cfg.decode_ms_per_token * len(decode_ids)
         if delay_ms > 0:
-            time.sleep(delay_ms / 1e3)
+            self._sleep(delay_ms / 1e3)
         for rid in list(self._running):
             run = self._running[rid]
             token = self._token(run.request, run.generated)
@@ -108,6 +114,7 @@ class DummyEngine(Engine):
             outputs.append(RequestOutput(rid, (token,), done, "length" if done else None))
         return StepOutput(
             outputs=tuple(outputs),
+            started=tuple(started),
             num_prefill_tokens=prefill_tokens,
             num_decode_tokens=len(decode_ids),
             num_running=len(self._running),

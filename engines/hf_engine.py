@@ -140,11 +140,13 @@ class HFEngine(Engine):
 
     def step(self) -> StepOutput:
         outputs, self._abort_outputs = self._abort_outputs, []
+        started: tuple[str, ...] = ()
         if self._worker is None and self._waiting:
             self._prompt_tokens = self._launch()
+            started = tuple(r.request.request_id for r in self._rows)
         if self._worker is None:
             return StepOutput(outputs=tuple(outputs), num_waiting=len(self._waiting))
-        kind, payload, scores = self._events.get()
+        kind, payload, extra = self._events.get()
         if kind == "error":
             self._worker.join()
             self._worker = None
@@ -153,11 +155,13 @@ class HFEngine(Engine):
         if kind == "tokens":
             # The first iteration of a batch is its prefill; later ones decode every live row.
             prefill, self._prompt_tokens = self._prompt_tokens, 0
+            scores, prompt_logits = extra
             for i, (row, token) in enumerate(zip(self._rows, payload)):
                 if row.done:
                     continue
                 decode += 0 if prefill else 1
-                outputs.append(self._emit(row, token, scores[i : i + 1] if scores is not None else None))
+                logits = scores[i : i + 1] if scores is not None else None
+                outputs.append(self._emit(row, token, logits, prompt_logits.get(i) if prefill else None))
         else:  # "done": generate() returned
             self._worker.join()
             self._worker = None
@@ -165,13 +169,14 @@ class HFEngine(Engine):
         running = sum(not r.done for r in self._rows)
         return StepOutput(
             outputs=tuple(outputs),
+            started=started,
             num_prefill_tokens=prefill,
             num_decode_tokens=decode,
             num_running=running,
             num_waiting=len(self._waiting),
         )
 
-    def _emit(self, row: _Row, token: int, logits: torch.Tensor | None) -> RequestOutput:
+    def _emit(self, row: _Row, token: int, logits: torch.Tensor | None, prompt_logits: torch.Tensor | None) -> RequestOutput:
         req = row.request
         row.generated += 1
         reason = None
@@ -180,7 +185,9 @@ class HFEngine(Engine):
         elif row.generated >= req.max_new_tokens:
             reason = "length"
         row.done = reason is not None
-        return RequestOutput(req.request_id, (token,), row.done, reason, logits if req.return_logits else None)
+        return RequestOutput(
+            req.request_id, (token,), row.done, reason, logits if req.return_logits else None, prompt_logits
+        )
 
     def _launch(self) -> int:
         """Start generate() on the next batch of compatible waiting requests; returns prompt tokens."""
@@ -228,7 +235,7 @@ class HFEngine(Engine):
                 if self.first:  # generate() first puts the prompt
                     self.first = False
                     return
-                events.put(("tokens", value.view(-1).tolist(), captured[0]))
+                events.put(("tokens", value.view(-1).tolist(), (captured[0], prompt_logits)))
 
             def end(self) -> None:
                 pass
@@ -261,6 +268,13 @@ class HFEngine(Engine):
             pad_token_id=self.pad_id,
         )
         try:
+            # Teacher-forced prompt logits come from a plain forward over each unpadded prompt.
+            prompt_logits: dict[int, torch.Tensor] = {}
+            with torch.inference_mode():
+                for i, r in enumerate(batch):
+                    if r.return_prompt_logits:
+                        x = torch.tensor([r.prompt_ids], device=self.device)
+                        prompt_logits[i] = self.model(input_ids=x).logits[0].float().cpu()
             if not s.greedy:
                 torch.manual_seed(s.seed if s.seed is not None else 0)
             with torch.inference_mode():

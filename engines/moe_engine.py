@@ -56,6 +56,8 @@ class MoEEngineConfig:
 class _SeqState:
     generator: torch.Generator | None = None
     logits: list[torch.Tensor] = field(default_factory=list)
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks, until the first token
+    prompt_rows_done: int = 0  # prompt positions whose logits are collected (survives preemption)
 
 
 class MoEEngine(Engine):
@@ -171,16 +173,19 @@ class MoEEngine(Engine):
         self._aborted = []
         plan = self.scheduler.schedule()
         chunks = plan.decodes + plan.prefills
+        started = tuple(c.seq.id for c in plan.prefills if c.start == 0 and c.seq.num_generated == 0)
         expert_counts = self._run(chunks, len(plan.decodes), outputs) if chunks else {}
         moved = self.ledger.take_step()
         return StepOutput(
             outputs=tuple(outputs),
+            started=started,
             num_prefill_tokens=sum(c.length for c in plan.prefills),
             num_decode_tokens=len(plan.decodes),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(plan.preempted),
             experts_hit=sum(n > 0 for counts in expert_counts.values() for n in counts),
+            context_tokens=sum(c.start + c.length for c in chunks),
             h2d_bytes=moved.h2d_bytes,
             d2h_bytes=moved.d2h_bytes,
             h2d_transfers=moved.h2d_transfers,
@@ -192,28 +197,43 @@ class MoEEngine(Engine):
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
-        sampled: list[Chunk] = []
+        logit_rows: list[int] = []  # rows of the flat batch whose logits are computed
+        sampled: list[tuple[Chunk, int]] = []  # chunk, index of its row in logit_rows
+        prompt_rows: list[tuple[Chunk, int, int]] = []  # chunk, first and end index in logit_rows
         for c in chunks:
+            row0 = len(token_ids)
+            state = c.seq.state
+            if c.seq.request.return_prompt_logits and state.prompt_rows_done < c.seq.num_prompt:
+                lo = max(c.start, state.prompt_rows_done)
+                hi = min(c.start + c.length, c.seq.num_prompt)
+                if hi > lo:
+                    prompt_rows.append((c, len(logit_rows), len(logit_rows) + hi - lo))
+                    logit_rows += range(row0 + lo - c.start, row0 + hi - c.start)
+                    state.prompt_rows_done = hi
             if c.samples:
-                sample_rows.append(len(token_ids) + c.length - 1)
-                sampled.append(c)
+                last = row0 + c.length - 1
+                if not logit_rows or logit_rows[-1] != last:
+                    logit_rows.append(last)
+                sampled.append((c, len(logit_rows) - 1))
             token_ids += c.seq.token_ids[c.start : c.start + c.length]
             positions += range(c.start, c.start + c.length)
             slots += alloc.slots(c.seq.id, c.start, c.length)
         attn = self._attention_batch(chunks, num_decode, slots)
         result = self.model.forward(
             self.ledger.tensor(token_ids, long), self.ledger.tensor(positions, long), attn,
-            self.ledger.tensor(sample_rows, long),
+            self.ledger.tensor(logit_rows, long),
         )
-        params = [c.seq.request.sampling for c in sampled]
-        generators = [c.seq.state.generator for c in sampled]
+        for c, lo, hi in prompt_rows:
+            c.seq.state.prompt_logits.append(self.ledger.to_host(result.logits[lo:hi], "logits"))
+        sample_logits = result.logits[[i for _, i in sampled]]
+        params = [c.seq.request.sampling for c, _ in sampled]
+        generators = [c.seq.state.generator for c, _ in sampled]
         # Copying the chosen ids back is the step's device sync: the work is done when it returns.
-        new_tokens = self.ledger.to_host(sample(result.logits, params, generators), "tokens").tolist()
+        new_tokens = self.ledger.to_host(sample(sample_logits, params, generators), "tokens").tolist()
         for c in chunks:
             c.seq.num_computed += c.length
-        for row, (c, token) in enumerate(zip(sampled, new_tokens)):
-            outputs.append(self._append_token(c.seq, token, result.logits[row]))
+        for (c, _), token, row in zip(sampled, new_tokens, sample_logits):
+            outputs.append(self._append_token(c.seq, token, row))
         return result.expert_counts
 
     def _attention_batch(self, chunks: list[Chunk], num_decode: int, slots: list[int]) -> AttentionBatch:
@@ -239,6 +259,10 @@ class MoEEngine(Engine):
         if req.return_logits:
             seq.state.logits.append(self.ledger.to_host(logits_row, "logits"))
             logits = seq.state.logits[-1][None]
+        prompt_logits = None
+        if req.return_prompt_logits and seq.num_generated == 1:
+            prompt_logits = torch.cat(seq.state.prompt_logits)
+            seq.state.prompt_logits = []
         reason = None
         if not req.ignore_eos and token in self.checkpoint.config.eos_token_ids:
             reason = "stop"
@@ -246,7 +270,7 @@ class MoEEngine(Engine):
             reason = "length"
         if reason is not None:
             self.scheduler.remove(seq.id)
-        return RequestOutput(req.request_id, (token,), reason is not None, reason, logits)
+        return RequestOutput(req.request_id, (token,), reason is not None, reason, logits, prompt_logits)
 
     # -- info ----------------------------------------------------------------------------------
     def info(self) -> EngineInfo:
@@ -265,7 +289,22 @@ class MoEEngine(Engine):
             kv_cache_bytes=self.kv.nbytes(),
             kv_capacity_tokens=self.kv_capacity_tokens,
             config=dataclasses.asdict(self.config),
+            model_stats=self._model_stats(),
         )
+
+    def _model_stats(self) -> dict[str, float]:
+        mc = self.checkpoint.config
+        per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size
+        dense_bytes = self.weights.nbytes() - self.weights.embed.numel() * self.weights.embed.element_size()
+        if mc.tie_word_embeddings:  # the LM head is read every step; the embedding rows barely
+            dense_bytes += self.weights.lm_head.numel() * self.weights.lm_head.element_size()
+        dense_params = dense_bytes // self.weights.embed.element_size()
+        return {
+            "dense_weight_bytes": dense_bytes,
+            "bytes_per_expert": self.experts.nbytes() / max(1, sum(mc.moe_layers) * mc.num_experts),
+            "active_params_per_token": dense_params + sum(mc.moe_layers) * mc.top_k * per_expert,
+            "kv_bytes_per_token": PagedKVCache.bytes_per_block(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype),
+        }
 
     def _check_started(self) -> None:
         if not self._started:

@@ -7,15 +7,15 @@ line on stderr and exit code 2; Ctrl-C exits with 130.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from engines.base import EngineError
+from harness.cli_common import print_columns, user_errors
+from harness.trace_cli import trace_app
 
 app = typer.Typer(
     name="pwbench",
@@ -25,42 +25,26 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-ls_app = typer.Typer(help="List what pwbench knows about (engines, ...).", no_args_is_help=True)
+ls_app = typer.Typer(help="List what pwbench knows about: engines, workloads.", no_args_is_help=True)
 app.add_typer(ls_app, name="ls")
-
-USER_ERRORS: tuple[type[BaseException], ...] = (EngineError,)
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
-
-
-def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn user errors into a one-line message instead of a traceback."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except USER_ERRORS as exc:
-            raise fail(str(exc)) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
-
-    return wrapper
-
+app.add_typer(trace_app, name="trace")
+demo_app = typer.Typer(help="The bundled demo MoE model: train it, evaluate it.", no_args_is_help=True)
+app.add_typer(demo_app, name="demo")
 
 @ls_app.command("engines")
 def ls_engines() -> None:
     """List the registered engines, one per line."""
     from engines.registry import list_engines
 
-    rows = list_engines()
-    width = max(len(name) for name, _ in rows)
-    for name, description in rows:
-        typer.echo(f"{name.ljust(width)}  {description}")
+    print_columns(list_engines())
+
+
+@ls_app.command("workloads")
+def ls_workloads() -> None:
+    """List the named workloads, one per line."""
+    from workloads.registry import list_workloads
+
+    print_columns(list_workloads())
 
 
 @app.command()
@@ -113,6 +97,186 @@ def generate(
     for i, r in enumerate(results):
         typer.echo(f"[{i}] prompt: {r.get('prompt_text', r['prompt_ids'])}")
         typer.echo(f"    output: {r.get('text', r['output_ids'])}  ({len(r['output_ids'])} tokens, {r['finish_reason']})")
+
+
+@demo_app.command("train")
+@user_errors
+def demo_train(
+    output: Annotated[str, typer.Option(help="Folder to write the trained model to.")] = "demo-model",
+    steps: Annotated[int, typer.Option(help="Optimizer steps (the run is deterministic for a fixed count).")] = 5000,
+    seed: Annotated[int, typer.Option(help="Seed for weights and data.")] = 0,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Training option key=value (see harness/demo_train.py TrainConfig).")] = None,
+) -> None:
+    """Train the demo MoE model from scratch on the demo tasks (about 80 minutes on 2 CPU cores)."""
+    from pathlib import Path
+
+    from engines.registry import build_config, parse_set_options
+    from harness.demo_train import TrainConfig, train
+
+    options = {"steps": steps, "seed": seed, **parse_set_options(set_ or [])}
+    config = build_config(TrainConfig, options, owner="demo train")
+    report = train(config, Path(output), log=lambda line: typer.echo(line))
+    typer.echo(f"wrote {output} (final curriculum level {report['final_level']}, {report['minutes']} min)")
+
+
+@demo_app.command("eval")
+@user_errors
+def demo_eval(
+    model: Annotated[str | None, typer.Option(help="Model folder (default: the bundled demo model).")] = None,
+    engine: Annotated[str, typer.Option(help="Engine name.")] = "moe",
+    samples: Annotated[int, typer.Option(help="Examples per recall/copy task.")] = 200,
+    expert_bits: Annotated[int | None, typer.Option(help="RTN-quantize routed experts to this many bits first (moe engine).")] = None,
+    curve: Annotated[str | None, typer.Option(help="Also measure recall at these context lengths, e.g. 256,512,1024,2000.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
+) -> None:
+    """Exact-match accuracy on held-out demo tasks (RAG and chat recall at 512-1024 tokens, closed book, copy)."""
+    from engines.demo import demo_model_path
+    from harness.demo_eval import EvalSpec, context_curve, evaluate
+
+    folder = model or str(demo_model_path())
+    say = (lambda m: None) if as_json else (lambda m: typer.echo(m))
+    result = evaluate(folder, engine, EvalSpec(samples=samples), expert_bits=expert_bits, progress=say)
+    payload = {"model": folder, "engine": engine, "expert_bits": expert_bits, "accuracy": result.accuracy, "counts": result.counts}
+    if curve:
+        lengths = [int(x) for x in curve.split(",")]
+        payload["context_curve"] = context_curve(folder, lengths, EvalSpec(samples=samples), engine)
+        for task, points in payload["context_curve"].items():
+            say(f"{task} by context: " + ", ".join(f"{n}: {a:.3f}" for n, a in points.items()))
+    if as_json:
+        typer.echo(json.dumps(payload))
+
+
+@app.command("eval")
+@user_errors
+def eval_(
+    tasks: Annotated[str, typer.Option(help="Comma-separated lm-eval task names (demo_rag, demo_chat, demo_closed_book, demo_copy, or any task in --include-path).")] = "demo_rag,demo_chat",
+    engine: Annotated[str, typer.Option(help="Engine name.")] = "moe",
+    model: Annotated[str | None, typer.Option(help="Model folder (default: the bundled demo model).")] = None,
+    output: Annotated[str | None, typer.Option(help="Run folder to store lm_eval.json in (default: print only).")] = None,
+    include_path: Annotated[str | None, typer.Option(help="Extra folder of lm-eval task YAMLs.")] = None,
+    limit: Annotated[int | None, typer.Option(help="Examples per task (default: all).")] = None,
+    samples: Annotated[int, typer.Option(help="Examples written per demo task.")] = 200,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
+) -> None:
+    """Run lm-eval tasks against a pwbench engine, fully offline."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from engines.registry import parse_set_options
+    from harness.lm_eval_tasks import run_lm_eval, write_demo_tasks
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory(prefix="pwbench-lm-eval-") as tmp:
+        folder = write_demo_tasks(Path(tmp), samples)
+        if include_path:
+            for extra in Path(include_path).glob("*.yaml"):
+                (folder / extra.name).write_text(extra.read_text())
+        result = run_lm_eval([t.strip() for t in tasks.split(",") if t.strip()], engine, model, folder, limit,
+                             parse_set_options(set_ or []))
+    if output:
+        target = Path(output) / "lm_eval.json"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp_file = target.with_suffix(".json.tmp")
+        tmp_file.write_text(json.dumps(result, indent=1) + "\n")
+        tmp_file.replace(target)
+    for task, metrics in result["metrics"].items():
+        line = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        if not as_json:
+            typer.echo(f"{task}: {line}")
+    if as_json:
+        typer.echo(json.dumps(result["metrics"]))
+
+
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lm_eval_passthrough(ctx: typer.Context) -> None:
+    """lm-eval's own command line with `--model pwbench` available (arguments pass through)."""
+    from harness.lm_eval_tasks import lm_eval_cli
+
+    raise typer.Exit(lm_eval_cli(list(ctx.args)))
+
+
+@app.command("run")
+@user_errors
+def run(
+    workload: Annotated[str, typer.Option(help="Named workload (see `pwbench ls workloads`) or trace:PATH.")] = "rag_long",
+    engine: Annotated[str, typer.Option(help="Engine name (see `pwbench ls engines`).")] = "moe",
+    model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
+    requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
+    duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,
+    rate: Annotated[float | None, typer.Option(help="Open loop: mean requests per second.")] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Closed loop: this many users.")] = None,
+    time_scale: Annotated[float | None, typer.Option(help="Multiply trace times and think times (0.1 = 10x faster; default 1).")] = None,
+    arrival: Annotated[str | None, typer.Option(help="trace | poisson | gamma | closed | offline (default: the workload's).")] = None,
+    burstiness: Annotated[float | None, typer.Option(help="Gamma arrivals: CV^2 of the gaps (1 = Poisson).")] = None,
+    scale: Annotated[float | None, typer.Option(help="Multiply every token length (default 1; smaller for the demo model).")] = None,
+    context: Annotated[int | None, typer.Option(help="rag_long: target prompt length in tokens (e.g. 16000).")] = None,
+    input_len: Annotated[str | None, typer.Option(help="offline_batch: prompt length N or range A-B.")] = None,
+    output_len: Annotated[str | None, typer.Option(help="offline_batch: output length N or range A-B.")] = None,
+    trace_format: Annotated[str | None, typer.Option("--format", help="trace:PATH: the trace format (default: detected).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for the workload and sampling.")] = 0,
+    output: Annotated[str | None, typer.Option(help="Result folder (default: results/<run_id>).")] = None,
+    slo: Annotated[str, typer.Option(help="Latency targets for goodput, e.g. ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
+    warmup: Annotated[int, typer.Option(help="Requests run before measuring (excluded).")] = 2,
+    telemetry_hz: Annotated[float, typer.Option(help="Telemetry samples per second.")] = 10.0,
+    quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement against the float32 reference.")] = True,
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
+) -> None:
+    """Replay a workload against an engine and write a result folder (run.json + parquet files)."""
+    from harness.run_cli import run_command
+
+    code = run_command(locals())
+    raise typer.Exit(code)
+
+
+@app.command("show")
+@user_errors
+def show(
+    run_dir: Annotated[str, typer.Argument(help="A result folder written by `pwbench run`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
+) -> None:
+    """Print a run's summary again, from its files."""
+    from pathlib import Path
+
+    from harness.results import read_run
+    from harness.summary_table import print_summary
+
+    run_json = read_run(Path(run_dir))
+    if as_json:
+        typer.echo(json.dumps(run_json["summary"]))
+    else:
+        print_summary(run_json, Path(run_dir))
+
+
+@app.command("hw")
+@user_errors
+def hw(
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N (default: cuda if present).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
+) -> None:
+    """Measure this machine's memory bandwidth, matmul FLOP/s and host<->device bandwidth; cache them."""
+    from engines.device import resolve_device
+    from harness.hw import datasheet_for, measure, save_cached
+
+    dev = str(resolve_device(device))
+    result = measure(dev)
+    save_cached(result)
+    sheet = datasheet_for(result.get("device_name"))
+    if as_json:
+        typer.echo(json.dumps({"measured": result, "datasheet": sheet[1] if sheet else None}))
+        return
+    typer.echo(f"{result['device_name']} ({dev})")
+    for key, value in result.items():
+        if key.endswith("_per_s"):
+            ref = sheet[1].get(key) if sheet else None
+            note = f"   datasheet {ref / 1e9:,.0f} G" if ref else ""
+            typer.echo(f"  {key:38s} {value / 1e9:12,.1f} G{note}")
 
 
 def _ordered_prompts(id_prompts: list[list[int]], text_prompts: list[str]) -> list[list[int] | str]:

@@ -7,15 +7,13 @@ readers (and numpy) inside their bodies, so `--help` stays fast. A bad trace is 
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
-from harness.cli import fail, user_errors
-from workloads.base import WorkloadError
+from harness.cli_common import print_columns, user_errors
 
 trace_app = typer.Typer(
     help="Inspect request traces and convert them to pwbench JSONL.",
@@ -33,20 +31,6 @@ SkipOption = Annotated[
 MAX_LISTED = 10  # skipped lines listed one by one; the rest are counted
 
 
-def trace_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """user_errors, plus WorkloadError (a bad trace file) as a one-line error."""
-
-    @user_errors
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except WorkloadError as exc:
-            raise fail(str(exc)) from None
-
-    return wrapper
-
-
 def _report_skipped(trace) -> None:
     for message in trace.bad_lines[:MAX_LISTED]:
         typer.echo(f"skipped {message}", err=True)
@@ -54,13 +38,6 @@ def _report_skipped(trace) -> None:
         typer.echo(f"skipped {len(trace.bad_lines) - MAX_LISTED} more malformed lines", err=True)
     for note in trace.dropped:
         typer.echo(f"left out: {note}", err=True)
-
-
-def print_columns(rows: list[tuple[str, str]]) -> None:
-    """Two aligned columns: a name and its text."""
-    width = max(len(name) for name, _ in rows)
-    for name, text in rows:
-        typer.echo(f"{name.ljust(width)}  {text}")
 
 
 def _number(value: float | None, unit: str = "") -> str:
@@ -78,7 +55,7 @@ def formats() -> None:
 
 
 @trace_app.command("info")
-@trace_errors
+@user_errors
 def info(
     path: Annotated[str, typer.Argument(help="Trace file (a RAGPulse folder stands for its 0_trace.jsonl).")],
     format: FormatOption = None,
@@ -117,7 +94,7 @@ def info(
 
 
 @trace_app.command("convert")
-@trace_errors
+@user_errors
 def convert(
     path: Annotated[str, typer.Argument(help="Trace file in any supported format.")],
     output: Annotated[str, typer.Option("--output", "-o", help="The pwbench JSONL file to write.")],

@@ -123,7 +123,9 @@ def to_request(skeleton: RequestSkeleton, prompt: Prompt, request_id: str) -> Re
         think_time_s=skeleton.think_time_s,
         prefix_blocks=skeleton.blocks,
         block_tokens=skeleton.block_tokens,
-        ignore_eos=prompt.task is None,
+        # Always the trace's output length: a task is scored on the output up to the first
+        # EOS, and throughput still reflects the traffic's real output lengths.
+        ignore_eos=True,
         task=prompt.task,
         block_lengths=skeleton.block_lengths,
     )

@@ -35,7 +35,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @dataclass
 class ForwardResult:
-    logits: Tensor  # [S, V] float32, one row per requested sample row
+    logits: Tensor  # [S, V] float32, one row per requested logit row
     expert_counts: dict[int, list[int]]  # MoE layer -> tokens routed to each expert this step
 
 
@@ -54,7 +54,7 @@ class MoEModel:
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, weights.embed.device)
 
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, sample_rows: Tensor) -> ForwardResult:
+    def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, logit_rows: Tensor) -> ForwardResult:
         cfg, w = self.config, self.weights
         x = F.embedding(token_ids, w.embed)
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
@@ -68,7 +68,7 @@ class MoEModel:
             else:
                 y = dense_mlp(h, layer.mlp)
             x = x + y
-        x = rms_norm(x[sample_rows], w.norm, cfg.rms_norm_eps)
+        x = rms_norm(x[logit_rows], w.norm, cfg.rms_norm_eps)
         return ForwardResult(F.linear(x, w.lm_head).float(), counts)
 
     def _attention(

@@ -138,3 +138,30 @@ def _with_eos(config, token):
     import dataclasses
 
     return dataclasses.replace(config, eos_token_ids=(token,))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_prompt_logits_match_a_forward_pass(arch, checkpoints):
+    """Teacher-forced prompt logits, collected across prefill chunks, equal transformers' forward."""
+    from engines.hf_engine import HFEngine, HFEngineConfig
+
+    model = build_hf_model(arch)
+    prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[1]]
+    with torch.inference_mode():
+        expected = [model(input_ids=torch.tensor([p])).logits[0].float() for p in prompts]
+    engines = [
+        MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), block_size=4, max_num_batched_tokens=20)),
+        HFEngine(HFEngineConfig(model=str(checkpoints(arch)))),
+    ]
+    for engine in engines:
+        got = {}
+        with engine:
+            for i, p in enumerate(prompts):
+                engine.add_request(EngineRequest(str(i), tuple(p), 2, ignore_eos=True, return_prompt_logits=True))
+            while engine.has_unfinished():
+                for o in engine.step().outputs:
+                    if o.prompt_logits is not None:
+                        got[o.request_id] = o.prompt_logits
+        for i, ref in enumerate(expected):
+            assert got[str(i)].shape == ref.shape
+            assert (got[str(i)] - ref).abs().max().item() <= LOGIT_TOL

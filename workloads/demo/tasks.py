@@ -6,6 +6,7 @@
   closed_book  a question about the fixed fact table, no context: the answer is in the weights
   copy         "repeat : w1 .. wn . answer :" -> "w1 .. wn" (control: broken vs weak model)
 
+Questions end with a cloze lead-in, "... answer : the color of X is" -> "red".
 A Sample is a context plus one or more (question, answer) pairs; training packs several
 questions after one context, evaluation and workloads use the first. Text is space-separated
 words of the demo language, so word count = token count (plus BOS).
@@ -57,9 +58,13 @@ def _fact_sentence(entity: str, attr: str, value: str) -> str:
 
 
 def _question(entity: str, attr: str, closing: str) -> str:
-    return f"question : what is the {attr} of {entity} ? {closing} :" if closing == "answer" else (
-        f"user : what is the {attr} of {entity} ? assistant :"
-    )
+    """The question and the answer's cloze lead-in ("... answer : the color of X is"): the
+    answer word then follows the same words as in the fact sentence, the lookup an induction
+    circuit does (trials without the lead-in stayed at chance)."""
+    lead = f"the {attr} of {entity} is"
+    if closing == "answer":
+        return f"question : what is the {attr} of {entity} ? answer : {lead}"
+    return f"user : what is the {attr} of {entity} ? assistant : {lead}"
 
 
 def _filler(rng: random.Random) -> str:

@@ -1,0 +1,1 @@
+"""Weight quantization: formats, quantizers and kernels (see the quantization issue)."""

@@ -1,0 +1,37 @@
+"""Round-to-nearest group-wise quantization, as a quantize-dequantize reference in torch.
+
+Groups run along the input dimension (the last one), `group_size` weights per scale, as in
+GPTQ/AWQ checkpoints. Asymmetric: w ~ (q - zero) * scale with q in [0, 2^bits - 1].
+Symmetric: w ~ q * scale with q in [-2^(bits-1), 2^(bits-1) - 1]. This is the oracle packed
+formats and kernels are checked against, and the cheapest way to ask "what does b bits do to
+quality" without a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def rtn_fake_quantize(w: Tensor, bits: int, group_size: int, symmetric: bool = False) -> Tensor:
+    """w [..., out, in] -> the dequantized RTN approximation, same shape and dtype."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if group_size <= 0 or w.shape[-1] % group_size:
+        raise ValueError(f"group_size {group_size} must divide the input dimension {w.shape[-1]}")
+    g = w.float().reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (g.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-10)
+        q = torch.clamp(torch.round(g / scale), -qmax - 1, qmax)
+        deq = q * scale
+    else:
+        qmax = 2**bits - 1
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / qmax).clamp(min=1e-10)
+        zero = torch.round(-lo / scale)
+        q = torch.clamp(torch.round(g / scale) + zero, 0, qmax)
+        deq = (q - zero) * scale
+    return deq.reshape(w.shape).to(w.dtype)

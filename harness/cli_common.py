@@ -1,0 +1,44 @@
+"""Shared pieces of the pwbench commands: one-line user errors and plain column output."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from engines.base import EngineError
+from harness.results import HarnessError
+from workloads.base import WorkloadError
+
+# Errors a user can fix: shown as one `error:` line with exit code 2, never a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (EngineError, WorkloadError, HarnessError)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn user errors into a one-line message instead of a traceback; Ctrl-C exits 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except USER_ERRORS as exc:
+            raise fail(str(exc)) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def print_columns(rows: list[tuple[str, str]]) -> None:
+    """Two aligned columns: a name and its text."""
+    width = max(len(name) for name, _ in rows)
+    for name, text in rows:
+        typer.echo(f"{name.ljust(width)}  {text}")

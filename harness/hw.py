@@ -1,0 +1,136 @@
+"""`pwbench hw`: measure this machine's peaks, cache them, and know the datasheet ones.
+
+Measured: device memory bandwidth (a large copy counts read + write), matmul FLOP/s per
+dtype, and on CUDA host->device / device->host bandwidth with pinned memory; on CPU the
+memory bandwidth and float32 matmul rate. Efficiency metrics (MBU, MFU, link use) take
+measured peaks when this machine has them cached, datasheet ones otherwise, and say which.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+# NVIDIA datasheets (dense tensor-core rates, no sparsity); PCIe per direction, theoretical.
+# H200/H100/PCIe Gen5 figures as in the pwbench brief; an H200 measures ~790 TFLOP/s bf16.
+DATASHEET: dict[str, dict[str, float]] = {
+    "H200": {"memory_bandwidth_bytes_per_s": 4.8e12, "matmul_flops_per_s": 989e12, "h2d_bytes_per_s": 63e9},
+    "H100": {"memory_bandwidth_bytes_per_s": 3.35e12, "matmul_flops_per_s": 989e12, "h2d_bytes_per_s": 63e9},
+    "A100": {"memory_bandwidth_bytes_per_s": 2.039e12, "matmul_flops_per_s": 312e12, "h2d_bytes_per_s": 31.5e9},
+    "L4": {"memory_bandwidth_bytes_per_s": 300e9, "matmul_flops_per_s": 121e12, "h2d_bytes_per_s": 31.5e9},
+    "A10G": {"memory_bandwidth_bytes_per_s": 600e9, "matmul_flops_per_s": 125e12, "h2d_bytes_per_s": 31.5e9},
+    "RTX 6000 Ada": {"memory_bandwidth_bytes_per_s": 960e9, "matmul_flops_per_s": 364e12, "h2d_bytes_per_s": 31.5e9},
+}
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("PWBENCH_CACHE", Path.home() / ".cache" / "pwbench")) / "hw.json"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | None:
+    if not device_name:
+        return None
+    # Longest key first so "H100" does not match inside an unrelated longer name by accident.
+    for key in sorted(DATASHEET, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return key, DATASHEET[key]
+    return None
+
+
+def _timeit(fn, repeats: int = 5) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]  # median: these machines are noisy
+
+
+def measure(device: str = "cpu") -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    out: dict[str, Any] = {"device": device, "cpu_model": cpu_model(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    n = (256 << 20) // 4 if dev.type == "cpu" else (1 << 30) // 4
+    src = torch.empty(n, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        sync()
+
+    out["memory_bandwidth_bytes_per_s"] = 2 * src.numel() * 4 / _timeit(copy)
+    dtypes = [torch.float32] if dev.type == "cpu" else [torch.bfloat16, torch.float16, torch.float32]
+    size = 1024 if dev.type == "cpu" else 8192
+    for dtype in dtypes:
+        a = torch.randn(size, size, device=dev).to(dtype)
+        b = torch.randn(size, size, device=dev).to(dtype)
+
+        def mm() -> None:
+            torch.mm(a, b)
+            sync()
+
+        out[f"matmul_{str(dtype).removeprefix('torch.')}_flops_per_s"] = 2 * size**3 / _timeit(mm)
+    out["matmul_flops_per_s"] = out[f"matmul_{str(dtypes[0]).removeprefix('torch.')}_flops_per_s"]
+    if dev.type == "cuda":
+        out["device_name"] = torch.cuda.get_device_name(dev)
+        host = torch.empty((256 << 20) // 4, dtype=torch.float32).pin_memory()
+        on_dev = torch.empty(host.numel(), dtype=torch.float32, device=dev)
+
+        def h2d() -> None:
+            on_dev.copy_(host, non_blocking=True)
+            sync()
+
+        def d2h() -> None:
+            host.copy_(on_dev, non_blocking=True)
+            sync()
+
+        out["h2d_bytes_per_s"] = host.numel() * 4 / _timeit(h2d)
+        out["d2h_bytes_per_s"] = host.numel() * 4 / _timeit(d2h)
+    else:
+        out["device_name"] = cpu_model()
+    return out
+
+
+def load_cached() -> dict[str, Any]:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def save_cached(entry: dict[str, Any]) -> None:
+    data = load_cached()
+    data[entry["device_name"]] = entry
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def peaks_for(device_name: str | None) -> dict[str, Any]:
+    """Measured peaks for this device if cached, else the datasheet's, with `source` saying which."""
+    cached = load_cached().get(device_name or "")
+    if cached:
+        return {**cached, "source": f"measured by pwbench hw at {cached.get('measured_at')}"}
+    sheet = datasheet_for(device_name)
+    if sheet:
+        return {**sheet[1], "source": f"datasheet ({sheet[0]})"}
+    return {"source": "none: run `pwbench hw` on this machine to measure peaks"}

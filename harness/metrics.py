@@ -1,0 +1,205 @@
+"""Metrics as pure functions of raw records, so any summary can be recomputed from saved files.
+
+Inputs are the rows of requests.parquet and steps.parquet (plain dicts / DataFrames of
+timestamps and counts in seconds from run start); outputs are plain dicts with unit
+suffixes (`_ms`, `_s`, `_per_s`, `_bytes`). Nothing here reads a clock or an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PERCENTILES = (50, 90, 95, 99)
+# MLPerf Inference server targets for Mixtral-8x7B: p99 TTFT 2 s, p99 TPOT 200 ms.
+DEFAULT_SLO = {"ttft_ms": 2000.0, "tpot_ms": 200.0}
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    queue_s: float | None
+    itl_s: tuple[float, ...]
+
+
+def request_times(row: Mapping[str, Any]) -> RequestTimes:
+    """Per-request latencies from arrival_s, started_s, token_times_s and finish_s."""
+    arrival = row["arrival_s"]
+    tokens = list(row.get("token_times_s") or [])
+    started = row.get("started_s")
+    ttft = tokens[0] - arrival if tokens else None
+    itl = tuple(b - a for a, b in zip(tokens, tokens[1:]))
+    tpot = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+    finish = row.get("finish_s")
+    e2e = finish - arrival if finish is not None and not _nan(finish) else None
+    queue = started - arrival if started is not None and not _nan(started) else None
+    return RequestTimes(ttft, tpot, e2e, queue, itl)
+
+
+def _nan(x: Any) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default), None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def distribution(values: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
+    """mean and p50/p90/p95/p99 of `values` (seconds), times `scale` (default: to ms)."""
+    out: dict[str, float | None] = {"mean": sum(values) / len(values) * scale if values else None}
+    for q in PERCENTILES:
+        p = percentile(values, q)
+        out[f"p{q}"] = p * scale if p is not None else None
+    return out
+
+
+def meets_slo(t: RequestTimes, slo: Mapping[str, float]) -> bool:
+    checks = {"ttft_ms": t.ttft_s, "tpot_ms": t.tpot_s, "e2e_ms": t.e2e_s}
+    for key, limit in slo.items():
+        value = checks.get(key)
+        if key not in checks:
+            raise ValueError(f"unknown SLO {key!r}; valid: {', '.join(checks)}")
+        # A request with a single output token has no TPOT: it cannot violate that target.
+        if value is not None and value * 1e3 > limit:
+            return False
+    return True
+
+
+def summarize_requests(rows: Iterable[Mapping[str, Any]], slo: Mapping[str, float] = DEFAULT_SLO) -> dict[str, Any]:
+    """Aggregate latency/throughput metrics over the measured (non-warm-up) requests."""
+    rows = [r for r in rows if not r.get("warmup")]
+    done = [r for r in rows if not r.get("error") and r.get("finish_s") is not None and not _nan(r["finish_s"])]
+    times = [request_times(r) for r in done]
+    start = min((r["arrival_s"] for r in rows), default=0.0)
+    end = max((r["finish_s"] for r in done), default=start)
+    duration = max(end - start, 1e-9)
+    out_tokens = sum(r["output_tokens"] for r in done)
+    in_tokens = sum(r["prompt_tokens"] for r in done)
+    good = sum(meets_slo(t, slo) for t in times)
+    return {
+        "requests": len(rows),
+        "completed": len(done),
+        "failed": sum(1 for r in rows if r.get("error")),
+        "duration_s": duration,
+        "requests_per_s": len(done) / duration,
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "input_tokens_per_s": in_tokens / duration,
+        "output_tokens_per_s": out_tokens / duration,
+        "ttft_ms": distribution([t.ttft_s for t in times if t.ttft_s is not None]),
+        "tpot_ms": distribution([t.tpot_s for t in times if t.tpot_s is not None]),
+        "itl_ms": distribution([x for t in times for x in t.itl_s]),
+        "e2e_ms": distribution([t.e2e_s for t in times if t.e2e_s is not None]),
+        "queue_ms": distribution([t.queue_s for t in times if t.queue_s is not None]),
+        "slo": dict(slo),
+        "goodput_requests_per_s": good / duration,
+        "slo_attainment": good / len(done) if done else None,
+        "peak_concurrency": peak_concurrency(done),
+    }
+
+
+def peak_concurrency(rows: Sequence[Mapping[str, Any]]) -> int:
+    """Most requests in flight at once (sent and not finished)."""
+    events = []
+    for r in rows:
+        events.append((r.get("sent_s", r["arrival_s"]), 1))
+        events.append((r["finish_s"], -1))
+    events.sort(key=lambda e: (e[0], e[1]))  # a finish at time t frees its slot before a send at t
+    peak = current = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def summarize_steps(steps: Sequence[Mapping[str, Any]], output_tokens: int) -> dict[str, Any]:
+    """Engine-side throughput and data movement from steps.parquet rows."""
+    prefill_steps = [s for s in steps if s["prefill_tokens"] > 0]
+    decode_steps = [s for s in steps if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
+    prefill_time = sum(s["duration_s"] for s in prefill_steps)
+    decode_time = sum(s["duration_s"] for s in decode_steps)
+    h2d = sum(s["h2d_bytes"] for s in steps)
+    d2h = sum(s["d2h_bytes"] for s in steps)
+    return {
+        "steps": len(steps),
+        "busy_s": sum(s["duration_s"] for s in steps),
+        # Steps with any prefill count for prefill (decodes riding along included); decode
+        # throughput uses decode-only steps, so neither number is diluted by the other phase.
+        "prefill_tokens_per_s": sum(s["prefill_tokens"] for s in prefill_steps) / prefill_time if prefill_time else None,
+        "decode_tokens_per_s": sum(s["decode_tokens"] for s in decode_steps) / decode_time if decode_time else None,
+        "h2d_bytes": h2d,
+        "d2h_bytes": d2h,
+        "h2d_transfers": sum(s["h2d_transfers"] for s in steps),
+        "d2h_transfers": sum(s["d2h_transfers"] for s in steps),
+        "h2d_bytes_per_output_token": h2d / output_tokens if output_tokens else None,
+        "d2h_bytes_per_output_token": d2h / output_tokens if output_tokens else None,
+        "experts_hit_per_step_mean": sum(s["experts_hit"] for s in steps) / len(steps) if steps else None,
+        "preemptions": sum(s.get("preempted", 0) for s in steps),
+    }
+
+
+def efficiency(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: Mapping[str, Any]) -> dict[str, Any]:
+    """MBU / MFU of decode-only steps and host->device bandwidth use against the peaks.
+
+    Bytes read per decode step = dense weights + experts hit x bytes per expert + K/V of
+    every attended token; FLOPs = 2 x active parameters x tokens. `model` comes from the
+    engine info (model_stats); `peaks` from `pwbench hw` or the datasheet table.
+    """
+    decode = [s for s in steps if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
+    out: dict[str, Any] = {"peaks_source": peaks.get("source")}
+    if not decode or not model:
+        return out
+    time = sum(s["duration_s"] for s in decode)
+    read = sum(
+        model["dense_weight_bytes"] + s["experts_hit"] * model["bytes_per_expert"]
+        + s.get("context_tokens", 0) * model["kv_bytes_per_token"]
+        for s in decode
+    )
+    flops = sum(2 * model["active_params_per_token"] * s["decode_tokens"] for s in decode)
+    out["decode_bandwidth_bytes_per_s"] = read / time
+    out["decode_flops_per_s"] = flops / time
+    if peaks.get("memory_bandwidth_bytes_per_s"):
+        out["mbu"] = out["decode_bandwidth_bytes_per_s"] / peaks["memory_bandwidth_bytes_per_s"]
+    if peaks.get("matmul_flops_per_s"):
+        out["mfu"] = out["decode_flops_per_s"] / peaks["matmul_flops_per_s"]
+    busy = sum(s["duration_s"] for s in steps)
+    h2d = sum(s["h2d_bytes"] for s in steps)
+    if busy and peaks.get("h2d_bytes_per_s"):
+        out["h2d_link_utilization"] = h2d / busy / peaks["h2d_bytes_per_s"]
+    return out
+
+
+def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Exact match per task over requests that carry one (answer vs output_text up to EOS)."""
+    from workloads.demo.tasks import score  # noqa: PLC0415
+
+    per: dict[str, list[int]] = {}
+    for r in rows:
+        if r.get("task") and r.get("answer") is not None and r.get("output_text") is not None and not r.get("error"):
+            per.setdefault(r["task"], []).append(int(score(r["output_text"], r["answer"])))
+    out: dict[str, Any] = {t: {"correct": sum(v), "total": len(v), "accuracy": sum(v) / len(v)} for t, v in sorted(per.items())}
+    total = sum(len(v) for v in per.values())
+    if total:
+        out["overall"] = {"correct": sum(sum(v) for v in per.values()), "total": total,
+                          "accuracy": sum(sum(v) for v in per.values()) / total}
+    return out
+
+
+def summarize(requests: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]],
+              slo: Mapping[str, float], model: Mapping[str, Any], peaks: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole summary of run.json from the raw rows (what `pwbench show` recomputes)."""
+    out = summarize_requests(requests, slo)
+    out["engine"] = summarize_steps(steps, out["output_tokens"])
+    out["efficiency"] = efficiency(steps, model, peaks)
+    out["accuracy"] = task_accuracy(requests)
+    return out

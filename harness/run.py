@@ -1,0 +1,211 @@
+"""`pwbench run`: build the workload for the engine's model, drive the engine, write results.
+
+Order: start the engine (its info sizes the workload), build the workload (demo tasks in
+rag_long / long_chat when the model speaks the demo language), warm up, run with telemetry,
+score task answers, measure quality against the float32 reference, write the result folder.
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from engines.base import Engine, EngineInfo
+from engines.registry import create_engine, engine_class
+from harness.metrics import DEFAULT_SLO, summarize
+from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
+from harness.runner import RunLimits, Runner, RunRecords
+from workloads.registry import ModelTarget, WorkloadSpec, build_workload
+
+# Defaults for the demo model (trained up to ~1.4k tokens, 2k positions, on a CPU), applied
+# only to options the user did not give: `scale` keeps each workload's shape at a size the
+# demo serves; `time_scale` 0.1 compresses the traces' think times (RAGPulse's run to an
+# hour) so the default run ends in minutes. Both are written into the run's notes.
+DEMO_DEFAULTS: dict[str, dict[str, float]] = {
+    "rag_long": {"scale": 0.25, "time_scale": 0.1},
+    "long_chat": {"scale": 0.1, "time_scale": 0.1},
+    "burst": {"scale": 0.25},
+}
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    workload: WorkloadSpec
+    given: frozenset[str] = frozenset()  # workload options the user set (demo defaults skip them)
+    engine: str = "moe"
+    model: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    output: str | None = None
+    results_dir: str = "results"
+    slo: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SLO))
+    warmup: int = 2
+    telemetry_hz: float = 10.0
+    quality: bool = True
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(info: EngineInfo, peaks: dict[str, Any], telemetry: dict[str, Any]) -> dict[str, Any]:
+    import importlib.metadata as md  # noqa: PLC0415
+
+    from harness.hw import cpu_model  # noqa: PLC0415
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "pwbench": version("pwbench"), "git_commit": git_commit(), "python": sys.version.split()[0],
+        "torch": version("torch"), "triton": version("triton"), "transformers": version("transformers"),
+        "platform": platform.platform(), "cpu_model": cpu_model(), "device": info.device,
+        "gpu": telemetry.get("gpu"), "driver": telemetry.get("driver"), "peaks": peaks,
+    }
+
+
+def uses_demo_language(model: str | None, info: EngineInfo) -> bool:
+    from engines.tokenizer import load_tokenizer  # noqa: PLC0415
+    from workloads.demo.language import demo_language  # noqa: PLC0415
+
+    if model is None or info.vocab_size != len(demo_language().vocab):
+        return False
+    tok = load_tokenizer(model)
+    return tok is not None and tok.get_vocab() == demo_language().token_to_id
+
+
+def build(args: RunArgs, info: EngineInfo, demo: bool):
+    spec = args.workload
+    base = spec.name.partition(":")[0]
+    applied = {k: v for k, v in DEMO_DEFAULTS.get(base, {}).items() if k not in args.given} if demo else {}
+    if applied:
+        spec = replace(spec, **applied)
+    synthesizer = None
+    if demo and base in ("rag_long", "long_chat"):
+        from workloads.demo.synth import DemoTaskSynthesizer  # noqa: PLC0415
+
+        synthesizer = DemoTaskSynthesizer(spec.seed, "rag" if base == "rag_long" else "chat")
+    target = ModelTarget(info.vocab_size, info.max_model_len, tuple(info.eos_token_ids))
+    workload = build_workload(spec, target, synthesizer)
+    if applied:
+        note = "demo-model defaults applied: " + ", ".join(f"{k}={v}" for k, v in applied.items())
+        workload = replace(workload, notes=(*workload.notes, note))
+    return spec, workload
+
+
+def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: None,
+            on_step: Callable[[RunRecords], None] | None = None) -> tuple[Path, dict[str, Any]]:
+    """Run and write the result folder; returns (folder, run.json). `make_runner` lets the CLI
+    keep a handle to the runner (for Ctrl-C) before the run starts."""
+    from harness.hw import peaks_for  # noqa: PLC0415
+    from harness.telemetry import TelemetrySampler  # noqa: PLC0415
+
+    engine_class(args.engine)  # an unknown engine name fails before anything else
+    model = args.model
+    if model is None and args.engine != "dummy":
+        from engines.demo import demo_model_path  # noqa: PLC0415
+
+        model = str(demo_model_path())
+    run_id = new_run_id(args.workload.name, args.engine)
+    folder = Path(args.output) if args.output else Path(args.results_dir) / run_id
+    check_output(folder)
+    engine = create_engine(args.engine, {"model": model, **args.engine_options})
+    engine.start()
+    try:
+        info = engine.info()
+        demo = uses_demo_language(model, info)
+        spec, workload = build(args, info, demo)
+        runner = Runner(engine, workload.requests, workload.closed_loop, workload.concurrency,
+                        RunLimits(spec.requests, spec.duration_s), on_step=on_step)
+        make_runner(runner)
+        runner.warmup(workload.requests[: args.warmup])
+        sampler = TelemetrySampler(runner.now, args.telemetry_hz)
+        sampler.start()
+        try:
+            records = runner.run()
+        finally:
+            sampler.stop()
+        requests = _request_rows(records, model)
+        peaks = peaks_for(sampler.gpu_name or (None if info.device.startswith("cuda") else _cpu_name()))
+        summary = summarize(requests, records.steps, args.slo, info.model_stats, peaks)
+        summary["memory"] = {"weight_bytes": info.weight_bytes, "kv_cache_bytes": info.kv_cache_bytes,
+                             "kv_capacity_tokens": info.kv_capacity_tokens}
+        quality = _quality(args, engine, model, info) if records.status == "complete" else None
+    finally:
+        engine.stop()
+    run = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": folder.name,
+        "status": records.status,
+        "error": records.error,
+        "started_at_unix": records.wall_start,
+        "seed": spec.seed,
+        "config": {"workload": asdict(spec), "engine": args.engine, "model": model,
+                   "engine_options": args.engine_options, "slo": args.slo, "warmup": args.warmup,
+                   "telemetry_hz": args.telemetry_hz},
+        "engine": asdict(info),
+        "workload": {"name": workload.name, "arrival": workload.arrival, "requests": len(workload.requests),
+                     "concurrency": workload.concurrency, "notes": list(workload.notes),
+                     "demo_tasks": demo and spec.name.partition(":")[0] in ("rag_long", "long_chat")},
+        "environment": environment(info, peaks, sampler.describe()),
+        "telemetry": sampler.describe(),
+        "summary": summary,
+        "quality": quality,
+    }
+    write_run(folder, run, requests, records.steps, sampler.samples)
+    return folder, run
+
+
+def _cpu_name() -> str:
+    from harness.hw import cpu_model  # noqa: PLC0415
+
+    return cpu_model()
+
+
+def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]]:
+    from engines.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(model) if model else None
+    eos = set()
+    if tokenizer is not None:
+        eos = {tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>") if tokenizer.token_to_id(t) is not None}
+    rows = []
+    for r in records.requests:
+        row = {k: v for k, v in asdict(r).items()}
+        row["output_tokens"] = r.output_tokens
+        if tokenizer is not None and r.task is not None:
+            ids = r.output_ids
+            cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+            row["output_text"] = tokenizer.decode(ids[:cut])
+        else:
+            row["output_text"] = None
+        rows.append(row)
+    return rows
+
+
+def _quality(args: RunArgs, engine: Engine, model: str | None, info: EngineInfo) -> dict[str, Any] | None:
+    from harness.quality import measure_quality  # noqa: PLC0415
+
+    if not args.quality or model is None or args.engine == "dummy":
+        return None
+    if args.engine == "moe" and info.dtype == "float32" and not args.engine_options:
+        return {"skipped": "this engine is the float32 reference itself"}
+    reference = create_engine("moe", {"model": model, "dtype": "float32", "device": "cpu"})
+    reference.start()
+    try:
+        return measure_quality(engine, reference).to_dict()
+    finally:
+        reference.stop()
+

@@ -1,0 +1,128 @@
+"""The body of `pwbench run`: options -> RunArgs, progress bar, Ctrl-C, exit code.
+
+First Ctrl-C: stop admitting and stepping, save everything measured, mark the run
+`interrupted`, exit 130. Second Ctrl-C: exit at once.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from engines.registry import parse_set_options
+from harness.metrics import DEFAULT_SLO
+from harness.results import HarnessError
+from harness.run import RunArgs, execute
+from harness.runner import Runner, RunRecords
+from harness.summary_table import print_summary
+from workloads.base import WorkloadError
+from workloads.registry import WorkloadSpec, parse_length_range
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    slo: dict[str, float] = {}
+    for key, value in parse_set_options([p for p in text.split(",") if p.strip()]).items():
+        if key not in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            raise HarnessError(f"--slo: unknown target {key!r}; valid: ttft_ms, tpot_ms, e2e_ms")
+        try:
+            slo[key] = float(value)
+        except ValueError:
+            raise HarnessError(f"--slo {key} expects a number of milliseconds, got {value!r}") from None
+    return slo or dict(DEFAULT_SLO)
+
+
+def _lengths(text: str | None, what: str) -> dict[str, Any]:
+    if text is None:
+        return {}
+    if "-" in text:
+        try:
+            return {f"{what}_range": parse_length_range(text)}
+        except WorkloadError as exc:
+            raise HarnessError(f"--{what}-len: {exc}") from None
+    try:
+        return {f"{what}_tokens": int(text)}
+    except ValueError:
+        raise HarnessError(f"--{what}-len expects N or A-B, got {text!r}") from None
+
+
+def to_run_args(o: dict[str, Any]) -> RunArgs:
+    spec_options = dict(
+        seed=o["seed"], requests=o["requests"], duration_s=o["duration"], rate=o["rate"],
+        concurrency=o["concurrency"], time_scale=o["time_scale"], arrival=o["arrival"],
+        burstiness=o["burstiness"], context=o["context"], trace_format=o["trace_format"],
+        **_lengths(o["input_len"], "input"), **_lengths(o["output_len"], "output"),
+    )
+    spec_options["scale"] = o["scale"]
+    spec_options = {k: v for k, v in spec_options.items() if v is not None}
+    spec = WorkloadSpec(o["workload"], **spec_options)  # validates before the engine loads
+    engine_options = {"device": o["device"], "dtype": o["dtype"], **parse_set_options(o["set_"] or [])}
+    return RunArgs(
+        workload=spec, given=frozenset(spec_options), engine=o["engine"], model=o["model"],
+        engine_options={k: v for k, v in engine_options.items() if v is not None},
+        output=o["output"], slo=parse_slo(o["slo"]), warmup=o["warmup"], telemetry_hz=o["telemetry_hz"],
+        quality=o["quality"],
+    )
+
+
+class _Progress:
+    """A rich progress bar fed from the runner's step callback (throttled to 10 Hz)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.bar, self.task, self.last, self.runner = quiet, None, None, 0.0, None
+
+    def attach(self, runner: Runner) -> None:
+        self.runner = runner
+        if self.quiet:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+        self.bar = Progress(TextColumn("[bold]run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+                            TimeElapsedColumn(), transient=True)
+        self.task = self.bar.add_task("run", total=len(runner.requests), tps="")
+        self.bar.start()
+
+    def update(self, records: RunRecords) -> None:
+        now = time.perf_counter()
+        if self.bar is None or now - self.last < 0.1:
+            return
+        self.last = now
+        elapsed = max(self.runner.now(), 1e-9)
+        tokens = sum(s["decode_tokens"] for s in records.steps)
+        self.bar.update(self.task, completed=self.runner.completed(), tps=f"{tokens / elapsed:,.0f} out tok/s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def run_command(options: dict[str, Any]) -> int:
+    args = to_run_args(options)
+    progress = _Progress(options["quiet"] or options["as_json"])
+    state: dict[str, Any] = {"interrupts": 0}
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        state["interrupts"] += 1
+        if state["interrupts"] > 1 or progress.runner is None:
+            raise KeyboardInterrupt
+        typer.echo("stopping: saving what was measured (Ctrl-C again to quit at once)", err=True)
+        progress.runner.stop()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        folder, run = execute(args, make_runner=progress.attach, on_step=progress.update)
+    finally:
+        progress.close()
+        signal.signal(signal.SIGINT, previous)
+    if options["as_json"]:
+        typer.echo(json.dumps({"run_dir": str(folder), "status": run["status"], **run["summary"]}))
+    else:
+        print_summary(run, Path(folder))
+    if run["status"] == "failed":
+        typer.echo(f"error: the run failed: {run['error']}", err=True)
+        return 1
+    return 130 if run["status"] == "interrupted" else 0

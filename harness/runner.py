@@ -1,0 +1,222 @@
+"""The run loop: one loop drives any engine through the Engine protocol and records raw
+observations (timestamps and counts), nothing derived.
+
+Open loop: a request is sent when its arrival time has come. Closed loop: N users each take
+a session and send its next turn `think_time_s` after the previous answer. Offline batches,
+rate runs and trace replays are the same loop. Every timestamp is seconds since the run's
+start on one monotonic clock (the telemetry sampler uses the same one). `stop()` (the CLI
+calls it on Ctrl-C) stops admitting and stepping; what finished is kept.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engines.base import Engine, EngineError, EngineRequest, StepOutput
+from workloads.base import Request
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    session_id: str | None
+    turn: int
+    arrival_s: float  # when it was due (closed loop: previous answer + think time)
+    prompt_tokens: int
+    max_new_tokens: int
+    sent_s: float | None = None
+    started_s: float | None = None  # its first prompt token was computed in a step ending here
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    task: str | None = None
+    answer: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class RunLimits:
+    requests: int | None = None
+    duration_s: float | None = None  # stop admitting after this many seconds
+
+
+@dataclass
+class RunRecords:
+    status: str  # complete | interrupted | failed
+    requests: list[RequestRecord]
+    steps: list[dict[str, Any]]
+    wall_start: float  # time.time() at t = 0, to join with outside data
+    error: str | None = None
+
+
+class Runner:
+    def __init__(
+        self,
+        engine: Engine,
+        requests: Sequence[Request],
+        closed_loop: bool = False,
+        concurrency: int | None = None,
+        limits: RunLimits = RunLimits(),
+        clock: Callable[[], float] = time.perf_counter,
+        on_step: Callable[[RunRecords], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if closed_loop and not concurrency:
+            raise ValueError("a closed-loop run needs concurrency >= 1")
+        self.engine, self.clock, self.on_step, self.sleep = engine, clock, on_step, sleep
+        self.limits, self.closed_loop, self.concurrency = limits, closed_loop, concurrency
+        self.requests = list(requests)[: limits.requests] if limits.requests else list(requests)
+        self._stop = False
+        self.t0 = 0.0
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def warmup(self, requests: Sequence[Request]) -> None:
+        """Run requests to completion before the clock starts; nothing of them is recorded."""
+        for i, r in enumerate(requests):
+            self.engine.add_request(EngineRequest(f"warmup-{i}", r.prompt_ids, r.max_new_tokens, ignore_eos=True))
+        while self.engine.has_unfinished() and not self._stop:
+            self.engine.step()
+
+    def run(self) -> RunRecords:
+        self.t0 = self.clock()
+        result = RunRecords("complete", [], [], time.time())
+        self._records: dict[str, RequestRecord] = {}
+        self._by_id = {r.request_id: r for r in self.requests}
+        self._in_flight: set[str] = set()
+        self._setup_arrivals()
+        try:
+            self._loop(result)
+        except EngineError as exc:
+            result.status, result.error = "failed", str(exc)
+        except Exception as exc:  # an engine bug: keep what was measured, say what broke
+            result.status, result.error = "failed", f"{type(exc).__name__}: {exc}"
+        if self._stop and result.status == "complete":
+            result.status = "interrupted"
+        for rid in list(self._in_flight):
+            self._records[rid].error = "interrupted" if result.status == "interrupted" else "not finished"
+        result.requests += list(self._records.values())
+        return result
+
+    # -- arrivals ----------------------------------------------------------------------------
+    def _setup_arrivals(self) -> None:
+        self._ready: list[tuple[float, int, str]] = []  # (due time, order, request id) heap
+        self._order = itertools.count()
+        self._turns: dict[str, deque[Request]] = {}  # closed loop: sent turn -> its session's rest
+        if not self.closed_loop:
+            for r in self.requests:
+                heapq.heappush(self._ready, (r.arrival_s or 0.0, next(self._order), r.request_id))
+            return
+        sessions: dict[str, deque[Request]] = {}
+        for r in self.requests:
+            sessions.setdefault(r.session_id or r.request_id, deque()).append(r)
+        self._sessions = deque(sessions.values())
+        for _ in range(min(self.concurrency or 1, len(self._sessions))):
+            self._next_session(0.0)
+
+    def _next_session(self, now: float) -> None:
+        if self._sessions:
+            turns = self._sessions.popleft()
+            first = turns.popleft()
+            self._turns[first.request_id] = turns
+            heapq.heappush(self._ready, (now, next(self._order), first.request_id))
+
+    def _on_finish(self, rid: str, now: float) -> None:
+        if not self.closed_loop:
+            return
+        turns = self._turns.pop(rid, deque())
+        if turns:
+            nxt = turns.popleft()
+            self._turns[nxt.request_id] = turns
+            heapq.heappush(self._ready, (now + nxt.think_time_s, next(self._order), nxt.request_id))
+        else:
+            self._next_session(now)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _admitting(self, now: float) -> bool:
+        return not self._stop and (self.limits.duration_s is None or now < self.limits.duration_s)
+
+    def _loop(self, result: RunRecords) -> None:
+        while not self._stop:
+            now = self.now()
+            while self._ready and self._ready[0][0] <= now and self._admitting(now):
+                due, _, rid = heapq.heappop(self._ready)
+                req = self._by_id[rid]
+                rec = self._record(req, due)
+                self._records[rid] = rec
+                self._send(rec, req, now)
+            if self.engine.has_unfinished():
+                self._step(result)
+            elif self._ready and self._admitting(now):
+                self.sleep(min(max(self._ready[0][0] - self.now(), 0.0), 0.05))
+            else:
+                break
+
+    def _record(self, req: Request, due: float) -> RequestRecord:
+        return RequestRecord(
+            req.request_id, req.session_id, req.turn, due, len(req.prompt_ids), req.max_new_tokens,
+            task=req.task.task if req.task else None, answer=req.task.answer if req.task else None,
+        )
+
+    def _send(self, rec: RequestRecord, req: Request, now: float) -> None:
+        rec.sent_s = now
+        try:
+            self.engine.add_request(EngineRequest(rec.request_id, req.prompt_ids, req.max_new_tokens, ignore_eos=req.ignore_eos))
+        except EngineError as exc:  # this request cannot be served; the run goes on
+            rec.error, rec.finish_s = str(exc), None
+            self._on_finish(rec.request_id, now)
+            return
+        self._in_flight.add(rec.request_id)
+
+    def _step(self, result: RunRecords) -> None:
+        start = self.now()
+        out: StepOutput = self.engine.step()
+        end = self.now()
+        for rid in out.started:
+            rec = self._records.get(rid)
+            if rec is not None and rec.started_s is None:
+                rec.started_s = end
+        for o in out.outputs:
+            rec = self._records.get(o.request_id)
+            if rec is None:
+                continue
+            for token in o.new_token_ids:
+                rec.output_ids.append(token)
+                rec.token_times_s.append(end)
+            if rec.first_token_s is None and rec.token_times_s:
+                rec.first_token_s = rec.token_times_s[0]
+            if o.finished:
+                rec.finish_s, rec.finish_reason = end, o.finish_reason
+                self._in_flight.discard(o.request_id)
+                self._on_finish(o.request_id, end)
+        row = {
+            "t_s": start, "duration_s": end - start,
+            "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
+            "running": out.num_running, "waiting": out.num_waiting, "preempted": out.num_preempted,
+            "experts_hit": out.experts_hit, "context_tokens": out.context_tokens,
+            "h2d_bytes": out.h2d_bytes, "d2h_bytes": out.d2h_bytes,
+            "h2d_transfers": out.h2d_transfers, "d2h_transfers": out.d2h_transfers,
+        }
+        row.update({f"x_{k}": v for k, v in out.extras.items()})
+        result.steps.append(row)
+        if self.on_step:
+            self.on_step(result)
+
+    def completed(self) -> int:
+        return sum(1 for r in getattr(self, "_records", {}).values() if r.finish_s is not None)

@@ -1,0 +1,66 @@
+"""The summary table `pwbench run` and `pwbench show` print (rich, plain text when piped)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
+    s = run["summary"]
+    out = [
+        ("status", run["status"] + (f" ({run['error']})" if run.get("error") else "")),
+        ("workload", f"{run['workload']['name']} ({run['workload']['arrival']}, {run['workload']['requests']} requests)"),
+        ("engine", f"{run['engine']['name']} on {run['engine']['device']} ({run['engine']['dtype']})"),
+        ("requests", f"{s['completed']} completed, {s['failed']} failed, {_fmt(s['duration_s'], 2)} s"),
+        ("throughput", f"{_fmt(s['requests_per_s'], 2)} req/s, in {_fmt(s['input_tokens_per_s'])} tok/s, out {_fmt(s['output_tokens_per_s'])} tok/s"),
+        ("engine steps", f"prefill {_fmt(s['engine']['prefill_tokens_per_s'])} tok/s, decode {_fmt(s['engine']['decode_tokens_per_s'])} tok/s, {s['engine']['steps']} steps"),
+    ]
+    for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
+        d = s[key]
+        out.append((label, f"mean {_fmt(d['mean'])}  p50 {_fmt(d['p50'])}  p90 {_fmt(d['p90'])}  p99 {_fmt(d['p99'])}"))
+    slo = ", ".join(f"{k}<={v:g}" for k, v in s["slo"].items())
+    out.append(("goodput", f"{_fmt(s['goodput_requests_per_s'], 2)} req/s meet {slo} ({_fmt((s['slo_attainment'] or 0) * 100)}%)"))
+    e = s["engine"]
+    out.append(("host<->device", f"h2d {_fmt(e['h2d_bytes'])} B, d2h {_fmt(e['d2h_bytes'])} B, "
+                                 f"{_fmt(e['h2d_bytes_per_output_token'])} h2d B/token"))
+    out.append(("experts hit", f"{_fmt(e['experts_hit_per_step_mean'])} per step, {e['preemptions']} preemptions"))
+    eff = s.get("efficiency", {})
+    if "mbu" in eff or "mfu" in eff:
+        out.append(("efficiency", f"MBU {_fmt(eff.get('mbu', 0) * 100)}%, MFU {_fmt(eff.get('mfu', 0) * 100)}% ({eff['peaks_source']})"))
+    for task, a in s.get("accuracy", {}).items():
+        out.append((f"accuracy {task}", f"{a['accuracy'] * 100:.1f}% ({a['correct']}/{a['total']})"))
+    q = run.get("quality")
+    if q and "kl_mean" in q:
+        out.append(("quality vs fp32", f"KL {q['kl_mean']:.4f} nats/token, top-1 agreement {q['top1_agreement'] * 100:.1f}%, "
+                                       f"ppl {q['perplexity']:.2f} (ref {q['reference_perplexity']:.2f})"))
+    elif q:
+        out.append(("quality vs fp32", q.get("skipped", "-")))
+    m = s.get("memory", {})
+    if m:
+        out.append(("memory", f"weights {_fmt(m['weight_bytes'] / 2**20)} MiB, KV cache {_fmt(m['kv_cache_bytes'] / 2**20)} MiB"))
+    return out
+
+
+def print_summary(run: dict[str, Any], folder: Path) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for name, text in rows(run):
+        table.add_row(name, text)
+    console = Console()
+    console.print(table)
+    for note in run["workload"].get("notes", []):
+        console.print(f"note: {note}", style="dim")
+    console.print(f"results: {folder}")

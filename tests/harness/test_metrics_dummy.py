@@ -1,0 +1,118 @@
+"""Run loop + metrics on the dummy engine with known latencies, on a simulated clock, so every
+latency is exact and checked against numbers computed by hand below."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engines.dummy import DummyConfig, DummyEngine
+from harness.metrics import percentile, summarize_requests, summarize_steps
+from harness.runner import Runner, RunLimits
+from workloads.base import Request
+
+
+class SimClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def run_sim(requests, closed=False, concurrency=None, **cfg):
+    clock = SimClock()
+    engine = DummyEngine(DummyConfig(**cfg), sleep=clock.advance)
+    runner = Runner(engine, requests, closed, concurrency, RunLimits(), clock=clock.now, sleep=clock.advance)
+    records = runner.run()
+    rows = [dict(vars(r), output_tokens=r.output_tokens) for r in records.requests]
+    return records, {r["request_id"]: r for r in rows}
+
+
+def test_latencies_percentiles_goodput_by_hand():
+    # Step cost: 10 ms + 1 ms per prefill token + 2 ms per decode token.
+    reqs = [
+        Request("a", tuple(range(5)), 3, arrival_s=0.0),
+        Request("b", tuple(range(10)), 2, arrival_s=0.1),
+    ]
+    records, rows = run_sim(reqs, base_ms=10, prefill_ms_per_token=1, decode_ms_per_token=2)
+    # a: prefill 5 -> 15 ms (token 1); two decodes of 12 ms -> 27, 39 ms.
+    # idle until 100 ms; b: prefill 10 -> 120 ms (token 1); decode -> 132 ms.
+    assert rows["a"]["token_times_s"] == pytest.approx([0.015, 0.027, 0.039])
+    assert rows["b"]["token_times_s"] == pytest.approx([0.120, 0.132])
+    assert rows["b"]["sent_s"] == pytest.approx(0.1) and rows["b"]["started_s"] == pytest.approx(0.120)
+    s = summarize_requests(rows.values(), {"ttft_ms": 18})
+    assert s["ttft_ms"]["mean"] == pytest.approx(17.5)
+    assert s["ttft_ms"]["p50"] == pytest.approx(17.5)
+    assert s["ttft_ms"]["p90"] == pytest.approx(15 + 0.9 * 5)
+    assert s["ttft_ms"]["p99"] == pytest.approx(15 + 0.99 * 5)
+    assert s["tpot_ms"]["mean"] == pytest.approx(12.0)
+    assert s["itl_ms"]["p50"] == pytest.approx(12.0)
+    assert s["e2e_ms"]["mean"] == pytest.approx((39 + 32) / 2)
+    assert s["duration_s"] == pytest.approx(0.132)
+    assert s["requests_per_s"] == pytest.approx(2 / 0.132)
+    assert s["output_tokens_per_s"] == pytest.approx(5 / 0.132)
+    assert s["goodput_requests_per_s"] == pytest.approx(1 / 0.132)  # only a meets TTFT <= 18 ms
+    assert s["slo_attainment"] == pytest.approx(0.5)
+    assert s["peak_concurrency"] == 1
+    e = summarize_steps(records.steps, s["output_tokens"])
+    # prefill steps: 5 tok in 15 ms and 10 tok in 20 ms; decode-only steps: 3 tokens in 36 ms.
+    assert e["prefill_tokens_per_s"] == pytest.approx(15 / 0.035)
+    assert e["decode_tokens_per_s"] == pytest.approx(3 / 0.036)
+
+
+def test_percentile_matches_numpy():
+    np = pytest.importorskip("numpy")
+    xs = [3.0, 1.0, 7.5, 2.2, 9.9, 4.4, 4.4]
+    for q in (0, 50, 90, 95, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_closed_loop_think_times_and_concurrency():
+    # Two users, three sessions; each turn takes 1 step of 10 ms (prompt) + 10 ms per decode.
+    reqs = [
+        Request("s1t0", (1, 2), 1, session_id="s1", turn=0),
+        Request("s1t1", (1, 2), 1, session_id="s1", turn=1, think_time_s=0.5),
+        Request("s2t0", (3,), 2, session_id="s2", turn=0),
+        Request("s3t0", (4,), 1, session_id="s3", turn=0),
+    ]
+    records, rows = run_sim(reqs, closed=True, concurrency=2, base_ms=10)
+    # t=0: users take s1 and s2. Step 1 (10 ms): s1t0 done, s2t0 first token. s1t1 due at 0.51.
+    assert rows["s1t0"]["finish_s"] == pytest.approx(0.010)
+    assert rows["s1t1"]["arrival_s"] == pytest.approx(0.510)
+    # Step 2 (20 ms): s2t0 done -> its user takes s3 at once.
+    assert rows["s3t0"]["arrival_s"] == pytest.approx(0.020) and rows["s3t0"]["finish_s"] == pytest.approx(0.030)
+    assert rows["s1t1"]["finish_s"] == pytest.approx(0.520)
+    assert summarize_requests(rows.values())["peak_concurrency"] == 2
+
+
+def test_real_clock_arrivals_follow_the_schedule():
+    """Real sleeps: requests are sent within 20 ms of their scheduled arrival (stated jitter)."""
+    reqs = [Request(f"r{i}", (1, 2, 3), 2, arrival_s=0.05 * i) for i in range(8)]
+    engine = DummyEngine(DummyConfig(base_ms=2))
+    runner = Runner(engine, reqs, limits=RunLimits())
+    records = runner.run()
+    for rec in records.requests:
+        assert 0.0 <= rec.sent_s - rec.arrival_s < 0.02
+    assert records.status == "complete" and all(r.finish_s is not None for r in records.requests)
+
+
+def test_duration_bound_stops_admitting():
+    clock = SimClock()
+    reqs = [Request(f"r{i}", (1,), 1, arrival_s=0.1 * i) for i in range(10)]
+    engine = DummyEngine(DummyConfig(base_ms=1), sleep=clock.advance)
+    records = Runner(engine, reqs, limits=RunLimits(duration_s=0.35), clock=clock.now, sleep=clock.advance).run()
+    assert sorted(r.request_id for r in records.requests) == ["r0", "r1", "r2", "r3"]
+
+
+def test_overhead_is_small():
+    """Not a speed assertion: just that 2,000 zero-latency requests all complete."""
+    reqs = [Request(f"r{i}", (1, 2), 4, arrival_s=0.0) for i in range(2000)]
+    t = time.perf_counter()
+    records = Runner(DummyEngine(DummyConfig(max_num_seqs=256)), reqs).run()
+    assert sum(r.finish_s is not None for r in records.requests) == 2000
+    assert time.perf_counter() - t < 120  # a generous bound against hangs, not a benchmark
