@@ -7,8 +7,11 @@ Recipe (what trials on 2-core CPUs showed works; see README "The demo model"):
   - then every step mixes retrieval (RAG and chat recall at the current curriculum level,
     plus replay of easier levels) with copy (kept so the circuit stays); closed-book
     questions join after level 0 (with them from the start, recall stayed at chance);
-  - questions end with a cloze lead-in ("answer : the color of X is"), which makes recall
-    the same lookup as the copy task's induction;
+  - facts read "the color of X red ." and questions are clozes ("question : the color of X"),
+    so recall is the single-token lookup the copy task's induction circuit does: X occurs once
+    before, followed by the answer (two earlier formats stayed at chance: "of X is red", which
+    needs two tokens of context, and "what is the color of X ? answer : the color of X", where
+    the nearest earlier X is the question's own);
   - the curriculum grows facts per prompt and context length when held-out retrieval
     accuracy at the current level reaches `advance_at`;
   - loss only on answer tokens (+ EOS), several questions per context for more signal.
@@ -64,7 +67,7 @@ class TrainConfig:
     stage0_copy_tokens: int = 4096
     level0_retrieval_tokens: int = 4096
     questions_per_context: int = 4
-    same_entity_share: float = 0.25
+    same_entity_share: float = 0.0  # > 0 needs two-token lookups (entity + attribute)
     advance_at: float = 0.9
     eval_every: int = 50
     eval_samples: int = 48

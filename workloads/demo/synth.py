@@ -3,7 +3,7 @@
 Each block's words are a function of its id only (same id -> same words, so prefix and
 passage reuse survive), generated in the format the demo model was trained on: passages of
 fact and filler sentences for RAG, "remember that ..." and small-talk turns for chats. The
-last 16 tokens are overwritten with a question about one fact stated exactly once in the
+last 6 tokens are overwritten with a question about one fact stated exactly once in the
 prompt (task rag_recall / chat_recall); a prompt with no complete fact asks a closed-book
 question instead (RAG traffic where retrieval found nothing). Token 0 is BOS.
 """
@@ -16,10 +16,10 @@ from functools import lru_cache
 
 from workloads.base import TaskInfo
 from workloads.demo.language import ATTRIBUTES, BOS_ID, demo_language
-from workloads.demo.tasks import RAG_SYSTEM, _filler, _question
+from workloads.demo.tasks import RAG_SYSTEM, _fact_sentence, _filler, _question
 from workloads.synth import Prompt, RequestSkeleton
 
-QUESTION_TOKENS = 16  # "question : what is the A of E ? answer : the A of E is"
+QUESTION_TOKENS = 6  # "question : the A of E" (chats: "user : the A of E")
 FACT_EVERY = 4  # one fact sentence per this many sentences (about one fact per 30 tokens)
 
 Fact = tuple[str, str, str]
@@ -88,7 +88,7 @@ def _block(seed: int, style: str, kind: str, block: int, length: int) -> tuple[l
         if with_fact:
             attr = rng.choice(list(ATTRIBUTES))
             fact = (rng.choice(lang.rag_entities), attr, rng.choice(ATTRIBUTES[attr]))
-            sentence = f"the {fact[1]} of {fact[0]} is {fact[2]} ."
+            sentence = _fact_sentence(*fact)
         else:
             sentence = _filler(rng)
         if style == "chat" or kind == "history":
@@ -98,5 +98,5 @@ def _block(seed: int, style: str, kind: str, block: int, length: int) -> tuple[l
         words += sentence.split()
         if with_fact:
             offset = 4 if sentence.startswith("user : remember") else 0
-            facts.append((start + offset, start + offset + 7, fact))
+            facts.append((start + offset, start + offset + len(_fact_sentence(*fact).split()), fact))
     return words[:length], facts

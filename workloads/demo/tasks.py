@@ -6,7 +6,8 @@
   closed_book  a question about the fixed fact table, no context: the answer is in the weights
   copy         "repeat : w1 .. wn . answer :" -> "w1 .. wn" (control: broken vs weak model)
 
-Questions end with a cloze lead-in, "... answer : the color of X is" -> "red".
+Facts read "the color of X red ." and questions are clozes, "question : the color of X" ->
+"red" (in chats "user : the color of X").
 A Sample is a context plus one or more (question, answer) pairs; training packs several
 questions after one context, evaluation and workloads use the first. Text is space-separated
 words of the demo language, so word count = token count (plus BOS).
@@ -54,17 +55,18 @@ def score(output: str, answer: str) -> bool:
 
 
 def _fact_sentence(entity: str, attr: str, value: str) -> str:
-    return f"the {attr} of {entity} is {value} ."
+    # The value right after the entity: recall is then the single-token lookup (entity -> next
+    # token) that the copy task's induction circuit performs. With "... of E is V", the
+    # lookup needed two tokens of context ("E is") and stayed at chance in a trial.
+    return f"the {attr} of {entity} {value} ."
 
 
 def _question(entity: str, attr: str, closing: str) -> str:
-    """The question and the answer's cloze lead-in ("... answer : the color of X is"): the
-    answer word then follows the same words as in the fact sentence, the lookup an induction
-    circuit does (trials without the lead-in stayed at chance)."""
-    lead = f"the {attr} of {entity} is"
-    if closing == "answer":
-        return f"question : what is the {attr} of {entity} ? answer : {lead}"
-    return f"user : what is the {attr} of {entity} ? assistant : {lead}"
+    """The question is a cloze, "question : the color of X" -> "red": X then occurs once before
+    (in its fact, followed by the value), the lookup an induction circuit does. A question that
+    names X and then repeats it ("what is the color of X ? answer : the color of X") points
+    that circuit at the question's own X, and recall stayed at chance in a trial."""
+    return f"{'question' if closing == 'answer' else 'user'} : the {attr} of {entity}"
 
 
 def _filler(rng: random.Random) -> str:
@@ -98,7 +100,7 @@ def rag_recall(rng: random.Random, num_facts: int, target_tokens: int, num_quest
                same_entity_share: float = 0.0) -> Sample:
     facts = _facts(rng, num_facts, same_entity_share)
     sentences = [_fact_sentence(*f) for f in facts]
-    fixed = len(RAG_SYSTEM.split()) + 7 * num_facts + 12  # question and answer included
+    fixed = len(RAG_SYSTEM.split()) + 6 * num_facts + 6  # facts + the 6-token question
     num_passages = max(1, min(8, num_facts // 3 + rng.randint(0, 2)))
     budget = target_tokens - fixed - 2 * num_passages
     sentences += [_filler(rng) for _ in range(max(0, budget // 8))]
@@ -115,8 +117,8 @@ def chat_recall(rng: random.Random, num_facts: int, target_tokens: int, num_ques
                 same_entity_share: float = 0.0) -> Sample:
     facts = _facts(rng, num_facts, same_entity_share)
     turns = [f"user : remember that {_fact_sentence(*f)} assistant : ok ." for f in facts]
-    fixed = 14 * num_facts + 12
-    turns += [f"user : {_filler(rng)} assistant : i see ." for _ in range(max(0, (target_tokens - fixed) // 14))]
+    fixed = 14 * num_facts + 6  # 14-token fact turns + the 6-token question
+    turns += [f"user : {_filler(rng)} assistant : i see ." for _ in range(max(0, (target_tokens - fixed) // 15))]
     # Facts come early: shuffle, then move the fact turns into the first half of the chat.
     rng.shuffle(turns)
     fact_turns = [t for t in turns if t.startswith("user : remember")]
