@@ -190,6 +190,21 @@ def eval_(
         typer.echo(json.dumps(result["metrics"]))
 
 
+@demo_app.command("tasks")
+@user_errors
+def demo_tasks(
+    output: Annotated[str, typer.Option(help="Folder for the task YAMLs and their JSONL data.")] = "demo-tasks",
+    samples: Annotated[int, typer.Option(help="Examples per task.")] = 200,
+) -> None:
+    """Write the demo tasks as offline lm-eval tasks (use the folder as --include_path)."""
+    from pathlib import Path
+
+    from harness.lm_eval_tasks import write_demo_tasks
+
+    folder = write_demo_tasks(Path(output), samples)
+    typer.echo(f"wrote demo_rag, demo_chat, demo_closed_book, demo_copy to {folder}")
+
+
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def lm_eval_passthrough(ctx: typer.Context) -> None:
     """lm-eval's own command line with `--model pwbench` available (arguments pass through)."""

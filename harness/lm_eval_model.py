@@ -39,6 +39,18 @@ class PwbenchLM(LM):
         info = self.engine.info()
         self.max_len, self.eos_ids = info.max_model_len, set(info.eos_token_ids)
 
+    # lm-eval's own batch_size/max_batch_size/device arguments are ignored: the engine batches
+    # by itself, and its device comes from model_args (device=cuda).
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> PwbenchLM:
+        from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415
+
+        return cls(**simple_parse_args_string(arg_string))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> PwbenchLM:
+        return cls(**arg_dict)
+
     # -- helpers ---------------------------------------------------------------------------
     def _encode(self, text: str, specials: bool) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=specials).ids

@@ -1,0 +1,1 @@
+"""Benchmarks that print their numbers (`python -m harness.bench.<name>`); never run as tests."""
