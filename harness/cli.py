@@ -15,6 +15,7 @@ import typer
 
 from engines.base import EngineError
 from harness.cli_common import print_columns, user_errors
+from harness.quantize_cli import quantize
 from harness.trace_cli import trace_app
 
 app = typer.Typer(
@@ -30,6 +31,7 @@ app.add_typer(ls_app, name="ls")
 app.add_typer(trace_app, name="trace")
 demo_app = typer.Typer(help="The bundled demo MoE model: train it, evaluate it.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
+app.command("quantize")(quantize)
 
 @ls_app.command("engines")
 def ls_engines() -> None:
@@ -103,17 +105,17 @@ def generate(
 @user_errors
 def demo_train(
     output: Annotated[str, typer.Option(help="Folder to write the trained model to.")] = "demo-model",
-    steps: Annotated[int, typer.Option(help="Optimizer steps (the run is deterministic for a fixed count).")] = 5000,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default 6000; deterministic for a fixed count).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for weights and data.")] = 0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Training option key=value (see harness/demo_train.py TrainConfig).")] = None,
 ) -> None:
-    """Train the demo MoE model from scratch on the demo tasks (about 80 minutes on 2 CPU cores)."""
+    """Train the demo MoE model from scratch on the demo tasks (about an hour on 2 CPU cores)."""
     from pathlib import Path
 
     from engines.registry import build_config, parse_set_options
     from harness.demo_train import TrainConfig, train
 
-    options = {"steps": steps, "seed": seed, **parse_set_options(set_ or [])}
+    options = {"seed": seed, **({"steps": steps} if steps is not None else {}), **parse_set_options(set_ or [])}
     config = build_config(TrainConfig, options, owner="demo train")
     report = train(config, Path(output), log=lambda line: typer.echo(line))
     typer.echo(f"wrote {output} (final curriculum level {report['final_level']}, {report['minutes']} min)")

@@ -1,20 +1,18 @@
 """`pwbench demo train`: train the bundled demo MoE model (Mixtral architecture) from scratch.
 
-Recipe (what trials on 2-core CPUs showed works; see README "The demo model"):
-  - stage 0 is the copy task alone until held-out copy accuracy reaches `advance_at`: that is
-    what forms the induction (retrieval) circuit; mixed with the other tasks from step 0 it
-    had not formed after 575 steps, alone it forms in about 250;
-  - then every step mixes retrieval (RAG and chat recall at the current curriculum level,
-    plus replay of easier levels) with copy (kept so the circuit stays); closed-book
-    questions join after level 0 (with them from the start, recall stayed at chance);
+Recipe (what trials on these 2-core CPUs showed; see README "The demo model"):
+  - one loss per step, the mean over every answer token of every stream, so dense streams
+    carry the early learning; four streams: copy, pairs recall ("pairs : k1 v1 ... recall : k3
+    v3 k1 v1 ..."; every recalled value is a target and only a content lookup solves it),
+    recall in the demo formats at the current curriculum level (plus replay of easier
+    levels), and closed-book questions once level 0 is passed;
   - facts read "the color of X red ." and questions are clozes ("question : the color of X"),
-    so recall is the single-token lookup the copy task's induction circuit does: X occurs once
-    before, followed by the answer (two earlier formats stayed at chance: "of X is red", which
-    needs two tokens of context, and "what is the color of X ? answer : the color of X", where
-    the nearest earlier X is the question's own);
-  - the curriculum grows facts per prompt and context length when held-out retrieval
-    accuracy at the current level reaches `advance_at`;
-  - loss only on answer tokens (+ EOS), several questions per context for more signal.
+    so recall is the single-token lookup X -> next token (formats needing two tokens of
+    context, or naming X twice, stayed at chance);
+  - the curriculum grows facts and context when held-out recall at the current level reaches
+    `advance_at`. Trials that did not work: copy alone (the model copies by position, which
+    does not transfer to recall), and per-stream mean losses (the sparse recall loss
+    swamped the others).
 Deterministic from the seed for a fixed step count (time is never a stopping criterion).
 """
 
@@ -31,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workloads.demo.language import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, demo_language
+from workloads.demo.language import ATTRIBUTES, BOS_ID, EOS_ID, PAD_ID, build_tokenizer, demo_language
 from workloads.demo.tasks import Sample, chat_recall, closed_book, copy_task, rag_recall
 
 # (facts min, facts max, tokens min, tokens max) per curriculum level.
@@ -48,9 +46,9 @@ LEVELS: tuple[tuple[int, int, int, int], ...] = (
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 5000
+    steps: int = 6000
     hidden: int = 128
-    layers: int = 3
+    layers: int = 2
     heads: int = 4
     kv_heads: int = 2
     experts: int = 8
@@ -60,12 +58,12 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 100
     decay_frac: float = 0.2  # cosine decay over the last fraction of steps
-    # Tokens per step of each stream; level 0 is copy-heavy until the induction circuit forms.
-    retrieval_tokens: int = 8192
+    # Tokens per step of each stream.
     copy_tokens: int = 1024
-    book_tokens: int = 3072
-    stage0_copy_tokens: int = 4096
-    level0_retrieval_tokens: int = 4096
+    pairs_tokens: int = 1536
+    retrieval_tokens: int = 6144
+    level0_retrieval_tokens: int = 1536
+    book_tokens: int = 2048
     questions_per_context: int = 4
     same_entity_share: float = 0.0  # > 0 needs two-token lookups (entity + attribute)
     advance_at: float = 0.9
@@ -128,19 +126,29 @@ def build_model(cfg: TrainConfig):
     return MixtralForCausalLM(mc)
 
 
-def forward_loss(model, batch, aux_coef: float) -> tuple[torch.Tensor, float]:
+def pairs_recall(rng: random.Random, n: int) -> Sample:
+    """Training-only warm-up task: n key-value pairs, then every key again in shuffled order."""
+    lang = demo_language()
+    values = [v for vs in ATTRIBUTES.values() for v in vs]
+    keys = rng.sample(lang.rag_entities, n)
+    vals = [rng.choice(values) for _ in keys]
+    order = rng.sample(range(n), n)
+    context = "pairs : " + " ".join(f"{k} {v}" for k, v in zip(keys, vals)) + " . recall :"
+    return Sample("pairs", context, tuple((keys[i], vals[i]) for i in order))
+
+
+def forward_loss(model, batch, aux_coef: float) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(summed cross-entropy over answer tokens, their count, router load-balancing loss)."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: PLC0415
 
     ids, attn, target = collate(batch)
     out = model.model(input_ids=ids, attention_mask=attn, output_router_logits=True)
     # Predict token t+1 at position t: the hidden state before each answer token.
     pick = target[:, 1:]
-    hidden = out.last_hidden_state[:, :-1][pick]
-    logits = model.lm_head(hidden)
-    ce = F.cross_entropy(logits, ids[:, 1:][pick])
+    logits = model.lm_head(out.last_hidden_state[:, :-1][pick])
+    ce = F.cross_entropy(logits, ids[:, 1:][pick], reduction="sum")
     aux = load_balancing_loss_func(out.router_logits, model.config.num_local_experts, model.config.num_experts_per_tok, attn)
-    acc = (logits.argmax(-1) == ids[:, 1:][pick]).float().mean().item()
-    return ce + aux_coef * aux, acc
+    return ce, int(pick.sum()), aux_coef * aux
 
 
 @torch.no_grad()
@@ -183,7 +191,7 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
     book_eval = closed_book(random.Random(cfg.seed + 20_000), 256)
     book_eval = [Sample("closed_book", "", (qa,)) for qa in book_eval.qa]
     copy_eval = [copy_task(eval_rng, eval_rng.randint(6, 24)) for _ in range(64)]
-    level, curve, t0, induction = 0, [], time.perf_counter(), False
+    level, curve, t0 = 0, [], time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -192,18 +200,17 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
             lvl = rng.randint(0, level) if rng.random() < 0.25 else level
             return retrieval_sample(rng, lvl, cfg, cfg.questions_per_context)
 
-        if not induction:
-            loss_s, _ = forward_loss(model, fill(lambda: copy_task(rng, rng.randint(6, 24)), cfg.stage0_copy_tokens), cfg.aux_loss_coef)
-            loss_r = torch.zeros(())
-            loss_s.backward()
-        else:
-            short = fill(lambda: copy_task(rng, rng.randint(6, 24), 2), cfg.copy_tokens)
-            if level > 0:  # closed book joins once recall works: earlier it disrupted the circuit
-                short += fill(lambda: closed_book(rng, 8), cfg.book_tokens)
-            budget = cfg.level0_retrieval_tokens if level == 0 else cfg.retrieval_tokens
-            loss_r, _ = forward_loss(model, fill(retrieval, budget), cfg.aux_loss_coef)
-            loss_s, _ = forward_loss(model, short, cfg.aux_loss_coef)
-            (loss_r + loss_s).backward()
+        streams = {
+            "copy": fill(lambda: copy_task(rng, rng.randint(6, 24), 2), cfg.copy_tokens),
+            "pairs": fill(lambda: pairs_recall(rng, rng.randint(4, 12)), cfg.pairs_tokens),
+            "retrieval": fill(retrieval, cfg.level0_retrieval_tokens if level == 0 else cfg.retrieval_tokens),
+        }
+        if level > 0:  # closed book joins once recall works
+            streams["book"] = fill(lambda: closed_book(rng, 8), cfg.book_tokens)
+        parts = {name: forward_loss(model, batch, cfg.aux_loss_coef) for name, batch in streams.items()}
+        targets = sum(n for _, n, _ in parts.values())
+        loss = sum(ce for ce, _, _ in parts.values()) / targets + sum(aux for _, _, aux in parts.values())
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -213,8 +220,7 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
                 "step": step + 1,
                 "minutes": round((time.perf_counter() - t0) / 60, 2),
                 "level": level,
-                "loss_retrieval": round(loss_r.item(), 4),
-                "loss_short": round(loss_s.item(), 4),
+                **{f"loss_{name}": round(ce.item() / max(1, n), 4) for name, (ce, n, _) in parts.items()},
                 "retrieval_acc": answer_accuracy(model, eval_sets[level]),
                 "top_level_acc": answer_accuracy(model, eval_sets[len(LEVELS) - 1]),
                 "closed_book_acc": answer_accuracy(model, book_eval),
@@ -222,11 +228,8 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
             }
             model.train()
             curve.append(point)
-            point["stage"] = "mixture" if induction else "copy"  # the stage the point was trained in
             log(json.dumps(point))
-            if not induction and point["copy_acc"] >= cfg.advance_at:
-                induction = True
-            elif induction and point["retrieval_acc"] >= cfg.advance_at and level < len(LEVELS) - 1:
+            if point["retrieval_acc"] >= cfg.advance_at and level < len(LEVELS) - 1:
                 level += 1
             _save(model, out_dir, cfg, curve, level, t0, final=False)
     model.eval()
