@@ -51,15 +51,15 @@ class TrainConfig:
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
-    experts: int = 8
+    experts: int = 4
     top_k: int = 2
     expert_intermediate: int = 256
     max_position: int = 2048
     lr: float = 1e-3
-    warmup: int = 100
+    warmup: int = 50
     decay_frac: float = 0.2  # cosine decay over the last fraction of steps
     # Tokens per step of each stream.
-    copy_tokens: int = 1024
+    copy_tokens: int = 1536
     pairs_tokens: int = 1536
     retrieval_tokens: int = 6144
     level0_retrieval_tokens: int = 1536
@@ -201,7 +201,7 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
             return retrieval_sample(rng, lvl, cfg, cfg.questions_per_context)
 
         streams = {
-            "copy": fill(lambda: copy_task(rng, rng.randint(6, 24), 2), cfg.copy_tokens),
+            "copy": fill(lambda: copy_task(rng, rng.randint(6, 24)), cfg.copy_tokens),
             "pairs": fill(lambda: pairs_recall(rng, rng.randint(4, 12)), cfg.pairs_tokens),
             "retrieval": fill(retrieval, cfg.level0_retrieval_tokens if level == 0 else cfg.retrieval_tokens),
         }
