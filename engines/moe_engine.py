@@ -32,7 +32,7 @@ from engines.runtime.sampling import make_generator, sample
 from engines.runtime.scheduler import Chunk, Scheduler, Sequence
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.experts import grouped_swiglu
-from engines.runtime.weights import DenseExperts, DenseExpertStore, ExpertStore
+from engines.runtime.weights import DenseExperts, DenseExpertStore, ExpertStore, ModelWeights
 
 _CPU_KV_BYTES = 1 << 30
 
@@ -78,10 +78,8 @@ class MoEEngine(Engine):
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.ledger = TransferLedger(self.device)
-        self.checkpoint: Checkpoint = open_checkpoint(cfg.model)
+        self.checkpoint, self.weights, self.experts = self._load()
         mc = self.checkpoint.config
-        self.weights, dense_experts = load_weights(self.checkpoint, self.device, self.dtype, self.ledger)
-        self.experts = self._build_experts(dense_experts)
         self.kv = self._build_kv_cache()
         capacity = self.kv.allocator.num_blocks * cfg.block_size
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -101,6 +99,12 @@ class MoEEngine(Engine):
             self._started = False
 
     # -- hooks for engines that store or compute experts differently --------------------------
+    def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertStore]:
+        """Open the folder and load its weights (the device, dtype and ledger are set)."""
+        checkpoint = open_checkpoint(self.config.model)
+        weights, dense_experts = load_weights(checkpoint, self.device, self.dtype, self.ledger)
+        return checkpoint, weights, self._build_experts(dense_experts)
+
     def _build_experts(self, dense: dict[int, DenseExperts]) -> ExpertStore:
         return DenseExpertStore(dense)
 

@@ -26,6 +26,18 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "engines.hf_engine:HFEngine",
         "transformers' own model with generate(), static batches with left padding (reference)",
     ),
+    "static-gptq": (
+        "engines.static_engines:StaticGPTQEngine",
+        "moe runtime, every routed expert GPTQ-quantized before serving (a GPTQ folder, or --set bits=N)",
+    ),
+    "static-awq": (
+        "engines.static_engines:StaticAWQEngine",
+        "moe runtime, every routed expert AWQ-quantized before serving (an AWQ folder, or --set bits=N)",
+    ),
+    "static-rtn": (
+        "engines.static_engines:StaticRTNEngine",
+        "moe runtime, every routed expert round-to-nearest quantized (a quantized folder, or --set bits=N)",
+    ),
     "dummy": (
         "engines.dummy:DummyEngine",
         "no model: deterministic tokens and a parametric latency model, for harness tests",

@@ -8,8 +8,7 @@ readers (and numpy) inside their bodies, so `--help` stays fast. A bad trace is 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 

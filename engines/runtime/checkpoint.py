@@ -6,11 +6,16 @@ stored per expert (`experts.{e}.w1|w3|w2` or `experts.{e}.{gate,up,down}_proj`) 
 expected tensor must exist with the shape config.json implies, and every tensor in the
 files must be used, so a checkpoint we do not understand fails loudly instead of running
 with random weights. Errors are ModelLoadError with the file and tensor named.
+
+Quantized folders (GPTQ, AutoAWQ, compressed-tensors; read from `quantization_config`) load
+with `load_quantized_weights`: routed experts stay packed (QuantizedExperts per layer), any
+other quantized linear layer (attention, shared expert) is dequantized to the model dtype.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +26,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from engines.base import ModelLoadError
+from engines.quant.hf_format import REQUIRED, FolderScheme, read_linear, read_scheme
+from engines.quant.qweight import QuantizedExperts, QuantizedWeight, concat_rows, dequantize, stack
 from engines.runtime.config import ModelConfig, parse_config
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
@@ -36,6 +43,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some exporters save that carry no learned weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Per-expert projection names: Mixtral's original ones, and everyone else's (GPTQModel's too).
+_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -97,13 +106,20 @@ def _key_files(root: Path) -> dict[str, Path]:
 
 
 class _Reader:
-    """Tensor access by name across shards, with shape checks and a record of what was used."""
+    """Tensor access by name across shards, with shape checks and a record of what was used.
 
-    def __init__(self, ckpt: Checkpoint, stack: ExitStack, device: torch.device, dtype: torch.dtype, ledger: TransferLedger):
+    `scheme` is the folder's quantization scheme (None: full precision): with it, a linear
+    layer may be stored quantized, and `linear` dequantizes it (recorded in `dequantized`).
+    """
+
+    def __init__(self, ckpt: Checkpoint, stack: ExitStack, device: torch.device, dtype: torch.dtype,
+                 ledger: TransferLedger, scheme: FolderScheme | None = None):
         self.ckpt, self.stack, self.device, self.dtype, self.ledger = ckpt, stack, device, dtype, ledger
+        self.scheme = scheme
         self.handles: dict[Path, Any] = {}
         self.used: set[str] = set()
         self.missing: list[str] = []
+        self.dequantized: list[str] = []
 
     def _handle(self, file: Path) -> Any:
         if file not in self.handles:
@@ -118,6 +134,15 @@ class _Reader:
 
     def get(self, key: str, shape: tuple[int, ...]) -> Tensor | None:
         """The tensor at model dtype on the device; None (and recorded as missing) if absent."""
+        tensor = self._read(key, shape)
+        return None if tensor is None else self.ledger.to_device(tensor.to(self.dtype), tag="load")
+
+    def raw(self, key: str) -> Tensor | None:
+        """The tensor as stored (packed int32, fp16 scales) on the device; the caller checks shapes."""
+        tensor = self._read(key, None)
+        return None if tensor is None else self.ledger.to_device(tensor, tag="load")
+
+    def _read(self, key: str, shape: tuple[int, ...] | None) -> Tensor | None:
         file = self.ckpt.key_files.get(key)
         if file is None:
             self.missing.append(key)
@@ -125,7 +150,7 @@ class _Reader:
         handle = self._handle(file)
         try:
             found = tuple(handle.get_slice(key).get_shape())
-            if found != shape:
+            if shape is not None and found != shape:
                 raise ModelLoadError(
                     f"tensor {key} in {file} has shape {list(found)}, but config.json implies {list(shape)}"
                 )
@@ -133,7 +158,47 @@ class _Reader:
         except SafetensorError as exc:
             raise ModelLoadError(f"cannot read tensor {key} from {file}: {exc}") from None
         self.used.add(key)
-        return self.ledger.to_device(tensor.to(self.dtype), tag="load")
+        return tensor
+
+    def quantized(self, prefix: str, shape: tuple[int, int]) -> QuantizedWeight | None:
+        """Linear layer `prefix` stored in the folder's quantized format; None if a tensor is missing."""
+        assert self.scheme is not None
+        scheme = self.scheme
+
+        def get(suffix: str) -> Tensor | None:
+            key = f"{prefix}.{suffix}"
+            if self.has(key) or suffix in REQUIRED[scheme.fmt]:
+                return self.raw(key)
+            return None
+
+        qw = read_linear(get, scheme, prefix)
+        if qw is not None and qw.shape != shape:
+            raise ModelLoadError(f"{self.ckpt.path}: quantized layer {prefix} holds a {list(qw.shape)} weight, "
+                                 f"but config.json implies {list(shape)}")
+        return qw
+
+    def linear(self, prefix: str, shape: tuple[int, int]) -> Tensor | None:
+        """The weight [out, in] of linear layer `prefix` at model dtype, dequantized if stored quantized."""
+        scheme = self.scheme
+        if scheme is not None and not self.has(prefix + ".weight") and any(
+            self.has(f"{prefix}.{suffix}") for suffix in scheme.tensor_names
+        ):
+            qw = self.quantized(prefix, shape)
+            if qw is None:
+                return None
+            self.dequantized.append(prefix)
+            return dequantize(qw, self.dtype)
+        return self.get(prefix + ".weight", shape)
+
+
+@dataclass(frozen=True)
+class QuantizedLoad:
+    """What load_quantized_weights returns."""
+
+    weights: ModelWeights
+    experts: dict[int, QuantizedExperts]  # MoE layer -> its routed experts, packed
+    scheme: FolderScheme
+    dequantized: tuple[str, ...]  # other linear layers stored quantized, dequantized at load
 
 
 def load_weights(
@@ -145,45 +210,72 @@ def load_weights(
         method = cfg.quantization.get("quant_method", "?")
         raise ModelLoadError(
             f"{ckpt.path} is a quantized checkpoint (quant_method {method!r}); the full-precision "
-            "engine needs a full-precision folder"
+            "engine needs a full-precision folder (quantized folders run with --engine static-gptq, "
+            "static-awq or static-rtn)"
         )
     with ExitStack() as stack:
         reader = _Reader(ckpt, stack, device, dtype, ledger)
-        D, V = cfg.hidden_size, cfg.vocab_size
-        embed = reader.get("model.embed_tokens.weight", (V, D))
-        norm = reader.get("model.norm.weight", (D,))
-        lm_head = embed if cfg.tie_word_embeddings else reader.get("lm_head.weight", (V, D))
-        layers, experts = [], {}
-        for i in range(cfg.num_layers):
-            layer, layer_experts = _load_layer(reader, cfg, i)
-            layers.append(layer)
-            if layer_experts is not None:
-                experts[i] = layer_experts
-        if reader.missing:
-            shown = ", ".join(reader.missing[:4])
-            more = f" (and {len(reader.missing) - 4} more)" if len(reader.missing) > 4 else ""
-            raise ModelLoadError(f"{ckpt.path}: {len(reader.missing)} tensors missing: {shown}{more}")
-        unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES))
-        if unused:
-            raise ModelLoadError(
-                f"{ckpt.path}: {len(unused)} tensors do not belong to a {cfg.architecture} model of this "
-                f"config (first: {unused[0]}); a different architecture or a quantized export?"
-            )
+        weights, experts = _load(reader, _load_experts)
+    return weights, experts
+
+
+def load_quantized_weights(
+    ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger
+) -> QuantizedLoad:
+    """A quantized folder: dense weights (quantized non-expert layers dequantized to `dtype`) and
+    each MoE layer's routed experts packed as stored (scales keep their stored dtype)."""
+    if not ckpt.config.quantization:
+        raise ModelLoadError(f"{ckpt.path} has no quantization_config in config.json; it is a full-precision folder")
+    scheme = read_scheme(ckpt.config.quantization, str(ckpt.path / "config.json"))
+    with ExitStack() as stack:
+        reader = _Reader(ckpt, stack, device, dtype, ledger, scheme)
+        weights, experts = _load(reader, _load_quantized_experts)
+    return QuantizedLoad(weights, experts, scheme, tuple(reader.dequantized))
+
+
+# Reads one MoE layer's routed experts: (reader, config, "model.layers.N.<moe>.experts.") -> experts | None.
+ExpertLoader = Callable[["_Reader", ModelConfig, str], Any]
+
+
+def _load(reader: _Reader, load_experts: ExpertLoader) -> tuple[ModelWeights, dict[int, Any]]:
+    """Every tensor of the model through `reader`; routed experts through `load_experts`.
+    Raises ModelLoadError naming missing tensors and tensors nothing used."""
+    ckpt, cfg = reader.ckpt, reader.ckpt.config
+    D, V = cfg.hidden_size, cfg.vocab_size
+    embed = reader.get("model.embed_tokens.weight", (V, D))
+    norm = reader.get("model.norm.weight", (D,))
+    lm_head = embed if cfg.tie_word_embeddings else reader.linear("lm_head", (V, D))
+    layers, experts = [], {}
+    for i in range(cfg.num_layers):
+        layer, layer_experts = _load_layer(reader, cfg, i, load_experts)
+        layers.append(layer)
+        if layer_experts is not None:
+            experts[i] = layer_experts
+    if reader.missing:
+        shown = ", ".join(reader.missing[:4])
+        more = f" (and {len(reader.missing) - 4} more)" if len(reader.missing) > 4 else ""
+        raise ModelLoadError(f"{ckpt.path}: {len(reader.missing)} tensors missing: {shown}{more}")
+    unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise ModelLoadError(
+            f"{ckpt.path}: {len(unused)} tensors do not belong to a {cfg.architecture} model of this "
+            f"config (first: {unused[0]}); a different architecture or a quantized export?"
+        )
     return ModelWeights(embed, norm, lm_head, layers), experts  # type: ignore[arg-type]
 
 
-def _load_layer(reader: _Reader, cfg: ModelConfig, i: int) -> tuple[LayerWeights, DenseExperts | None]:
+def _load_layer(reader: _Reader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
     p = f"model.layers.{i}."
     D, hd = cfg.hidden_size, cfg.head_dim
-    get = reader.get
+    get, linear = reader.get, reader.linear
     bias = cfg.qkv_bias
     norm_q = {"head": (hd,), "full": (cfg.q_size,)}.get(cfg.qk_norm)
     norm_k = {"head": (hd,), "full": (cfg.kv_size,)}.get(cfg.qk_norm)
     attn = AttentionWeights(
-        q=get(p + "self_attn.q_proj.weight", (cfg.q_size, D)),
-        k=get(p + "self_attn.k_proj.weight", (cfg.kv_size, D)),
-        v=get(p + "self_attn.v_proj.weight", (cfg.kv_size, D)),
-        o=get(p + "self_attn.o_proj.weight", (D, cfg.q_size)),
+        q=linear(p + "self_attn.q_proj", (cfg.q_size, D)),
+        k=linear(p + "self_attn.k_proj", (cfg.kv_size, D)),
+        v=linear(p + "self_attn.v_proj", (cfg.kv_size, D)),
+        o=linear(p + "self_attn.o_proj", (D, cfg.q_size)),
         q_bias=get(p + "self_attn.q_proj.bias", (cfg.q_size,)) if bias else None,
         k_bias=get(p + "self_attn.k_proj.bias", (cfg.kv_size,)) if bias else None,
         v_bias=get(p + "self_attn.v_proj.bias", (cfg.kv_size,)) if bias else None,
@@ -202,14 +294,14 @@ def _load_layer(reader: _Reader, cfg: ModelConfig, i: int) -> tuple[LayerWeights
     if cfg.shared_expert_intermediate_size:
         moe.shared = _load_mlp(reader, mp + "shared_expert.", cfg.shared_expert_intermediate_size, D)
         moe.shared_gate = get(mp + "shared_expert_gate.weight", (1, D))
-    experts = _load_experts(reader, cfg, mp + "experts.")
+    experts = load_experts(reader, cfg, mp + "experts.")
     return LayerWeights(attn_norm, attn, mlp_norm, moe), experts  # type: ignore[arg-type]
 
 
 def _load_mlp(reader: _Reader, prefix: str, inter: int, D: int) -> MLPWeights | None:
-    gate = reader.get(prefix + "gate_proj.weight", (inter, D))
-    up = reader.get(prefix + "up_proj.weight", (inter, D))
-    down = reader.get(prefix + "down_proj.weight", (D, inter))
+    gate = reader.linear(prefix + "gate_proj", (inter, D))
+    up = reader.linear(prefix + "up_proj", (inter, D))
+    down = reader.linear(prefix + "down_proj", (D, inter))
     if gate is None or up is None or down is None:
         return None
     return MLPWeights(torch.cat([gate, up]), down)
@@ -221,7 +313,7 @@ def _load_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> DenseExpert
         gate_up = reader.get(prefix + "gate_up_proj", (E, 2 * I, D))
         down = reader.get(prefix + "down_proj", (E, D, I))
         return DenseExperts(gate_up, down) if gate_up is not None and down is not None else None
-    names = ("w1", "w3", "w2") if reader.has(prefix + "0.w1.weight") else ("gate_proj", "up_proj", "down_proj")
+    names = _expert_names(reader, prefix, "weight")
     gate_up = torch.empty(E, 2 * I, D, dtype=reader.dtype, device=reader.device)
     down = torch.empty(E, D, I, dtype=reader.dtype, device=reader.device)
     complete = True
@@ -234,3 +326,28 @@ def _load_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> DenseExpert
             continue
         gate_up[e, :I], gate_up[e, I:], down[e] = g, u, d
     return DenseExperts(gate_up, down) if complete else None
+
+
+def _expert_names(reader: _Reader, prefix: str, suffix: str) -> tuple[str, str, str]:
+    """(gate, up, down) projection names of the per-expert layout this folder uses."""
+    return next((n for n in _EXPERT_NAMES if reader.has(f"{prefix}0.{n[0]}.{suffix}")), _EXPERT_NAMES[1])
+
+
+def _load_quantized_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> QuantizedExperts | None:
+    """A layer's routed experts from per-expert quantized layers, gate and up fused row-wise."""
+    assert reader.scheme is not None
+    E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    fp = [prefix + "gate_up_proj", *(f"{prefix}0.{n[0]}.weight" for n in _EXPERT_NAMES)]
+    if any(reader.has(key) for key in fp):
+        raise ModelLoadError(f"{reader.ckpt.path}: the routed experts under {prefix} are full precision in a "
+                             f"{reader.scheme.fmt} folder; pwbench's static engines need every routed expert quantized")
+    names = _expert_names(reader, prefix, REQUIRED[reader.scheme.fmt][0])
+    gate_up, down = [], []
+    for e in range(E):
+        g = reader.quantized(f"{prefix}{e}.{names[0]}", (I, D))
+        u = reader.quantized(f"{prefix}{e}.{names[1]}", (I, D))
+        d = reader.quantized(f"{prefix}{e}.{names[2]}", (D, I))
+        if g is not None and u is not None and d is not None:
+            gate_up.append(concat_rows([g, u]))
+            down.append(d)
+    return QuantizedExperts(stack(gate_up), stack(down)) if len(down) == E else None

@@ -73,9 +73,10 @@ class PagedKVCache:
         device: torch.device,
     ) -> None:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # torch.empty: pages are touched only when written, so a large CPU pool costs nothing up front.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Zeros, not empty: attention reads unwritten slots of a sequence's last block and padded
+        # table entries under a mask, and a masked NaN still poisons the output (0 * NaN = NaN).
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
 

@@ -23,7 +23,6 @@ from workloads.demo.language import (
     FILLER_EXTRA,
     FILLER_PLACES,
     FILLER_SUBJECTS,
-    FILLER_TIMES,
     FILLER_VERBS,
     demo_language,
 )

@@ -1,0 +1,201 @@
+"""Engines `static-gptq`, `static-awq`, `static-rtn`: the `moe` runtime with every routed expert
+quantized before serving and kept resident on the device (the static-quantization baselines).
+
+Given a quantized folder (GPTQ, AWQ or compressed-tensors) they serve it as stored, refusing
+one quantized with another method. Given a full-precision folder and `--set bits=N` they
+quantize it at start with their method into ~/.cache/pwbench/quantized/<method>-<hash of
+model, method, options> ($PWBENCH_CACHE or `cache_dir` move it) and reuse that folder next
+time; the engine always serves what was read back from disk, so a first run and a cached run
+compute the same. Calibration at start uses seeded random-token prompts (engines do not read
+workloads); for workload calibration run `pwbench quantize` and pass its folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from engines.base import EngineError, EngineInfo
+from engines.device import dtype_name
+from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.quant.calibrate import QuantizeOptions, random_prompts
+from engines.quant.convert import AWQ_BITS
+from engines.quant.export import DEFAULT_FORMAT, REPORT_FILE, REPORT_SCHEMA, quantize_folder
+from engines.quant.hf_format import read_scheme
+from engines.quant.ops import fused_moe
+from engines.quant.qweight import QuantizedExperts
+from engines.runtime.checkpoint import Checkpoint, QuantizedLoad, load_quantized_weights, open_checkpoint
+from engines.runtime.model import ExpertFn
+from engines.runtime.weights import ExpertStore, ModelWeights
+
+CACHE_ENV = "PWBENCH_CACHE"
+# llm-compressor saves its recipe beside the weights: the modifier names the method.
+_RECIPE_METHODS = (("GPTQModifier", "gptq"), ("AWQModifier", "awq"), ("QuantizationModifier", "rtn"))
+
+
+@dataclass(frozen=True)
+class StaticQuantConfig(MoEEngineConfig):
+    """MoEEngineConfig plus how to quantize a full-precision folder at start (ignored, or checked
+    against the folder, when the folder is already quantized)."""
+
+    bits: int | None = None  # None: the model folder must be quantized already
+    group_size: int = 128
+    sym: bool = False
+    act_order: bool = False  # static-gptq only
+    damp_percent: float = 0.01  # static-gptq only
+    calib_samples: int = 64  # random-token calibration prompts ...
+    calib_len: int = 512  # ... of this many tokens (capped by the model's length)
+    calib_seed: int = 0
+    cache_dir: str | None = None  # None: $PWBENCH_CACHE/quantized or ~/.cache/pwbench/quantized
+
+
+class QuantizedExpertStore(ExpertStore):
+    """Every layer's experts resident on the device, packed; bytes = codes + scales + zeros (+ g_idx)."""
+
+    def __init__(self, layers: dict[int, QuantizedExperts]) -> None:
+        self._layers = layers
+
+    def layer(self, index: int) -> QuantizedExperts:
+        return self._layers[index]
+
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self._layers.values())
+
+
+class StaticQuantEngine(MoEEngine):
+    method: ClassVar[str]
+    config_cls = StaticQuantConfig
+
+    def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertStore]:
+        """The quantized folder (given, or quantized now from a full-precision one and cached)."""
+        self.source = open_checkpoint(self.config.model)
+        folder, self.quantized_at_start = self._quantized_folder(self.source)
+        checkpoint = open_checkpoint(folder)
+        self._check_method(checkpoint)
+        self.loaded: QuantizedLoad = load_quantized_weights(checkpoint, self.device, self.dtype, self.ledger)
+        return checkpoint, self.loaded.weights, QuantizedExpertStore(self.loaded.experts)
+
+    def _expert_fn(self) -> ExpertFn:
+        return fused_moe  # type: ignore[return-value]
+
+    # -- which folder to serve -------------------------------------------------------------------
+    def _quantized_folder(self, src: Checkpoint) -> tuple[Path, bool]:
+        """(folder to load, whether it was quantized by this start)."""
+        cfg = self.config
+        if src.config.quantization:
+            scheme = read_scheme(src.config.quantization, str(src.path / "config.json"))
+            if cfg.bits is not None and (cfg.bits, cfg.group_size) != (scheme.bits, scheme.group_size):
+                raise EngineError(
+                    f"{src.path} is already quantized ({scheme.fmt}, bits {scheme.bits}, group_size "
+                    f"{scheme.group_size}); --set bits/group_size apply to full-precision folders only"
+                )
+            return src.path, False
+        if cfg.bits is None:
+            raise EngineError(
+                f"engine {self.name} needs a quantized model folder (quantization_config in config.json) or "
+                f"--set bits=N (2, 3, 4 or 8) to quantize the full-precision folder {src.path} at start"
+            )
+        options = QuantizeOptions(self.method, cfg.bits, cfg.group_size, cfg.sym, cfg.act_order, cfg.damp_percent)
+        fmt = self._cache_format(src, options)
+        folder = self._cache_root() / f"{self.method}-{self._cache_key(src, options, fmt)}"
+        if (folder / "config.json").is_file():
+            return folder, False
+        mc = src.config
+        length = min(cfg.calib_len, mc.max_position_embeddings)
+        prompts = random_prompts(mc.vocab_size, cfg.calib_samples, length, cfg.calib_seed, mc.eos_token_ids)
+        calibration = {"source": "random tokens", "samples": cfg.calib_samples, "length": length, "seed": cfg.calib_seed}
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            quantize_folder(src.path, folder, options, prompts, fmt=fmt, device=str(self.device),
+                            dtype=dtype_name(self.dtype), calibration=calibration)
+        except OSError:
+            if not (folder / "config.json").is_file():  # not a concurrent start that won the rename
+                raise
+        return folder, True
+
+    def _cache_format(self, src: Checkpoint, options: QuantizeOptions) -> str:
+        """The method's own format where it can hold these weights, else GPTQ's."""
+        fmt = DEFAULT_FORMAT[self.method]
+        mc = src.config
+        if fmt == "awq" and (options.bits not in AWQ_BITS or mc.hidden_size % 8 or mc.moe_intermediate_size % 8):
+            return "gptq"
+        return fmt
+
+    def _cache_root(self) -> Path:
+        if self.config.cache_dir:
+            return Path(self.config.cache_dir).expanduser()
+        return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "pwbench")).expanduser() / "quantized"
+
+    def _cache_key(self, src: Checkpoint, options: QuantizeOptions, fmt: str) -> str:
+        """Hash of the source folder (config and weight files by name, size, mtime), the method and
+        every option that changes the result, including the device type and dtype calibrated in."""
+        cfg = self.config
+        files = sorted({*src.key_files.values(), src.path / "config.json"})
+        stamp = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+        payload = {
+            "schema": REPORT_SCHEMA, "source": str(src.path.resolve()), "files": stamp,
+            "options": dataclasses.asdict(options), "format": fmt, "device": self.device.type,
+            "dtype": dtype_name(self.dtype), "calib": [cfg.calib_samples, cfg.calib_len, cfg.calib_seed],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+    def _check_method(self, ckpt: Checkpoint) -> None:
+        method = folder_method(ckpt)
+        if method is not None and method != self.method:
+            raise EngineError(
+                f"{ckpt.path} holds {method}-quantized weights; engine {self.name} serves {self.method} "
+                f"weights: use --engine static-{method}"
+            )
+
+    # -- info --------------------------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        info = super().info()
+        s = self.loaded.scheme
+        quantization: dict[str, Any] = {
+            "method": self.method, "format": s.fmt, "bits": s.bits, "group_size": s.group_size, "sym": s.symmetric,
+            "act_order": s.act_order, "folder": str(self.checkpoint.path),
+            "quantized_at_start": self.quantized_at_start,
+            # Non-expert layers stored quantized run dequantized at the model dtype.
+            "dequantized_at_load": list(self.loaded.dequantized),
+        }
+        return dataclasses.replace(info, model=str(self.source.path),
+                                   config={**info.config, "quantization": quantization})
+
+
+def folder_method(ckpt: Checkpoint) -> str | None:
+    """The method a quantized folder was made with: pwbench's report, llm-compressor's recipe, or
+    quant_method (gptq, awq); None when the folder does not say (compressed-tensors alone)."""
+    report = ckpt.path / REPORT_FILE
+    if report.is_file():
+        try:
+            return str(json.loads(report.read_text())["method"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    recipe = ckpt.path / "recipe.yaml"
+    if recipe.is_file():
+        text = recipe.read_text()
+        found = [method for name, method in _RECIPE_METHODS if name in text]
+        if found:
+            return found[0]
+    method = (ckpt.config.quantization or {}).get("quant_method")
+    return method if method in ("gptq", "awq") else None
+
+
+class StaticGPTQEngine(StaticQuantEngine):
+    name = "static-gptq"
+    method = "gptq"
+
+
+class StaticAWQEngine(StaticQuantEngine):
+    name = "static-awq"
+    method = "awq"
+
+
+class StaticRTNEngine(StaticQuantEngine):
+    name = "static-rtn"
+    method = "rtn"

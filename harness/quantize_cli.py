@@ -1,0 +1,118 @@
+"""`pwbench quantize`: a full-precision model folder in, a quantized Hugging Face folder out.
+
+Calibration prompts come from a named workload (rag_long by default; demo-language prompts when
+the folder is the demo model, as `pwbench run` makes them), built at full length and seeded;
+each gives one random window of --calib-len tokens, because RAG prompts open with the system
+prompt and passages they share, so their heads repeat (32 rag_long heads of 256 tokens hold 2
+distinct sequences) and GPTQ would fit those few sequences. The work is engines.quant.export.quantize_folder; this module parses options, builds
+the prompts and prints progress. Heavy imports stay inside the command (`pwbench --help` is light).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Annotated, Any
+
+import typer
+
+from harness.cli_common import user_errors
+
+FULL_LENGTH = 1 << 20  # a model length no workload prompt reaches
+
+
+def calibration_prompts(model: str, workload: str, samples: int, seed: int, max_len: int) -> list[list[int]]:
+    """A random window of at most `max_len` tokens from each of `samples` prompts of `workload`."""
+    from engines.base import EngineError, EngineInfo  # noqa: PLC0415
+    from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
+    from harness.run import uses_demo_language  # noqa: PLC0415
+    from workloads.registry import ModelTarget, WorkloadSpec, build_workload  # noqa: PLC0415
+
+    if samples < 1 or max_len < 1:
+        raise EngineError(f"--calib-samples and --calib-len must be >= 1, got {samples} and {max_len}")
+    cfg = open_checkpoint(model).config
+    info = EngineInfo(name="quantize", model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
+                      vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
+    synthesizer = None
+    if workload in ("rag_long", "long_chat") and uses_demo_language(model, info):
+        from workloads.demo.synth import DemoTaskSynthesizer  # noqa: PLC0415
+
+        synthesizer = DemoTaskSynthesizer(seed, "rag" if workload == "rag_long" else "chat")
+    # Prompts at their natural length (not clipped to the model's): windows are cut below.
+    target = ModelTarget(cfg.vocab_size, FULL_LENGTH, tuple(cfg.eos_token_ids))
+    built = build_workload(WorkloadSpec(workload, seed=seed, requests=samples), target, synthesizer)
+    length = min(max_len, cfg.max_position_embeddings)
+    rng = random.Random(seed)
+    windows = []
+    for r in built.requests:
+        start = rng.randrange(len(r.prompt_ids) - length + 1) if len(r.prompt_ids) > length else 0
+        windows.append(list(r.prompt_ids[start : start + length]))
+    return windows
+
+
+def _layer_lines(r: Any) -> list[str]:
+    topped = sum(a > 0 for a in r.added)
+    alpha = "" if r.awq_alpha is None else f", AWQ alpha {r.awq_alpha:.2f}"
+    return [
+        f"layer {r.layer:>3}: rel. output error {r.rel_error:.5f} (RTN {r.rtn_rel_error:.5f}{alpha}); "
+        f"tokens per expert {min(r.routed)}-{max(r.routed)} routed, {topped} experts topped up",
+        "           routed " + " ".join(map(str, r.routed)),
+        "           added  " + " ".join(map(str, r.added)),
+    ]
+
+
+@user_errors
+def quantize(
+    model: Annotated[str, typer.Option("--model", "-m", help="Full-precision Hugging Face model folder.")],
+    method: Annotated[str, typer.Option(help="gptq | awq | rtn")],
+    output: Annotated[str, typer.Option(help="Folder to write (must not exist).")],
+    bits: Annotated[int, typer.Option(help="2 | 3 | 4 | 8 (AWQ format: 4).")] = 4,
+    group_size: Annotated[int, typer.Option(help="32 | 64 | 128 inputs per scale.")] = 128,
+    sym: Annotated[bool, typer.Option("--sym", help="Symmetric (no zero points).")] = False,
+    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: columns by decreasing Hessian diagonal (g_idx).")] = False,
+    damp: Annotated[float, typer.Option(help="GPTQ: Hessian damping, fraction of its mean diagonal.")] = 0.01,
+    fmt: Annotated[str | None, typer.Option("--format", help="gptq | awq | compressed-tensors (default: gptq for gptq/rtn, awq for awq).")] = None,
+    calib_workload: Annotated[str, typer.Option(help="Workload the calibration prompts come from (see `pwbench ls workloads`).")] = "rag_long",
+    calib_samples: Annotated[int, typer.Option(help="Calibration prompts.")] = 64,
+    calib_len: Annotated[int, typer.Option(help="Tokens per calibration prompt, at most.")] = 2048,
+    min_expert_tokens: Annotated[int, typer.Option(help="Top up experts routed fewer calibration tokens than this.")] = 128,
+    seed: Annotated[int, typer.Option(help="Seed of the calibration prompts.")] = 0,
+    dtype: Annotated[str | None, typer.Option(help="Calibration dtype: float32 | bfloat16 | float16 (default: float32 on cpu, bf16 on cuda).")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N (default: cuda if present).")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or per-layer lines.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report summary as one JSON object as the last line.")] = False,
+) -> None:
+    """Quantize a model's routed experts (RTN, GPTQ or AWQ, calibrated on a workload) into a Hugging Face folder."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    from engines.quant.calibrate import QuantizeOptions  # noqa: PLC0415
+    from engines.quant.export import REPORT_FILE, preflight, quantize_folder  # noqa: PLC0415
+
+    options = QuantizeOptions(method, bits, group_size, sym, act_order, damp, min_expert_tokens)
+    ckpt, scheme = preflight(model, output, options, fmt)  # fail before building prompts
+    prompts = calibration_prompts(model, calib_workload, calib_samples, seed, calib_len)
+    silent = quiet or as_json
+    say = (lambda line: None) if silent else typer.echo
+    bar = Progress(TextColumn("[bold]quantize"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   transient=True, disable=silent)
+    task = bar.add_task("layers", total=sum(ckpt.config.moe_layers))
+
+    def on_layer(report: Any) -> None:
+        if not silent:  # printed above the bar, which stays at the bottom
+            for line in _layer_lines(report):
+                bar.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        bar.advance(task)
+
+    say(f"calibrating on {len(prompts)} {calib_workload} prompts ({sum(map(len, prompts))} tokens)")
+    calibration = {"workload": calib_workload, "samples": calib_samples, "seed": seed, "max_len": calib_len}
+    with bar:
+        report = quantize_folder(model, output, options, prompts, fmt=scheme.fmt, device=device, dtype=dtype,
+                                 calibration=calibration, progress=on_layer)
+    summary = {k: report[k] for k in ("method", "format", "bits", "group_size", "mean_rel_error",
+                                      "mean_rtn_rel_error", "quantize_s")}
+    if as_json:
+        typer.echo(json.dumps({"output": output, **summary}))
+        return
+    say(f"wrote {output} ({scheme.fmt}, {bits}-bit, group {group_size}) in {report['quantize_s']:.1f} s: mean rel. "
+        f"output error {report['mean_rel_error']:.5f} vs RTN {report['mean_rtn_rel_error']:.5f}; per-expert "
+        f"calibration tokens in {output}/{REPORT_FILE}")
