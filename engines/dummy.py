@@ -42,6 +42,10 @@ class DummyConfig:
 class _Running:
     request: EngineRequest
     generated: int = 0
+    prompt_sum: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_sum = sum(self.request.prompt_ids)  # once, not per token
 
 
 class DummyEngine(Engine):
@@ -83,9 +87,9 @@ class DummyEngine(Engine):
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._aborted)
 
-    def _token(self, request: EngineRequest, index: int) -> int:
+    def _token(self, run: _Running) -> int:
         # Never EOS, so outputs have exactly max_new_tokens tokens unless a test asks otherwise.
-        token = (sum(request.prompt_ids) * 31 + index * 7 + 3) % self.config.vocab_size
+        token = (run.prompt_sum * 31 + run.generated * 7 + 3) % self.config.vocab_size
         return token + 1 if token == self.config.eos_token_id else token
 
     def step(self) -> StepOutput:
@@ -106,7 +110,7 @@ class DummyEngine(Engine):
             self._sleep(delay_ms / 1e3)
         for rid in list(self._running):
             run = self._running[rid]
-            token = self._token(run.request, run.generated)
+            token = self._token(run)
             run.generated += 1
             done = run.generated >= run.request.max_new_tokens
             if done:

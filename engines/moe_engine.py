@@ -24,7 +24,7 @@ from engines.base import (
     StepOutput,
 )
 from engines.device import dtype_name, resolve_device, resolve_dtype
-from engines.runtime.attention import AttentionBatch, PrefillSegment
+from engines.runtime.attention import AttentionBatch, DecodeGroup, PrefillSegment, group_by_length
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
 from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import ExpertFn, MoEModel
@@ -198,6 +198,8 @@ class MoEEngine(Engine):
 
     def _run(self, chunks: list[Chunk], num_decode: int, outputs: list[RequestOutput]) -> dict[int, list[int]]:
         alloc, long = self.kv.allocator, torch.long
+        # Decodes shortest context first, so attention can batch them in groups of similar length.
+        chunks = sorted(chunks[:num_decode], key=lambda c: c.start) + chunks[num_decode:]
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -244,11 +246,13 @@ class MoEEngine(Engine):
         """Decode chunks come first in `chunks`; each later chunk is a prefill segment."""
         tables, tensor = self.kv.allocator.tables, self.ledger.tensor
         batch = AttentionBatch(slots=tensor(slots, torch.long), num_decode=num_decode)
-        if num_decode:
-            dec = [tables[c.seq.id] for c in chunks[:num_decode]]
-            width = max(map(len, dec))
-            batch.decode_tables = tensor([t + [0] * (width - len(t)) for t in dec], torch.long)
-            batch.decode_ctx = tensor([c.start + 1 for c in chunks[:num_decode]], torch.long)
+        dec = [tables[c.seq.id] for c in chunks[:num_decode]]  # shortest first (see _run)
+        for lo, hi in group_by_length([len(t) for t in dec]):
+            width = max(len(t) for t in dec[lo:hi])
+            batch.decodes.append(DecodeGroup(
+                lo, tensor([t + [0] * (width - len(t)) for t in dec[lo:hi]], torch.long),
+                tensor([c.start + 1 for c in chunks[lo:hi]], torch.long), self.kv.block_size,
+            ))
         row = num_decode
         for c in chunks[num_decode:]:
             nb = self.kv.allocator.blocks_for(c.start + c.length)

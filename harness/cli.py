@@ -105,7 +105,7 @@ def generate(
 @user_errors
 def demo_train(
     output: Annotated[str, typer.Option(help="Folder to write the trained model to.")] = "demo-model",
-    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default 6000; deterministic for a fixed count).")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps (default 7000; deterministic for a fixed count).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for weights and data.")] = 0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Training option key=value (see harness/demo_train.py TrainConfig).")] = None,
 ) -> None:
@@ -208,6 +208,7 @@ def demo_tasks(
 
 
 @app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@user_errors
 def lm_eval_passthrough(ctx: typer.Context) -> None:
     """lm-eval's own command line with `--model pwbench` available (arguments pass through)."""
     from harness.lm_eval_tasks import lm_eval_cli

@@ -5,7 +5,8 @@ Recipe (what trials on these 2-core CPUs showed; see README "The demo model"):
     carry the early learning; four streams: copy, pairs recall ("pairs : k1 v1 ... recall : k3
     v3 k1 v1 ..."; every recalled value is a target and only a content lookup solves it),
     recall in the demo formats at the current curriculum level (plus replay of easier
-    levels), and closed-book questions once level 0 is passed;
+    levels), and closed-book questions (from `book_from_level` on; from the start by default,
+    since memorising the fact table needs every step it can get);
   - facts read "the color of X red ." and questions are clozes ("question : the color of X"),
     so recall is the single-token lookup X -> next token (formats needing two tokens of
     context, or naming X twice, stayed at chance);
@@ -46,7 +47,7 @@ LEVELS: tuple[tuple[int, int, int, int], ...] = (
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 6000
+    steps: int = 7000
     hidden: int = 128
     layers: int = 2
     heads: int = 4
@@ -63,7 +64,8 @@ class TrainConfig:
     pairs_tokens: int = 1536
     retrieval_tokens: int = 6144
     level0_retrieval_tokens: int = 1536
-    book_tokens: int = 2048
+    book_tokens: int = 1536
+    book_from_level: int = 0  # curriculum level at which closed-book questions join the mix
     questions_per_context: int = 4
     same_entity_share: float = 0.0  # > 0 needs two-token lookups (entity + attribute)
     advance_at: float = 0.9
@@ -205,7 +207,7 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
             "pairs": fill(lambda: pairs_recall(rng, rng.randint(4, 12)), cfg.pairs_tokens),
             "retrieval": fill(retrieval, cfg.level0_retrieval_tokens if level == 0 else cfg.retrieval_tokens),
         }
-        if level > 0:  # closed book joins once recall works
+        if level >= cfg.book_from_level:
             streams["book"] = fill(lambda: closed_book(rng, 8), cfg.book_tokens)
         parts = {name: forward_loss(model, batch, cfg.aux_loss_coef) for name, batch in streams.items()}
         targets = sum(n for _, n, _ in parts.values())

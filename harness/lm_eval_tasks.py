@@ -57,9 +57,19 @@ def write_demo_tasks(folder: Path, samples: int = 200) -> Path:
     return folder
 
 
+def require_lm_eval() -> None:
+    import importlib.util  # noqa: PLC0415
+
+    from harness.results import HarnessError  # noqa: PLC0415
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise HarnessError("lm-eval is not installed; install it with: pip install -e '.[eval]' (or pip install 'lm_eval>=0.4.13,<0.5')")
+
+
 def run_lm_eval(tasks: list[str], engine: str, model: str | None, include_path: Path, limit: int | None = None,
                 options: dict[str, Any] | None = None) -> dict[str, Any]:
     """lm-eval's simple_evaluate over a pwbench engine; returns {task: {metric: value}} and raw results."""
+    require_lm_eval()
     from lm_eval import simple_evaluate  # noqa: PLC0415
     from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
@@ -84,6 +94,7 @@ def lm_eval_cli(argv: list[str]) -> int:
     """lm-eval's own command line with the pwbench model registered (`pwbench lm-eval ...`)."""
     import sys  # noqa: PLC0415
 
+    require_lm_eval()
     import harness.lm_eval_model  # noqa: F401, PLC0415  (registers "pwbench")
     from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
 

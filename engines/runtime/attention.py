@@ -1,9 +1,12 @@
 """Rotary embeddings and attention over the paged KV cache (torch reference path).
 
 A step's tokens are one flat batch [T, ...] with no padding: first the decode tokens (one
-per sequence), then each prefill chunk. Decodes share one batched SDPA call over their
+per sequence), then each prefill chunk. Decodes share a few batched SDPA calls over their
 gathered block tables; each prefill chunk gets its own call, with a plain causal kernel when
 the chunk starts the sequence (the common case) and an explicit mask when it continues one.
+Decodes are grouped by context length (the engine orders them shortest first) so that the
+padding of a group's gathered blocks stays small: on CPU the gather copy dominates a decode
+step, and one table padded to the longest sequence nearly doubled it.
 """
 
 from __future__ import annotations
@@ -44,26 +47,47 @@ class PrefillSegment:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [row, row + n) of similar context length, attended in one batched call."""
+
+    row: int
+    tables: Tensor  # [n, nb] block tables, padded with block 0
+    ctx: Tensor  # [n] context length including the new token
+    block_size: int
+    _masks: dict[int | None, Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> Tensor:
+        """[1, n, 1, nb*B] keys visible to each decode token (shared by all layers)."""
+        if window not in self._masks:
+            padded = self.tables.shape[1] * self.block_size
+            ctx = self.ctx[:, None]
+            key_pos = torch.arange(padded, device=ctx.device)[None, :]
+            mask = key_pos < ctx
+            if window is not None:
+                mask &= key_pos > ctx - 1 - window
+            self._masks[window] = mask[None, :, None, :]
+        return self._masks[window]
+
+
+@dataclass
 class AttentionBatch:
     """Where each token of the flat batch goes in the cache and what it may attend to."""
 
     slots: Tensor  # [T] flat cache slot of each token
     num_decode: int
-    decode_tables: Tensor | None = None  # [Nd, nb], padded with block 0
-    decode_ctx: Tensor | None = None  # [Nd] context length including the new token
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSegment] = field(default_factory=list)
-    _decode_masks: dict[int | None, Tensor] = field(default_factory=dict)
 
-    def decode_mask(self, padded_len: int, window: int | None) -> Tensor:
-        """[Nd, 1, 1, padded_len] keys visible to each decode token (shared by all layers)."""
-        if window not in self._decode_masks:
-            ctx = self.decode_ctx[:, None]
-            key_pos = torch.arange(padded_len, device=ctx.device)[None, :]
-            mask = key_pos < ctx
-            if window is not None:
-                mask &= key_pos > ctx - 1 - window
-            self._decode_masks[window] = mask[:, None, None, :]
-        return self._decode_masks[window]
+
+def group_by_length(lengths: list[int], slack: float = 1.25) -> list[tuple[int, int]]:
+    """Split ascending `lengths` into runs [lo, hi) whose longest is at most `slack` x the
+    shortest: each run is padded to its longest, so padding stays under (slack - 1)."""
+    groups, lo = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or lengths[i] > slack * lengths[lo]:
+            groups.append((lo, i))
+            lo = i
+    return groups
 
 
 def paged_attention(
@@ -71,17 +95,14 @@ def paged_attention(
 ) -> Tensor:
     """q [T, H, hd], k/v [T, K, hd] of this step (already written to the cache) -> [T, H, hd]."""
     out = torch.empty_like(q)
-    nd = batch.num_decode
-    if nd:
-        kc, vc = cache.gather(layer, batch.decode_tables)  # [Nd, L, K, hd]
-        mask = batch.decode_mask(kc.shape[1], window)
-        out[:nd] = F.scaled_dot_product_attention(
-            q[:nd, :, None, :],  # [Nd, H, 1, hd]
-            kc.transpose(1, 2),
-            vc.transpose(1, 2),
-            attn_mask=mask,
-            enable_gqa=True,
-        )[:, :, 0, :]
+    for g in batch.decodes:
+        # GQA without repeating K/V: the G query heads sharing a KV head are that head's
+        # "query rows". q [n, H, hd] -> [K, n, G, hd] against K/V [K, n, L, hd].
+        n = g.tables.shape[0]
+        kc, vc = cache.gather(layer, g.tables)
+        qg = q[g.row : g.row + n].view(n, kc.shape[0], -1, q.shape[-1]).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.mask(window))
+        out[g.row : g.row + n] = o.transpose(0, 1).reshape(n, q.shape[1], q.shape[2])
     for seg in batch.prefills:
         rows = slice(seg.row, seg.row + seg.length)
         qs = q[rows].transpose(0, 1)[None]  # [1, H, n, hd]
@@ -90,8 +111,8 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
             ctx = seg.start_pos + seg.length
-            kc, vc = cache.gather(layer, seg.table[None])
-            ks, vs = kc[0, :ctx].transpose(0, 1)[None], vc[0, :ctx].transpose(0, 1)[None]
+            kc, vc = cache.gather(layer, seg.table[None])  # [K, 1, nb*B, hd]
+            ks, vs = kc[:, 0, :ctx][None], vc[:, 0, :ctx][None]
             q_pos = torch.arange(seg.start_pos, ctx, device=q.device)[:, None]
             key_pos = torch.arange(ctx, device=q.device)[None, :]
             mask = key_pos <= q_pos

@@ -1,6 +1,8 @@
 """Paged KV cache: fixed-size blocks in one pool per layer, a block table per sequence.
 
-Token t of a sequence lives in slot `table[t // B] * B + t % B` of every layer's pool. Blocks
+Token t of a sequence lives in slot `table[t // B] * B + t % B` of every layer's pool. Pools
+are head-major, [K, num_blocks, B, hd], so a gather of block tables is already in the
+[K, N, L, hd] layout attention consumes (no transpose copy). Blocks
 are taken from a free list as a sequence grows and returned when it ends or is preempted,
 so memory follows live tokens, not the longest possible request. The allocator is pure
 Python (no torch), which lets the scheduler plan without touching the device.
@@ -60,7 +62,7 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """Device memory for K and V: per layer a pool [num_blocks, B, K, hd] each."""
+    """Device memory for K and V: per layer a pool [K, num_blocks, B, hd] each."""
 
     def __init__(
         self,
@@ -72,7 +74,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
         # Zeros, not empty: attention reads unwritten slots of a sequence's last block and padded
         # table entries under a mask, and a masked NaN still poisons the output (0 * NaN = NaN).
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -89,12 +91,16 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store new keys/values [T, K, hd] at flat slot indices [T]."""
-        self.k[layer].view(-1, *k.shape[1:])[slots] = k
-        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+        K, hd = k.shape[1], k.shape[2]
+        self.k[layer].view(K, -1, hd)[:, slots] = k.transpose(0, 1)
+        self.v[layer].view(K, -1, hd)[:, slots] = v.transpose(0, 1)
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V for block tables [N, nb] as [N, nb*B, K, hd] (padded tables read block 0)."""
+        """K and V for block tables [N, nb] as [K, N, nb*B, hd] (padded tables read block 0).
+        index_select copies whole blocks; advanced indexing (pool[:, tables]) was ~1.2x slower."""
         n, nb = tables.shape
-        k = self.k[layer][tables].view(n, nb * self.block_size, *self.k[layer].shape[2:])
-        v = self.v[layer][tables].view(n, nb * self.block_size, *self.v[layer].shape[2:])
+        flat = tables.reshape(-1)
+        kp, vp = self.k[layer], self.v[layer]
+        k = torch.index_select(kp, 1, flat).view(kp.shape[0], n, nb * self.block_size, kp.shape[-1])
+        v = torch.index_select(vp, 1, flat).view(vp.shape[0], n, nb * self.block_size, vp.shape[-1])
         return k, v

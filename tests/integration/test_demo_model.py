@@ -1,0 +1,107 @@
+"""The bundled demo model (engines/demo_model): what ships, and the properties the product
+relies on. Oracles: transformers' own Mixtral class and AutoTokenizer for loading and tokens,
+the task scorer for accuracy, lm-eval's own simple_evaluate for the lm-eval path."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engines.demo import DEMO_MODEL_DIR
+
+pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").is_file(),
+                                reason="engines/demo_model is not built (pwbench demo train)")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    from engines.moe_engine import MoEEngine, MoEEngineConfig
+
+    engine = MoEEngine(MoEEngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32"))
+    with engine:
+        yield engine
+
+
+def test_shipped_folder_is_small_and_loads_with_transformers():
+    from transformers import AutoTokenizer, MixtralForCausalLM
+
+    from workloads.demo.language import demo_language
+
+    size = sum(f.stat().st_size for f in DEMO_MODEL_DIR.iterdir() if f.is_file())
+    assert size <= 20 * 2**20, f"demo model is {size / 2**20:.1f} MiB, over the 20 MiB budget"
+    training = json.loads((DEMO_MODEL_DIR / "training.json").read_text())
+    assert training["complete"] and training["curve"], "training.json must hold the learning curve"
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    text = "question : the color of " + demo_language().book_entities[0]
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert tok(text, add_special_tokens=False)["input_ids"] == demo_language().encode(text)
+    model = MixtralForCausalLM.from_pretrained(DEMO_MODEL_DIR)
+    assert model.config.num_local_experts >= 2
+
+
+def test_closed_book_is_learned_and_2bit_experts_damage_it(moe):
+    """>= 90% of the fact table at full precision; RTN 2-bit experts lose >= 10 points."""
+    from harness.demo_eval import EvalSpec, demo_samples, quantize_experts, run_samples
+
+    samples = demo_samples("closed_book", EvalSpec())
+    full, _ = run_samples(moe, samples)
+    assert full >= 0.90
+    saved = {i: (moe.experts.layer(i).gate_up.clone(), moe.experts.layer(i).down.clone()) for i in moe.experts._layers}
+    try:
+        quantize_experts(moe, 2)
+        two_bit, _ = run_samples(moe, samples)
+    finally:
+        for i, (gate_up, down) in saved.items():
+            moe.experts.layer(i).gate_up.copy_(gate_up)
+            moe.experts.layer(i).down.copy_(down)
+    assert full - two_bit >= 0.10, (full, two_bit)
+
+
+def test_moe_and_hf_give_the_same_answers_on_long_recall(moe):
+    """The two engines produce the same greedy outputs on held-out RAG and chat prompts of
+    512-1024 tokens, so their accuracies agree exactly (not only within a point)."""
+    from engines.hf_engine import HFEngine, HFEngineConfig
+    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+
+    hf = HFEngine(HFEngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32"))
+    with hf:
+        for task in ("rag_recall", "chat_recall"):
+            samples = demo_samples(task, EvalSpec(samples=16))
+            _, moe_rows = run_samples(moe, samples)
+            _, hf_rows = run_samples(hf, samples)
+            assert [r["output"] for r in moe_rows] == [r["output"] for r in hf_rows]
+
+
+def test_lm_eval_accuracy_equals_pwbench_scorer(moe, tmp_path):
+    """`pwbench eval` through lm-eval, offline, scores the bundled model like pwbench does."""
+    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+
+    pytest.importorskip("lm_eval")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "ds"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "eval", "--tasks", "demo_rag,demo_closed_book", "--samples", "24",
+         "--limit", "24", "--json"],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, task in (("demo_rag", "rag_recall"), ("demo_closed_book", "closed_book")):
+        own, _ = run_samples(moe, demo_samples(task, EvalSpec(samples=24))[:24])
+        assert metrics[name]["exact_match"] == pytest.approx(own)
+
+
+def test_default_rag_long_run_reports_accuracy(tmp_path):
+    """`pwbench run --workload rag_long` on the bundled model (few requests, to stay quick)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "run", "--workload", "rag_long", "--requests", "6", "--quiet",
+         "--output", str(tmp_path / "run"), "--json"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    overall = summary["accuracy"]["overall"]
+    assert overall["total"] == 6 and overall["accuracy"] == overall["correct"] / 6
