@@ -32,7 +32,7 @@ from engines.runtime.sampling import make_generator, sample
 from engines.runtime.scheduler import Chunk, Scheduler, Sequence
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.experts import grouped_swiglu
-from engines.runtime.weights import DenseExperts, DenseExpertStore, ExpertStore, ModelWeights
+from engines.runtime.weights import DenseExperts, ExpertStore, ModelWeights, ResidentExpertStore
 
 _CPU_KV_BYTES = 1 << 30
 
@@ -106,7 +106,7 @@ class MoEEngine(Engine):
         return checkpoint, weights, self._build_experts(dense_experts)
 
     def _build_experts(self, dense: dict[int, DenseExperts]) -> ExpertStore:
-        return DenseExpertStore(dense)
+        return ResidentExpertStore(dense)
 
     def _expert_fn(self) -> ExpertFn:
         return grouped_swiglu  # type: ignore[return-value]

@@ -28,10 +28,9 @@ from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_FILE, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import read_scheme
 from engines.quant.ops import fused_moe
-from engines.quant.qweight import QuantizedExperts
 from engines.runtime.checkpoint import Checkpoint, QuantizedLoad, load_quantized_weights, open_checkpoint
 from engines.runtime.model import ExpertFn
-from engines.runtime.weights import ExpertStore, ModelWeights
+from engines.runtime.weights import ExpertStore, ModelWeights, ResidentExpertStore
 
 CACHE_ENV = "PWBENCH_CACHE"
 # llm-compressor saves its recipe beside the weights: the modifier names the method.
@@ -54,19 +53,6 @@ class StaticQuantConfig(MoEEngineConfig):
     cache_dir: str | None = None  # None: $PWBENCH_CACHE/quantized or ~/.cache/pwbench/quantized
 
 
-class QuantizedExpertStore(ExpertStore):
-    """Every layer's experts resident on the device, packed; bytes = codes + scales + zeros (+ g_idx)."""
-
-    def __init__(self, layers: dict[int, QuantizedExperts]) -> None:
-        self._layers = layers
-
-    def layer(self, index: int) -> QuantizedExperts:
-        return self._layers[index]
-
-    def nbytes(self) -> int:
-        return sum(e.nbytes() for e in self._layers.values())
-
-
 class StaticQuantEngine(MoEEngine):
     method: ClassVar[str]
     config_cls = StaticQuantConfig
@@ -78,7 +64,7 @@ class StaticQuantEngine(MoEEngine):
         checkpoint = open_checkpoint(folder)
         self._check_method(checkpoint)
         self.loaded: QuantizedLoad = load_quantized_weights(checkpoint, self.device, self.dtype, self.ledger)
-        return checkpoint, self.loaded.weights, QuantizedExpertStore(self.loaded.experts)
+        return checkpoint, self.loaded.weights, ResidentExpertStore(self.loaded.experts)
 
     def _expert_fn(self) -> ExpertFn:
         return fused_moe  # type: ignore[return-value]

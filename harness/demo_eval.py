@@ -73,7 +73,7 @@ def quantize_experts(engine, bits: int, group_size: int = 32) -> None:
     """RTN quantize-dequantize every routed expert of a started `moe` engine, in place."""
     from engines.quant.rtn import rtn_fake_quantize  # noqa: PLC0415
 
-    for i in engine.experts._layers:  # DenseExpertStore
+    for i in engine.experts.indices():
         experts = engine.experts.layer(i)
         experts.gate_up.copy_(rtn_fake_quantize(experts.gate_up, bits, group_size))
         experts.down.copy_(rtn_fake_quantize(experts.down, bits, min(group_size, experts.down.shape[-1])))

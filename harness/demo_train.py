@@ -193,6 +193,8 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print) -
     book_eval = closed_book(random.Random(cfg.seed + 20_000), 256)
     book_eval = [Sample("closed_book", "", (qa,)) for qa in book_eval.qa]
     copy_eval = [copy_task(eval_rng, eval_rng.randint(6, 24)) for _ in range(64)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)  # once; checkpoints rewrite only the weights and training.json
     level, curve, t0 = 0, [], time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
@@ -242,7 +244,6 @@ def _save(model, out_dir: Path, cfg: TrainConfig, curve: list, level: int, t0: f
     """Checkpoint after every evaluation, so an interrupted run still leaves a usable model."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
-    build_tokenizer(out_dir)
     report = {"config": asdict(cfg), "curve": curve, "final_level": level, "complete": final,
               "minutes": round((time.perf_counter() - t0) / 60, 2)}
     (out_dir / "training.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -46,7 +46,7 @@ from engines.runtime.experts import Dispatch, grouped_swiglu
 from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import DenseExperts, ExpertStore, ModelWeights
+from engines.runtime.weights import DenseExperts, ModelWeights, ResidentExpertStore
 
 METHODS = ("rtn", "gptq", "awq")
 BLOCK = 16  # KV block size of the calibration pass
@@ -99,17 +99,11 @@ class QuantizedModel:
     tokens: int  # calibration tokens
 
 
-class _IndexedStore(ExpertStore):
+class _IndexedStore(ResidentExpertStore):
     """Hands the layer index to the expert function along with the layer's dense experts."""
 
-    def __init__(self, layers: dict[int, DenseExperts]) -> None:
-        self._layers = layers
-
     def layer(self, index: int) -> tuple[int, DenseExperts]:
-        return index, self._layers[index]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for e in self._layers.values() for t in (e.gate_up, e.down))
+        return index, super().layer(index)
 
 
 class LayerQuantizer:

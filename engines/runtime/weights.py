@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 
-import torch
 from torch import Tensor
 
 
@@ -88,6 +87,9 @@ class DenseExperts:
     gate_up: Tensor  # [E, 2I, D]
     down: Tensor  # [E, D, I]
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+
 
 class ExpertStore(ABC):
     """Owns the routed-expert weights of every MoE layer.
@@ -104,18 +106,19 @@ class ExpertStore(ABC):
         """Device bytes held for routed experts now."""
 
 
-class DenseExpertStore(ExpertStore):
-    """Every expert resident on the device at the model dtype (the `moe` engine)."""
+class ResidentExpertStore(ExpertStore):
+    """Every layer's experts resident on the device, in whatever form the compute takes
+    (DenseExperts for `moe`, QuantizedExperts for the static engines); anything with nbytes()."""
 
-    def __init__(self, layers: dict[int, DenseExperts]) -> None:
+    def __init__(self, layers: dict) -> None:
         self._layers = layers
 
-    def layer(self, index: int) -> DenseExperts:
+    def layer(self, index: int):
         return self._layers[index]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for e in self._layers.values() for t in (e.gate_up, e.down))
+    def indices(self) -> list[int]:
+        """The MoE layers whose experts this store holds."""
+        return list(self._layers)
 
-    @staticmethod
-    def empty_like(experts: DenseExperts) -> DenseExperts:
-        return DenseExperts(torch.empty_like(experts.gate_up), torch.empty_like(experts.down))
+    def nbytes(self) -> int:
+        return sum(e.nbytes() for e in self._layers.values())

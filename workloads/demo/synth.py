@@ -88,7 +88,7 @@ def _block(seed: int, style: str, kind: str, block: int, length: int) -> tuple[l
         if with_fact:
             attr = rng.choice(list(ATTRIBUTES))
             fact = (rng.choice(lang.rag_entities), attr, rng.choice(ATTRIBUTES[attr]))
-            sentence = _fact_sentence(*fact)
+            sentence = fact_text = _fact_sentence(*fact)
         else:
             sentence = _filler(rng)
         if style == "chat" or kind == "history":
@@ -98,5 +98,5 @@ def _block(seed: int, style: str, kind: str, block: int, length: int) -> tuple[l
         words += sentence.split()
         if with_fact:
             offset = 4 if sentence.startswith("user : remember") else 0
-            facts.append((start + offset, start + offset + len(_fact_sentence(*fact).split()), fact))
+            facts.append((start + offset, start + offset + len(fact_text.split()), fact))
     return words[:length], facts
