@@ -108,8 +108,10 @@ def demo_train(
     steps: Annotated[int | None, typer.Option(help="Optimizer steps (default 7000; deterministic for a fixed count).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for weights and data.")] = 0,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Training option key=value (see harness/demo_train.py TrainConfig).")] = None,
+    from_: Annotated[str | None, typer.Option("--from", help="Skip the curriculum: run only the long-context stage on this finished curriculum checkpoint (same settings).")] = None,
 ) -> None:
-    """Train the demo MoE model from scratch on the demo tasks (about an hour on 2 CPU cores)."""
+    """Train the demo MoE model from scratch on the demo tasks: a curriculum stage, then a
+    long-context stage (about 65 minutes on 2 CPU cores)."""
     from pathlib import Path
 
     from engines.registry import build_config, parse_set_options
@@ -117,7 +119,7 @@ def demo_train(
 
     options = {"seed": seed, **({"steps": steps} if steps is not None else {}), **parse_set_options(set_ or [])}
     config = build_config(TrainConfig, options, owner="demo train")
-    report = train(config, Path(output), log=lambda line: typer.echo(line))
+    report = train(config, Path(output), log=lambda line: typer.echo(line), start_from=Path(from_) if from_ else None)
     typer.echo(f"wrote {output} (final curriculum level {report['final_level']}, {report['minutes']} min)")
 
 
