@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.results import HarnessError
 from workloads.demo.language import ATTRIBUTES, BOS_ID, EOS_ID, PAD_ID, build_tokenizer, demo_language
 from workloads.demo.tasks import Sample, chat_recall, closed_book, copy_task, rag_recall
 
@@ -226,20 +227,24 @@ def _load_curriculum(cfg: TrainConfig, folder: Path):
 
     path = Path(folder) / "training.json"
     if not path.is_file():
-        raise ValueError(f"{folder} has no training.json; --from needs a folder written by `pwbench demo train`")
-    report = json.loads(path.read_text())
-    differ = sorted(k for k, v in cfg.curriculum_fields().items() if report["config"].get(k) != v)
+        raise HarnessError(f"{folder} has no training.json; --from needs a folder written by `pwbench demo train`")
+    try:
+        report = json.loads(path.read_text())
+        config, curve, level = report["config"], report["curve"], report["final_level"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise HarnessError(f"{path} is not a `pwbench demo train` report ({exc!r}); train from scratch") from None
+    differ = sorted(k for k, v in cfg.curriculum_fields().items() if config.get(k) != v)
     if differ:
-        raise ValueError(f"{path}: curriculum settings differ from this run's ({', '.join(differ)}); "
+        raise HarnessError(f"{path}: curriculum settings differ from this run's ({', '.join(differ)}); "
                          f"pass the same --set values or train from scratch")
-    curve = [p for p in report["curve"] if p.get("stage", "curriculum") == "curriculum"]
+    curve = [p for p in curve if p.get("stage", "curriculum") == "curriculum"]
     if not curve or curve[-1]["step"] != cfg.steps:
-        raise ValueError(f"{path}: the curriculum stage did not finish ({cfg.steps} steps); train from scratch")
+        raise HarnessError(f"{path}: the curriculum stage did not finish ({cfg.steps} steps); train from scratch")
     model = MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     theta = model.config.rope_parameters["rope_theta"]
     if theta != 10000.0:
-        raise ValueError(f"{folder} already has RoPE theta {theta:g}: it went through the long-context stage")
-    return model, curve, report["final_level"]
+        raise HarnessError(f"{folder} already has RoPE theta {theta:g}: it went through the long-context stage")
+    return model, curve, level
 
 
 def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0: float):

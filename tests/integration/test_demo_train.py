@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from harness.demo_train import TrainConfig, build_model, set_rope_theta, train
+from harness.results import HarnessError
 
 TINY = TrainConfig(
     steps=4, hidden=32, heads=2, kv_heads=1, expert_intermediate=32, eval_every=2, eval_samples=2,
@@ -78,9 +79,24 @@ def test_trained_folder_records_the_stage_and_loads(runs):
 
 def test_from_rejects_other_settings_and_extended_models(runs, tmp_path):
     root, _, _, _ = runs
-    with pytest.raises(ValueError, match="curriculum settings differ.*lr"):
+    with pytest.raises(HarnessError, match="curriculum settings differ.*lr"):
         train(replace(TINY, lr=2e-3), tmp_path / "x", start_from=root / "curriculum")
-    with pytest.raises(ValueError, match="already has RoPE theta"):
+    with pytest.raises(HarnessError, match="already has RoPE theta"):
         train(TINY, tmp_path / "y", start_from=root / "full")
-    with pytest.raises(ValueError, match="no training.json"):
+    with pytest.raises(HarnessError, match="no training.json"):
         train(TINY, tmp_path / "z", start_from=tmp_path)
+    (tmp_path / "training.json").write_text("{not json")
+    with pytest.raises(HarnessError, match="not a `pwbench demo train` report"):
+        train(TINY, tmp_path / "w", start_from=tmp_path)
+    assert not (tmp_path / "w").exists()  # nothing written on failure
+
+
+def test_cli_from_a_bad_folder_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "harness.cli", "demo", "train", "--from", str(tmp_path),
+                          "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().startswith("error:") and "no training.json" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()
