@@ -131,19 +131,23 @@ def demo_eval(
     samples: Annotated[int, typer.Option(help="Examples per recall/copy task.")] = 200,
     expert_bits: Annotated[int | None, typer.Option(help="RTN-quantize routed experts to this many bits first (moe engine).")] = None,
     curve: Annotated[str | None, typer.Option(help="Also measure recall at these context lengths, e.g. 256,512,1024,2000.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value, e.g. dtype=bfloat16 for 16-bit weights and activations.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Exact-match accuracy on held-out demo tasks (RAG and chat recall at 512-1024 tokens, closed book, copy)."""
     from engines.demo import demo_model_path
+    from engines.registry import parse_set_options
     from harness.demo_eval import EvalSpec, context_curve, evaluate
 
     folder = model or str(demo_model_path())
+    options = parse_set_options(set_ or [])
     say = (lambda m: None) if as_json else (lambda m: typer.echo(m))
-    result = evaluate(folder, engine, EvalSpec(samples=samples), expert_bits=expert_bits, progress=say)
-    payload = {"model": folder, "engine": engine, "expert_bits": expert_bits, "accuracy": result.accuracy, "counts": result.counts}
+    result = evaluate(folder, engine, EvalSpec(samples=samples), options=options, expert_bits=expert_bits, progress=say)
+    payload = {"model": folder, "engine": engine, "options": options, "expert_bits": expert_bits,
+               "accuracy": result.accuracy, "counts": result.counts}
     if curve:
         lengths = [int(x) for x in curve.split(",")]
-        payload["context_curve"] = context_curve(folder, lengths, EvalSpec(samples=samples), engine)
+        payload["context_curve"] = context_curve(folder, lengths, EvalSpec(samples=samples), engine, options)
         for task, points in payload["context_curve"].items():
             say(f"{task} by context: " + ", ".join(f"{n}: {a:.3f}" for n, a in points.items()))
     if as_json:

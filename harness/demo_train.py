@@ -236,11 +236,14 @@ def _load_curriculum(cfg: TrainConfig, folder: Path):
     differ = sorted(k for k, v in cfg.curriculum_fields().items() if config.get(k) != v)
     if differ:
         raise HarnessError(f"{path}: curriculum settings differ from this run's ({', '.join(differ)}); "
-                         f"pass the same --set values or train from scratch")
+                           f"pass the same --set values or train from scratch")
     curve = [p for p in curve if p.get("stage", "curriculum") == "curriculum"]
     if not curve or curve[-1]["step"] != cfg.steps:
         raise HarnessError(f"{path}: the curriculum stage did not finish ({cfg.steps} steps); train from scratch")
-    model = MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    try:
+        model = MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise HarnessError(f"{folder}: cannot load the curriculum model ({exc}); train from scratch") from None
     theta = model.config.rope_parameters["rope_theta"]
     if theta != 10000.0:
         raise HarnessError(f"{folder} already has RoPE theta {theta:g}: it went through the long-context stage")
