@@ -111,7 +111,7 @@ def demo_train(
     from_: Annotated[str | None, typer.Option("--from", help="Skip the curriculum: run only the long-context stage on this finished curriculum checkpoint (same settings).")] = None,
 ) -> None:
     """Train the demo MoE model from scratch on the demo tasks: a curriculum stage, then a
-    long-context stage (about 65 minutes on 2 CPU cores)."""
+    long-context stage (about 60 minutes on 2 CPU cores)."""
     from pathlib import Path
 
     from engines.registry import build_config, parse_set_options
