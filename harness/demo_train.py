@@ -210,12 +210,10 @@ def lr_at(step: int, lr: float, steps: int, warmup: int, decay_frac: float) -> f
 def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print, start_from: Path | None = None) -> dict:
     """The curriculum stage, then the long-context stage; or only the latter from `start_from`."""
     t0 = time.perf_counter()
-    if start_from is None:
-        model, curve, level = _curriculum(cfg, out_dir, log, t0)
-    else:
-        model, curve, level = _load_curriculum(cfg, start_from)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        build_tokenizer(out_dir)
+    loaded = _load_curriculum(cfg, start_from) if start_from is not None else None  # check before writing
+    out_dir.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out_dir)  # once; checkpoints rewrite only the weights and training.json
+    model, curve, level = loaded or _curriculum(cfg, out_dir, log, t0)
     if cfg.long_steps > 0:
         curve = curve + _long_context(model, cfg, out_dir, log, curve, level, t0)
     model.eval()
@@ -258,11 +256,8 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     eval_rng = random.Random(cfg.seed + 10_000)
     eval_sets = {lvl: [retrieval_sample(eval_rng, lvl, cfg, 1) for _ in range(cfg.eval_samples)] for lvl in range(len(LEVELS))}
-    book_eval = closed_book(random.Random(cfg.seed + 20_000), 256)
-    book_eval = [Sample("closed_book", "", (qa,)) for qa in book_eval.qa]
+    book_eval = _book_eval(cfg)
     copy_eval = [copy_task(eval_rng, eval_rng.randint(6, 24)) for _ in range(64)]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out_dir)  # once; checkpoints rewrite only the weights and training.json
     level, curve = 0, []
     for step in range(cfg.steps):
         for group in opt.param_groups:
@@ -281,24 +276,30 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
             streams["book"] = fill(lambda: closed_book(rng, 8), cfg.book_tokens)
         parts = _step(model, opt, streams, cfg.aux_loss_coef)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            model.eval()
-            point = {
-                "step": step + 1,
-                "minutes": round((time.perf_counter() - t0) / 60, 2),
-                "level": level,
-                **{f"loss_{name}": round(ce.item() / max(1, n), 4) for name, (ce, n, _) in parts.items()},
-                "retrieval_acc": answer_accuracy(model, eval_sets[level]),
-                "top_level_acc": answer_accuracy(model, eval_sets[len(LEVELS) - 1]),
-                "closed_book_acc": answer_accuracy(model, book_eval),
-                "copy_acc": answer_accuracy(model, copy_eval),
-            }
-            model.train()
+            head = {"step": step + 1, "minutes": round((time.perf_counter() - t0) / 60, 2), "level": level}
+            point = _measure(model, head, parts, {
+                "retrieval_acc": eval_sets[level], "top_level_acc": eval_sets[len(LEVELS) - 1],
+                "closed_book_acc": book_eval, "copy_acc": copy_eval})
             curve.append(point)
             log(json.dumps(point))
             if point["retrieval_acc"] >= cfg.advance_at and level < len(LEVELS) - 1:
                 level += 1
             _save(model, out_dir, cfg, curve, level, t0, final=False)
     return model, curve, level
+
+
+def _book_eval(cfg: TrainConfig) -> list[Sample]:
+    """256 closed-book questions, one per sample (both stages track the same set)."""
+    return [Sample("closed_book", "", (qa,)) for qa in closed_book(random.Random(cfg.seed + 20_000), 256).qa]
+
+
+def _measure(model, head: dict, parts: dict[str, tuple], sets: dict[str, list[Sample]]) -> dict:
+    """One learning-curve point: `head`, the step's loss per stream, accuracy on each held-out set."""
+    model.eval()
+    point = {**head, **{f"loss_{name}": round(ce.item() / max(1, n), 4) for name, (ce, n, _) in parts.items()},
+             **{key: answer_accuracy(model, samples) for key, samples in sets.items()}}
+    model.train()
+    return point
 
 
 def _step(model, opt, streams: dict[str, list], aux_coef: float) -> dict[str, tuple]:
@@ -339,7 +340,7 @@ def _long_context(model, cfg: TrainConfig, out_dir: Path, log: Callable[[str], N
         n_tokens = eval_rng.randint(512, 1024)
         make = rag_recall if i % 2 == 0 else chat_recall
         recall_eval.append(make(eval_rng, n_tokens // 32, n_tokens, 1))
-    book_eval = [Sample("closed_book", "", (qa,)) for qa in closed_book(random.Random(cfg.seed + 20_000), 256).qa]
+    book_eval = _book_eval(cfg)
     book_ctx_eval = [book_in_context(eval_rng, 1, cfg) for _ in range(cfg.eval_samples)]
     copy_eval = [copy_task(eval_rng, eval_rng.randint(6, 24)) for _ in range(64)]
     last = len(LEVELS) - 1
@@ -364,18 +365,11 @@ def _long_context(model, cfg: TrainConfig, out_dir: Path, log: Callable[[str], N
         }
         parts = _step(model, opt, streams, cfg.aux_loss_coef)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.long_steps:
-            model.eval()
-            point = {
-                "stage": "long_context",
-                "step": cfg.steps + step + 1,
-                "minutes": round((time.perf_counter() - t0) / 60, 2),
-                **{f"loss_{name}": round(ce.item() / max(1, n), 4) for name, (ce, n, _) in parts.items()},
-                "recall_512_1024_acc": answer_accuracy(model, recall_eval),
-                "closed_book_acc": answer_accuracy(model, book_eval),
-                "closed_book_in_context_acc": answer_accuracy(model, book_ctx_eval),
-                "copy_acc": answer_accuracy(model, copy_eval),
-            }
-            model.train()
+            head = {"stage": "long_context", "step": cfg.steps + step + 1,
+                    "minutes": round((time.perf_counter() - t0) / 60, 2)}
+            point = _measure(model, head, parts, {
+                "recall_512_1024_acc": recall_eval, "closed_book_acc": book_eval,
+                "closed_book_in_context_acc": book_ctx_eval, "copy_acc": copy_eval})
             curve.append(point)
             log(json.dumps(point))
             _save(model, out_dir, cfg, done + curve, level, t0, final=False)
