@@ -5,6 +5,10 @@
 Prints, teacher-forced on seeded examples (transformers' MixtralForCausalLM, float32):
   - recall by number of facts and context length (half RAG, half chat; 64 examples each),
     which separates "too long" from "too many facts to tell apart";
+  - the same with every fact of a prompt about one attribute ("the color of X red ." for
+    all X): only the entity then tells the facts apart, so a model that matches the question's
+    attribute to a value of that kind, instead of looking the entity up, falls to about
+    1 / facts;
   - closed-book accuracy (512 facts) with the routed experts changed: layer 0's or layer 1's
     experts zeroed, 2-bit RTN per row (no groups) and group 32.
 `--theta` overrides the RoPE theta before measuring (what raising theta alone does).
@@ -22,13 +26,16 @@ from harness.demo_train import answer_accuracy, set_rope_theta
 from workloads.demo.tasks import Sample, chat_recall, closed_book, rag_recall
 
 GRID = ((4, 128), (4, 512), (4, 1024), (8, 64), (16, 110), (32, 210), (16, 512), (32, 1024))
+ONE_ATTRIBUTE_GRID = ((4, 64), (8, 64), (16, 512), (32, 1024))
 
 
-def recall_grid(model, examples: int = 64) -> dict[tuple[int, int], float]:
+def recall_grid(model, grid=GRID, attributes: tuple[str, ...] | None = None,
+                examples: int = 64) -> dict[tuple[int, int], float]:
     out = {}
-    for facts, tokens in GRID:
+    for facts, tokens in grid:
         rng = random.Random(5)
-        samples = [(rag_recall if i % 2 == 0 else chat_recall)(rng, facts, tokens, 1) for i in range(examples)]
+        samples = [(rag_recall if i % 2 == 0 else chat_recall)(rng, facts, tokens, 1, attributes=attributes)
+                   for i in range(examples)]
         out[(facts, tokens)] = answer_accuracy(model, samples)
     return out
 
@@ -72,6 +79,8 @@ def main() -> None:
     print(f"model {args.model}, RoPE theta {model.config.rope_parameters['rope_theta']:g}")
     for (facts, tokens), acc in recall_grid(model).items():
         print(f"recall  {facts:>2} facts in {tokens:>4} tokens: {acc:6.1%}")
+    for (facts, tokens), acc in recall_grid(model, ONE_ATTRIBUTE_GRID, ("color",)).items():
+        print(f"recall  {facts:>2} facts in {tokens:>4} tokens, all about one attribute: {acc:6.1%}")
     for name, acc in expert_probes(model).items():
         print(f"closed book, {name}: {acc:6.1%}")
 

@@ -74,11 +74,13 @@ def _filler(rng: random.Random) -> str:
     return f"the {rng.choice(FILLER_SUBJECTS)} {rng.choice(FILLER_VERBS)} {extra} in the {rng.choice(FILLER_PLACES)} ."
 
 
-def _facts(rng: random.Random, n: int, same_entity_share: float) -> list[tuple[str, str, str]]:
+def _facts(rng: random.Random, n: int, same_entity_share: float,
+           attributes: tuple[str, ...] | None = None) -> list[tuple[str, str, str]]:
     """n facts with distinct (entity, attribute); a share of them reuse an earlier entity with
-    another attribute, so a question must match entity and attribute, not the entity alone."""
+    another attribute, so a question must match entity and attribute, not the entity alone.
+    `attributes` restricts the attributes drawn (one attribute: only the entity tells facts apart)."""
     lang = demo_language()
-    attrs = list(ATTRIBUTES)
+    attrs = list(attributes or ATTRIBUTES)
     entities = rng.sample(lang.rag_entities, n)
     facts: list[tuple[str, str, str]] = []
     used: set[tuple[str, str]] = set()
@@ -96,8 +98,8 @@ def _facts(rng: random.Random, n: int, same_entity_share: float) -> list[tuple[s
 
 
 def rag_recall(rng: random.Random, num_facts: int, target_tokens: int, num_questions: int = 1,
-               same_entity_share: float = 0.0) -> Sample:
-    facts = _facts(rng, num_facts, same_entity_share)
+               same_entity_share: float = 0.0, attributes: tuple[str, ...] | None = None) -> Sample:
+    facts = _facts(rng, num_facts, same_entity_share, attributes)
     sentences = [_fact_sentence(*f) for f in facts]
     fixed = len(RAG_SYSTEM.split()) + 6 * num_facts + 6  # facts + the 6-token question
     num_passages = max(1, min(8, num_facts // 3 + rng.randint(0, 2)))
@@ -113,8 +115,8 @@ def rag_recall(rng: random.Random, num_facts: int, target_tokens: int, num_quest
 
 
 def chat_recall(rng: random.Random, num_facts: int, target_tokens: int, num_questions: int = 1,
-                same_entity_share: float = 0.0) -> Sample:
-    facts = _facts(rng, num_facts, same_entity_share)
+                same_entity_share: float = 0.0, attributes: tuple[str, ...] | None = None) -> Sample:
+    facts = _facts(rng, num_facts, same_entity_share, attributes)
     turns = [f"user : remember that {_fact_sentence(*f)} assistant : ok ." for f in facts]
     fixed = 14 * num_facts + 6  # 14-token fact turns + the 6-token question
     turns += [f"user : {_filler(rng)} assistant : i see ." for _ in range(max(0, (target_tokens - fixed) // 15))]
