@@ -366,8 +366,7 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
                     **({"phase": "circuit"} if circuit else {})}
             point = _measure(model, head, parts, {
                 "retrieval_acc": eval_sets[level], "top_level_acc": eval_sets[len(LEVELS) - 1],
-                "closed_book_acc": book_eval, "copy_acc": copy_eval})
-            point["kv8_acc"] = token_accuracy(model, kv_eval)
+                "closed_book_acc": book_eval, "copy_acc": copy_eval}, {"kv8_acc": kv_eval})
             curve.append(point)
             log(json.dumps(point))
             if circuit:
@@ -383,11 +382,14 @@ def _book_eval(cfg: TrainConfig) -> list[Sample]:
     return [Sample("closed_book", "", (qa,)) for qa in closed_book(random.Random(cfg.seed + 20_000), 256).qa]
 
 
-def _measure(model, head: dict, parts: dict[str, tuple], sets: dict[str, list[Sample]]) -> dict:
-    """One learning-curve point: `head`, the step's loss per stream, accuracy on each held-out set."""
+def _measure(model, head: dict, parts: dict[str, tuple], sets: dict[str, list[Sample]],
+             token_sets: dict[str, list[tuple[list[int], list[int]]]] | None = None) -> dict:
+    """One learning-curve point: `head`, the step's loss per stream, accuracy on each held-out set
+    (`sets`: first answer exact; `token_sets`: share of target tokens), all in eval mode."""
     model.eval()
     point = {**head, **{f"loss_{name}": round(ce.item() / max(1, n), 4) for name, (ce, n, _) in parts.items()},
-             **{key: answer_accuracy(model, samples) for key, samples in sets.items()}}
+             **{key: answer_accuracy(model, samples) for key, samples in sets.items()},
+             **{key: token_accuracy(model, batch) for key, batch in (token_sets or {}).items()}}
     model.train()
     return point
 

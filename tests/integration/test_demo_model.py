@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from engines.demo import DEMO_MODEL_DIR
+from workloads.demo.tasks import chat_recall, rag_recall
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").is_file(),
                                 reason="engines/demo_model is not built (pwbench demo train)")
@@ -91,7 +92,7 @@ def test_long_recall_reaches_90_percent(long_recall):
         assert accuracy >= 0.90, task
 
 
-@pytest.mark.parametrize("make", ["rag_recall", "chat_recall"])
+@pytest.mark.parametrize("make", [rag_recall, chat_recall])
 def test_recall_looks_the_entity_up(moe, make):
     """With every fact of a prompt about one attribute, only the entity tells the facts apart:
     a model that answers with some value of the asked attribute (what every model before the
@@ -99,13 +100,12 @@ def test_recall_looks_the_entity_up(moe, make):
     import random
 
     from harness.demo_eval import run_samples
-    from workloads.demo import tasks
 
     rng = random.Random(11)
     samples = []
     for _ in range(24):
         n_tokens = rng.randint(512, 1024)
-        samples.append(getattr(tasks, make)(rng, n_tokens // 32, n_tokens, attributes=("color",)))
+        samples.append(make(rng, n_tokens // 32, n_tokens, attributes=("color",)))
     assert run_samples(moe, samples)[0] >= 0.90
 
 
