@@ -14,10 +14,12 @@ from typing import Any
 
 from engines.base import EngineRequest
 from engines.registry import create_engine
+from harness.results import HarnessError
 from workloads.demo.language import BOS_ID, EOS_ID, demo_language
 from workloads.demo.tasks import Sample, closed_book, copy_task, make_sample, score
 
 EVAL_SEED = 424242  # training draws from seeds < 100,000
+CLOSED_BOOK_SAMPLES = 1600  # closed-book questions per evaluation (of the 6,400 facts)
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,9 @@ def demo_samples(task: str, spec: EvalSpec, tokens: tuple[int, int] | None = Non
     rng = random.Random(f"{spec.seed}-{task}-{tokens}")
     lo, hi = tokens or spec.rag_tokens
     if task == "closed_book":
-        qa = closed_book(rng, len(demo_language().book_facts)).qa  # every fact, in a seeded order
-        return [Sample("closed_book", "", (pair,)) for pair in qa[: max(spec.samples, len(qa))]]
+        # A seeded quarter of the 6,400 facts (every fact when samples asks for more).
+        count = min(len(demo_language().book_facts), max(spec.samples, CLOSED_BOOK_SAMPLES))
+        return [Sample("closed_book", "", (pair,)) for pair in closed_book(rng, count).qa]
     if task == "copy":
         return [copy_task(rng, rng.randint(6, 24)) for _ in range(spec.samples)]
     out = []
@@ -69,23 +72,32 @@ def run_samples(engine, samples: list[Sample]) -> tuple[float, list[dict[str, An
     return sum(r["correct"] for r in rows) / max(1, len(rows)), rows
 
 
-def quantize_experts(engine, bits: int, group_size: int = 32) -> None:
-    """RTN quantize-dequantize every routed expert of a started `moe` engine, in place."""
+def quantize_experts(engine, bits: int, group_size: int | None = 32) -> None:
+    """RTN quantize-dequantize every routed expert of a started `moe` engine, in place.
+    `group_size` None (or 0): one group per output row, the plain per-channel RTN that GPTQ
+    (arXiv 2210.17323) compares against; otherwise groups of that many inputs (capped at the
+    row length, which it must divide)."""
     from engines.quant.rtn import rtn_fake_quantize  # noqa: PLC0415
 
     for i in engine.experts.indices():
         experts = engine.experts.layer(i)
-        experts.gate_up.copy_(rtn_fake_quantize(experts.gate_up, bits, group_size))
-        experts.down.copy_(rtn_fake_quantize(experts.down, bits, min(group_size, experts.down.shape[-1])))
+        for w in (experts.gate_up, experts.down):
+            row = w.shape[-1]
+            group = min(group_size or row, row)
+            if row % group:
+                raise HarnessError(f"expert group size {group_size} does not divide the expert rows ({row} inputs); "
+                                   f"pick a divisor of {row}, or 0 for one group per row")
+            w.copy_(rtn_fake_quantize(w, bits, group))
 
 
 def evaluate(model: str, engine_name: str = "moe", spec: EvalSpec = EvalSpec(), options: dict | None = None,
-             expert_bits: int | None = None, progress: Callable[[str], None] | None = None) -> EvalResult:
+             expert_bits: int | None = None, progress: Callable[[str], None] | None = None,
+             expert_group: int | None = 32) -> EvalResult:
     engine = create_engine(engine_name, {"model": model, **(options or {})})
     engine.start()
     try:
         if expert_bits is not None and expert_bits < 16:
-            quantize_experts(engine, expert_bits)
+            quantize_experts(engine, expert_bits, expert_group)
         accuracy, counts, examples = {}, {}, {}
         for task in spec.tasks:
             acc, rows = run_samples(engine, demo_samples(task, spec))

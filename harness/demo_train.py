@@ -15,6 +15,8 @@ Recipe (what trials on these 2-core CPUs showed; see README "The demo model"):
     formats at the current level (plus replay of easier levels), and closed-book questions
     (from `book_from_level` on; from the start by default). The level (facts and context
     length) rises when held-out recall at the current level reaches `advance_at`.
+    Closed book is 6,400 facts about two-word names (workloads/demo/language.py); it is the
+    slowest stream (93% at step 3,500 of the shipped run, 100% at 4,000).
   - Facts read "the color of X red ." and questions are clozes ("question : the color of X"),
     so recall is the single-token lookup X -> next token.
 Then a short long-context stage (`long_steps`, 200): recall at 200-1,400 tokens with 8
@@ -24,7 +26,9 @@ which is how the workloads ask them when a prompt holds no complete fact (withou
 change RoPE theta (`long_rope_theta`): raising 1e4 to 1e6, as Code Llama extended Llama 2's
 context (arXiv 2308.12950), lifted the previous model, which never left the first curriculum
 level, from 2% to 32% recall at 512-1,024 tokens; the shipped model keeps 1e4.
-Deterministic from the seed for a fixed step count (time is never a stopping criterion).
+Deterministic from the seed for a fixed step count and thread count (time is never a stopping
+criterion; one thread and two gave the same curve through step 1,200, then differed in the
+fourth digit).
 `train(..., start_from=DIR)` runs only the long-context stage on a finished curriculum
 checkpoint with the same curriculum settings, which is what the from-scratch run does after
 its curriculum.
@@ -60,15 +64,15 @@ LEVELS: tuple[tuple[int, int, int, int], ...] = (
 
 @dataclass(frozen=True)
 class TrainConfig:
-    seed: int = 0
-    steps: int = 3000
+    seed: int = 2  # the shipped model's; see README "The demo model" for seeds 0 and 1
+    steps: int = 4000
     hidden: int = 128
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
     experts: int = 4
     top_k: int = 2
-    expert_intermediate: int = 256
+    expert_intermediate: int = 64
     max_position: int = 2048
     lr: float = 1e-3
     warmup: int = 50
@@ -78,12 +82,12 @@ class TrainConfig:
     pairs_tokens: int = 1536
     retrieval_tokens: int = 6144
     level0_retrieval_tokens: int = 1536
-    book_tokens: int = 1536
+    book_tokens: int = 2048
     embed_offset: float = 1.0  # a direction shared by all token embeddings, in units of one's norm
     # First phase: token-level copy, key-value recall and skip (circuit_batch) until held-out
     # 8-pair key-value recall reaches circuit_until, or for at most circuit_max_steps.
     circuit_until: float = 0.9
-    circuit_max_steps: int = 1500
+    circuit_max_steps: int = 3000
     circuit_sequences: int = 32  # per task per step
     book_from_level: int = 0  # curriculum level at which closed-book questions join the mix
     questions_per_context: int = 4

@@ -41,10 +41,11 @@ def recall_grid(model, grid=GRID, attributes: tuple[str, ...] | None = None,
 
 
 @torch.no_grad()
-def expert_probes(model) -> dict[str, float]:
+def expert_probes(model, facts: list[Sample] | None = None) -> dict[str, float]:
+    """Closed-book accuracy (512 seeded facts unless given) as the routed experts change."""
     from engines.quant.rtn import rtn_fake_quantize  # noqa: PLC0415
 
-    facts = [Sample("closed_book", "", (qa,)) for qa in closed_book(random.Random(5), 512).qa]
+    facts = facts or [Sample("closed_book", "", (qa,)) for qa in closed_book(random.Random(5), 512).qa]
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     layers = [layer.mlp.experts for layer in model.model.layers]
 

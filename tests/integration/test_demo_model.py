@@ -46,37 +46,44 @@ def test_shipped_folder_is_small_and_loads_with_transformers():
 
 @pytest.fixture(scope="module")
 def closed_book_at(moe):
-    """Closed-book accuracy over the whole fact table with the routed experts RTN-quantized
-    (group 32) to `bits`, restoring the full-precision experts afterwards."""
+    """closed_book_at(bits, group): closed-book accuracy (1,600 seeded questions of the 6,400
+    facts, by generation) with the routed experts RTN-quantized to `bits` in groups of
+    `group` inputs (None: one group per row), restoring the full-precision experts after;
+    bits None = full precision. Each setting is measured once per module."""
     from harness.demo_eval import EvalSpec, demo_samples, quantize_experts, run_samples
 
     samples = demo_samples("closed_book", EvalSpec())
+    measured: dict[tuple, float] = {}
 
-    def measure(bits: int | None) -> float:
-        if bits is None:
-            return run_samples(moe, samples)[0]
+    def measure(bits: int | None, group: int | None = 32) -> float:
+        key = (bits, group if bits else None)
+        if key in measured:
+            return measured[key]
         saved = {i: (moe.experts.layer(i).gate_up.clone(), moe.experts.layer(i).down.clone()) for i in moe.experts.indices()}
         try:
-            quantize_experts(moe, bits)
-            return run_samples(moe, samples)[0]
+            if bits:
+                quantize_experts(moe, bits, group)
+            measured[key] = run_samples(moe, samples)[0]
         finally:
             for i, (gate_up, down) in saved.items():
                 moe.experts.layer(i).gate_up.copy_(gate_up)
                 moe.experts.layer(i).down.copy_(down)
+        return measured[key]
 
     return measure
 
 
-def test_closed_book_is_learned_and_2bit_experts_lower_it(closed_book_at):
+def test_closed_book_is_learned_and_4bit_experts_keep_it(closed_book_at):
     full = closed_book_at(None)
     assert full >= 0.90
-    assert closed_book_at(2) < full
+    assert closed_book_at(4, 32) >= full - 0.02  # 98.9% -> 98.75% when measured
 
 
-@pytest.mark.xfail(strict=True, reason="issue 5 target not met: the shipped model loses 1.1 points "
-                   "(100% -> 98.9%) at 2 bits, not >= 10; see README 'The demo model'")
-def test_2bit_rtn_experts_cost_at_least_ten_points(closed_book_at):
-    assert closed_book_at(None) - closed_book_at(2) >= 0.10
+@pytest.mark.parametrize("group", [None, 32])
+def test_2bit_rtn_experts_cost_at_least_ten_points(closed_book_at, group):
+    """Round-to-nearest, asymmetric min-max: plain (one scale per output row, GPTQ's RTN
+    baseline; 98.9% -> 61.1% when measured) and in groups of 32 inputs (-> 71.7%)."""
+    assert closed_book_at(None) - closed_book_at(2, group) >= 0.10
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +129,8 @@ def test_demo_eval_cli_in_bfloat16_and_bad_options(tmp_path):
     assert payload["accuracy"]["closed_book"] >= 0.90  # 16-bit weights keep the fact table
     bad = cli("--samples", "4", "--set", "no_such_option=1")
     assert bad.returncode == 2 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+    bad_group = cli("--samples", "4", "--expert-bits", "2", "--expert-group", "48")
+    assert bad_group.returncode == 2 and "does not divide" in bad_group.stderr and "Traceback" not in bad_group.stderr
 
 
 def test_moe_and_hf_give_the_same_answers_on_long_recall(moe):

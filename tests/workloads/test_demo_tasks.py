@@ -14,7 +14,7 @@ from workloads.demo.tasks import chat_recall, closed_book, copy_task, make_sampl
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload
 
 FACT = re.compile(r"the (\w+) of (\w+) (\w+) \.")
-QUESTION = re.compile(r"(?:question|user) : the (\w+) of (\w+)$")
+QUESTION = re.compile(r"(?:question|user) : the (\w+) of (\w+(?: \w+)?)$")
 
 
 def stated(text: str) -> list[tuple[str, str, str]]:

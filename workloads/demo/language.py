@@ -43,15 +43,20 @@ FILLER_TIMES = tuple("today yesterday recently later early monday friday spring 
 FILLER_EXTRA = tuple("near after before during quietly slowly again also very".split())
 
 NUM_RAG_ENTITIES = 800
-NUM_BOOK_ENTITIES = 400
-BOOK_ATTRIBUTES_PER_ENTITY = 4  # 400 x 4 = 1,600 closed-book facts
+# Closed-book entities have two-word names, a first and a last name (40 x 40 = 1,600 names),
+# each fact about the pair: no single word's embedding can hold a fact, so the experts must
+# (with one-word names the facts sat in the name embeddings, and 2-bit experts lost none).
+NUM_BOOK_FIRST_NAMES = 40
+NUM_BOOK_LAST_NAMES = 40
+BOOK_ATTRIBUTES_PER_ENTITY = 4  # 1,600 x 4 = 6,400 closed-book facts
 
 
 @dataclass(frozen=True)
 class Language:
     vocab: tuple[str, ...]  # index = token id
     rag_entities: tuple[str, ...]  # names used in passages and chats (facts given in context)
-    book_entities: tuple[str, ...]  # names whose facts live only in the weights
+    book_entities: tuple[str, ...]  # "first last" names whose facts live only in the weights
+    book_name_words: tuple[str, ...]  # the first and last names they are made of
     book_facts: dict[tuple[str, str], str]  # (entity, attribute) -> value
 
     @property
@@ -97,13 +102,15 @@ def demo_language() -> Language:
         raise AssertionError("demo vocabulary has duplicate words")
     taken = set(words)
     rag = _pseudo_words(rng, NUM_RAG_ENTITIES, taken)
-    book = _pseudo_words(rng, NUM_BOOK_ENTITIES, taken)
+    names = _pseudo_words(rng, NUM_BOOK_FIRST_NAMES + NUM_BOOK_LAST_NAMES, taken)
+    firsts, lasts = names[:NUM_BOOK_FIRST_NAMES], names[NUM_BOOK_FIRST_NAMES:]
+    book = [f"{first} {last}" for first in firsts for last in lasts]
     attrs = list(ATTRIBUTES)
     facts: dict[tuple[str, str], str] = {}
     for entity in book:
         for attr in rng.sample(attrs, BOOK_ATTRIBUTES_PER_ENTITY):
             facts[(entity, attr)] = rng.choice(ATTRIBUTES[attr])
-    return Language(tuple(words + rag + book), tuple(rag), tuple(book), facts)
+    return Language(tuple(words + rag + names), tuple(rag), tuple(book), tuple(names), facts)
 
 
 def build_tokenizer(out_dir: Path) -> None:

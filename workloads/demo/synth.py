@@ -3,7 +3,7 @@
 Each block's words are a function of its id only (same id -> same words, so prefix and
 passage reuse survive), generated in the format the demo model was trained on: passages of
 fact and filler sentences for RAG, "remember that ..." and small-talk turns for chats. The
-last 6 tokens are overwritten with a question about one fact stated exactly once in the
+last 6 tokens (7 for closed book) are overwritten with a question about one fact stated exactly once in the
 prompt (task rag_recall / chat_recall); a prompt with no complete fact asks a closed-book
 question instead (RAG traffic where retrieval found nothing). Token 0 is BOS.
 """
@@ -19,7 +19,7 @@ from workloads.demo.language import ATTRIBUTES, BOS_ID, demo_language
 from workloads.demo.tasks import RAG_SYSTEM, _fact_sentence, _filler, _question
 from workloads.synth import Prompt, RequestSkeleton
 
-QUESTION_TOKENS = 6  # "question : the A of E" (chats: "user : the A of E")
+QUESTION_TOKENS = 6  # "question : the A of E" (chats: "user : the A of E"); closed book 7 (two-word E)
 FACT_EVERY = 4  # one fact sentence per this many sentences (about one fact per 30 tokens)
 
 Fact = tuple[str, str, str]
@@ -58,8 +58,8 @@ class DemoTaskSynthesizer:
             (entity, attr), value = _book_fact(rng)
             task = "closed_book"
         question = _question(entity, attr, "assistant" if task == "chat_recall" else "answer").split()
-        if len(words) > QUESTION_TOKENS:
-            words[-QUESTION_TOKENS:] = question
+        if len(words) > len(question):
+            words[-len(question):] = question
         else:  # too short for context: the whole prompt is the question
             words = ["<s>", *question]
         ids = tuple(BOS_ID if w == "<s>" else self.table[w] for w in words)

@@ -141,7 +141,7 @@ def closed_book(rng: random.Random, num_questions: int = 1) -> Sample:
 
 def copy_task(rng: random.Random, length: int, num_questions: int = 1) -> Sample:
     lang = demo_language()
-    pool = lang.rag_entities + lang.book_entities + FILLER_SUBJECTS + FILLER_PLACES
+    pool = lang.rag_entities + lang.book_name_words + FILLER_SUBJECTS + FILLER_PLACES
     qa = []
     for _ in range(num_questions):
         words = " ".join(rng.choice(pool) for _ in range(length))
