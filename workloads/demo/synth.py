@@ -3,9 +3,10 @@
 Each block's words are a function of its id only (same id -> same words, so prefix and
 passage reuse survive), generated in the format the demo model was trained on: passages of
 fact and filler sentences for RAG, "remember that ..." and small-talk turns for chats. The
-last 6 tokens (7 for closed book) are overwritten with a question about one fact stated exactly once in the
+last 6 tokens are overwritten with a question about one fact stated exactly once in the
 prompt (task rag_recall / chat_recall); a prompt with no complete fact asks a closed-book
-question instead (RAG traffic where retrieval found nothing). Token 0 is BOS.
+question instead (RAG traffic where retrieval found nothing; 7 tokens, the names have two
+words). Token 0 is BOS.
 """
 
 from __future__ import annotations
