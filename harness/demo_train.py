@@ -3,7 +3,7 @@
 Recipe (what trials on these 2-core CPUs showed; see README "The demo model"):
   - First the lookup circuit, on its own (`circuit_batch`): token-level copy, key-value recall
     and a "skip" task (x r x: the target is the token two back) over random words, until
-    held-out 8-pair key-value recall reaches `circuit_until` (about 1,000 steps). The skip
+    held-out 8-pair key-value recall reaches `circuit_until` (1,100 steps in the shipped run). The skip
     task makes a previous-token head worth having by itself; key-value recall then needs only
     a head that matches the current token against it. Together with a shared direction added
     to every token embedding at init (`embed_offset`: without attention biases, a RoPE head
@@ -21,8 +21,9 @@ Recipe (what trials on these 2-core CPUs showed; see README "The demo model"):
     so recall is the single-token lookup X -> next token.
 Then a short long-context stage (`long_steps`, 200): recall at 200-1,400 tokens with 8
 questions per context, and closed-book questions asked after unrelated RAG or chat context,
-which is how the workloads ask them when a prompt holds no complete fact (without this stage:
-1 of 17 such questions right in the default `rag_long` run; after it, 17 of 17). It can also
+which is how the workloads ask them when a prompt holds no complete fact (it taught the
+model with one-word names: 1 of 17 right in `rag_long` before, 17 of 17 after; the shipped
+model, with two-word names, stays near 15%). It can also
 change RoPE theta (`long_rope_theta`): raising 1e4 to 1e6, as Code Llama extended Llama 2's
 context (arXiv 2308.12950), lifted the previous model, which never left the first curriculum
 level, from 2% to 32% recall at 512-1,024 tokens; the shipped model keeps 1e4.
@@ -199,7 +200,7 @@ def circuit_batch(rng: random.Random, sequences: int) -> dict[str, list[tuple[li
     Skip is solved by a previous-token head alone; kv needs that head plus a head that matches
     the current token against it (the lookup every recall task uses). With skip and the
     embedding offset (build_model) the lookup formed in ~500 steps in a replica of the issue's
-    trial and by step 1,000 in the shipped run; with either alone it did not form."""
+    trial and at step 1,100 in the shipped run; with either alone it did not form."""
     words = _circuit_words()
     dot = demo_language().token_to_id["."]
 
