@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import settings
 
 from tiny_models import build_hf_model, save_checkpoint
+
+# Property tests draw the same examples on every CI run, so a red run reproduces locally with
+# HYPOTHESIS_PROFILE=ci; elsewhere they explore (and keep failures in .hypothesis/).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests need CUDA: skipped, with the reason, on a machine without it."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; this torch sees none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,10 @@ ARCH_KWARGS: dict[str, dict] = {
 ARCHS = tuple(ARCH_KWARGS)
 VOCAB = 257
 EOS = 2
+# Engine options that match the float32 transformers reference on CPU. Tests that compare
+# with it pass these, so on a CUDA host they still compare float32 with float32 (the engines
+# would otherwise pick the GPU and bfloat16); the CUDA-marked variants live in tests/gpu.
+CPU32 = {"device": "cpu", "dtype": "float32"}
 
 
 def build_hf_model(arch: str, seed: int = 0, **overrides):

@@ -67,6 +67,17 @@ def test_missing_tensor(checkpoints, copy_checkpoint):
     assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), "experts.3.up_proj", "missing")
 
 
+def test_tensor_the_architecture_does_not_use(checkpoints, copy_checkpoint):
+    """A tensor no part of the model reads (here a Qwen3-style q_norm in a Mixtral folder) is
+    refused by name, not silently ignored."""
+    folder = copy_checkpoint(checkpoints("mixtral"))
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.q_norm.weight"] = torch.ones(16)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"),
+                      "1 tensors do not belong to a mixtral model", "model.layers.1.self_attn.q_norm.weight")
+
+
 def test_quantized_checkpoint_is_refused(checkpoints, copy_checkpoint):
     folder = copy_checkpoint(checkpoints("mixtral"))
     edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4})

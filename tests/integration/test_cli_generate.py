@@ -30,7 +30,7 @@ def hf_greedy(arch: str, prompt: list[int], n: int) -> list[int]:
 def test_json_outputs_in_given_order_for_both_engines(checkpoints):
     folder = str(checkpoints("qwen2_moe"))
     prompts = ["4,5,6,7", "9", "30,31,32,33,34,35,36,37,38,39,40"]
-    args = ["generate", "--model", folder, "--max-new-tokens", "16", "--ignore-eos", "--json"]
+    args = ["generate", "--model", folder, "--max-new-tokens", "16", "--ignore-eos", "--json", "--device", "cpu"]
     for p in prompts:
         args += ["--prompt-ids", p]
     moe = last_json(pwbench(*args, "--engine", "moe"))
@@ -51,7 +51,7 @@ def test_text_prompts_with_tokenizer_interleave_with_ids(checkpoints, copy_check
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
     proc = pwbench("generate", "--model", str(folder), "--prompt", "w10 w11 w12", "--prompt-ids", "7,8",
-                   "--prompt", "w40", "--max-new-tokens", "5", "--ignore-eos", "--json")
+                   "--prompt", "w40", "--max-new-tokens", "5", "--ignore-eos", "--json", "--device", "cpu")
     outs = last_json(proc)["outputs"]
     assert [o["prompt_ids"] for o in outs] == [[10, 11, 12], [7, 8], [40]]
     assert outs[0]["prompt_text"] == "w10 w11 w12"

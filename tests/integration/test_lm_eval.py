@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tiny_models import build_hf_model, save_checkpoint
+from tiny_models import CPU32, build_hf_model, save_checkpoint
 
 pytest.importorskip("lm_eval")
 
@@ -40,7 +40,7 @@ def test_loglikelihood_matches_transformers(demo_vocab_model):
     folder, model = demo_vocab_model
     lang = demo_language()
     pairs = [("question : what is the color of suhas ? answer :", " red"), ("the report grew", " in the north ."), ("repeat : a", " b")]
-    lm = PwbenchLM(engine="moe", model=str(folder))
+    lm = PwbenchLM(engine="moe", model=str(folder), **CPU32)
     try:
         got = lm.loglikelihood([_Req(c, x) for c, x in pairs])
         rolling = lm.loglikelihood_rolling([_Req("the market grew in the west .")])
@@ -60,24 +60,29 @@ def test_loglikelihood_matches_transformers(demo_vocab_model):
     assert rolling[0] == pytest.approx(lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum().item(), abs=1e-3)
 
 
-def test_pwbench_eval_offline_matches_own_scorer(demo_vocab_model, tmp_path):
-    """`pwbench eval` (lm-eval's simple_evaluate, offline) reports the same exact match as
-    pwbench's own scorer on the same held-out examples."""
-    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+def test_pwbench_eval_offline_matches_own_scorer(tmp_path):
+    """`pwbench eval --model DIR --output` (lm-eval's simple_evaluate, offline) reports the
+    same exact match as pwbench's own scorer on the same held-out examples. The bundled model
+    scores far from 0 on both tasks, so agreement says something (a random model scores 0)."""
+    from engines.demo import DEMO_MODEL_DIR
     from engines.moe_engine import MoEEngine, MoEEngineConfig
+    from harness.demo_eval import EvalSpec, demo_samples, run_samples
 
-    folder, _ = demo_vocab_model
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        pytest.skip("engines/demo_model is not built (pwbench demo train)")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "ds"))
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "eval", "--model", str(folder), "--tasks", "demo_copy,demo_rag",
-         "--samples", "12", "--output", str(tmp_path / "run"), "--json"],
+        [sys.executable, "-m", "harness.cli", "eval", "--model", str(DEMO_MODEL_DIR), "--tasks", "demo_copy,demo_rag",
+         "--samples", "12", "--set", "device=cpu", "--set", "dtype=float32", "--output", str(tmp_path / "run"), "--json"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (tmp_path / "run" / "lm_eval.json").is_file()
-    engine = MoEEngine(MoEEngineConfig(model=str(folder)))
+    saved = json.loads((tmp_path / "run" / "lm_eval.json").read_text())
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(DEMO_MODEL_DIR)))
     with engine:
         for name, task in (("demo_copy", "copy"), ("demo_rag", "rag_recall")):
             own, _ = run_samples(engine, demo_samples(task, EvalSpec(samples=12)))
+            assert own >= 0.5, f"{task}: the bundled model scores {own}; the comparison would be weak"
             assert metrics[name]["exact_match"] == pytest.approx(own)
+            assert saved["metrics"][name] == metrics[name]  # lm_eval.json holds what was printed

@@ -11,7 +11,7 @@ import torch
 
 from engines.base import EngineRequest
 from engines.moe_engine import MoEEngine, MoEEngineConfig
-from tiny_models import ARCHS, build_hf_model
+from tiny_models import ARCHS, CPU32, build_hf_model
 
 NEW_TOKENS = 32
 PROMPTS = [[5], [7, 8, 9, 10, 11, 12, 13], list(range(20, 43)), list(range(100, 164)), [3, 250, 17, 4, 9, 33, 61, 2, 90, 44, 1]]
@@ -70,7 +70,7 @@ def check(tokens, logits, refs):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batch_of_different_lengths(arch, checkpoints, references):
     # Small blocks and token budget: multi-block tables, chunked prefill mixed with decodes.
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), block_size=4, max_num_batched_tokens=24))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints(arch)), block_size=4, max_num_batched_tokens=24))
     with engine:
         tokens, logits, _ = run_engine(engine, {0: list(range(len(PROMPTS)))})
         assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks  # every block came back
@@ -79,17 +79,17 @@ def test_batch_of_different_lengths(arch, checkpoints, references):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_requests_join_while_others_decode(arch, checkpoints, references):
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), block_size=8, max_num_batched_tokens=40))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints(arch)), block_size=8, max_num_batched_tokens=40))
     with engine:
         tokens, logits, _ = run_engine(engine, {0: [0, 1], 5: [2], 9: [3, 4]})
     check(tokens, logits, references(arch))
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_preemption_under_kv_pressure(arch, checkpoints, references):
     # 30 blocks of 4 tokens cannot hold all five sequences at full length: some are preempted
     # and recomputed, and the tokens must not change.
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), block_size=4, kv_blocks=30))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints(arch)), block_size=4, kv_blocks=30))
     with engine:
         tokens, logits, preempted = run_engine(engine, {0: list(range(len(PROMPTS)))})
     assert preempted > 0
@@ -98,14 +98,14 @@ def test_preemption_under_kv_pressure(arch, checkpoints, references):
 
 def test_sliding_window(checkpoints, references):
     # Window 10 < prompt + output lengths: the mask must drop old keys exactly as transformers does.
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints("mixtral", sliding_window=10)), block_size=4, max_num_batched_tokens=16))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints("mixtral", sliding_window=10)), block_size=4, max_num_batched_tokens=16))
     with engine:
         tokens, logits, _ = run_engine(engine, {0: [1, 2, 3], 3: [4]})
     check(tokens, logits, references("mixtral", sliding_window=10))
 
 
 def test_tied_embeddings(checkpoints, references):
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints("olmoe", tie_word_embeddings=True))))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints("olmoe", tie_word_embeddings=True))))
     with engine:
         tokens, logits, _ = run_engine(engine, {0: [1, 3]})
     check(tokens, logits, references("olmoe", tie_word_embeddings=True))
@@ -116,7 +116,7 @@ def test_eos_stops_unless_ignored(checkpoints, references):
     ref_tokens, _ = references("mixtral")[1]
     stop_token = ref_tokens[4]
     first = ref_tokens.index(stop_token)
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints("mixtral"))))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints("mixtral"))))
     with engine:
         engine.checkpoint = engine.checkpoint.__class__(
             engine.checkpoint.path, _with_eos(engine.checkpoint.config, stop_token),
@@ -150,8 +150,8 @@ def test_prompt_logits_match_a_forward_pass(arch, checkpoints):
     with torch.inference_mode():
         expected = [model(input_ids=torch.tensor([p])).logits[0].float() for p in prompts]
     engines = [
-        MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), block_size=4, max_num_batched_tokens=20)),
-        HFEngine(HFEngineConfig(model=str(checkpoints(arch)))),
+        MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints(arch)), block_size=4, max_num_batched_tokens=20)),
+        HFEngine(HFEngineConfig(**CPU32, model=str(checkpoints(arch)))),
     ]
     for engine in engines:
         got = {}

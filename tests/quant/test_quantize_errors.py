@@ -93,6 +93,34 @@ def test_bad_quantization_config(damaged, change, fragments):
         assert fragment in line, line
 
 
+@pytest.fixture(scope="module")
+def rtn_folders(checkpoints, tmp_path_factory):
+    """An AWQ-format and a compressed-tensors folder (RTN codes: only the format matters here)."""
+    root = tmp_path_factory.mktemp("formats")
+    folders = {}
+    for fmt in ("awq", "compressed-tensors"):
+        folders[fmt] = root / fmt
+        quantize_folder(checkpoints("mixtral"), folders[fmt], QuantizeOptions("rtn", 4, 32), [[5, 6, 7, 8] * 4], fmt=fmt, device="cpu")
+    return folders
+
+
+@pytest.mark.parametrize("fmt, change, fragments", [
+    ("awq", {"version": "gemv"}, ["version 'gemv'", "supported: gemm"]),
+    ("awq", {"version": "exllama"}, ["version 'exllama'", "supported: gemm"]),
+    ("compressed-tensors", {"format": "int-quantized"}, ["format 'int-quantized'", "supported: pack-quantized"]),
+    ("compressed-tensors", {"format": "marlin-24"}, ["format 'marlin-24'", "supported: pack-quantized"]),
+])
+def test_unsupported_awq_version_and_compressed_tensors_format(rtn_folders, tmp_path, fmt, change, fragments):
+    folder = tmp_path / fmt
+    shutil.copytree(rtn_folders[fmt], folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit_config(folder, quantization_config={**config["quantization_config"], **change})
+    engine = "static-awq" if fmt == "awq" else "static-gptq"
+    line = generate_error(folder, engine)
+    for fragment in fragments:
+        assert fragment in line, line
+
+
 def test_engine_and_folder_must_agree(damaged, checkpoints):
     assert "use --engine static-gptq" in generate_error(damaged, "static-awq")
     line = generate_error(damaged, "moe")

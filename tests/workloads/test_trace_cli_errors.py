@@ -1,5 +1,5 @@
 """Bad trace input through the CLI, in a fresh interpreter: one `error:` line naming PATH:LINE,
-a non-zero exit, no traceback, and no output file left behind by `convert`.
+exit code 2, no traceback, and no output file left behind by `convert`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ def jsonl(*rows) -> str:
 
 
 def assert_one_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr + proc.stdout
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    """Exit code exactly 2 (a user error), stderr exactly one non-empty `error:` line (a
+    trailing newline aside), no traceback anywhere, and each needle in that line."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout, proc.stderr
+    lines = proc.stderr.removesuffix("\n").split("\n")
+    assert len(lines) == 1 and lines[0].strip() and lines[0].startswith("error: "), proc.stderr
     for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
+        assert needle in lines[0], lines[0]
+    return lines[0]
 
 
 MALFORMED = {

@@ -88,6 +88,13 @@ class LineLog:
         self.messages.append(message)
 
 
+def header_was_skipped(log: LineLog) -> None:
+    """Before a file's header is parsed: a line already skipped (not UTF-8) was the header,
+    which cannot be skipped like a request line; say so instead of misreading the next line."""
+    if log.messages:
+        raise WorkloadError(f"{log.messages[0]}; it is the header line, which cannot be skipped (fix it)")
+
+
 def read_lines(path: Path, log: LineLog) -> Iterator[tuple[int, str]]:
     """(line number, text) for each non-blank line; a line that is not UTF-8 is a bad line."""
     try:

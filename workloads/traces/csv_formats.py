@@ -15,7 +15,8 @@ from pathlib import Path
 
 from workloads.base import WorkloadError
 from workloads.traces.common import (
-    LineError, LineLog, Trace, TraceRow, as_count, as_seconds, as_session, finish, parse_rows, read_lines,
+    LineError, LineLog, Trace, TraceRow, as_count, as_seconds, as_session, finish, header_was_skipped, parse_rows,
+    read_lines,
 )
 
 # "2023-11-16 18:17:03.9799600": 7 fractional digits, more than datetime keeps, so parsed by hand.
@@ -29,6 +30,7 @@ def _read_csv(path: Path, skip_bad_lines: bool, fmt: str, required: tuple[str, .
     log = LineLog(str(path), skip_bad_lines)
     lines = read_lines(path, log)
     for number, text in lines:
+        header_was_skipped(log)
         header = [c.strip() for c in _split(text)]
         missing = [c for c in required if c.lower() not in {h.lower() for h in header}]
         if missing:
@@ -38,6 +40,7 @@ def _read_csv(path: Path, skip_bad_lines: bool, fmt: str, required: tuple[str, .
             )
         break
     else:
+        header_was_skipped(log)
         raise WorkloadError(f"{path}: the file is empty; give a trace with at least one request")
     canonical = {h.lower(): h for h in required}
     names = [canonical.get(h.lower(), h) for h in header]

@@ -17,7 +17,7 @@ from typing import Any
 from workloads.base import WorkloadError
 from workloads.traces.common import (
     BLOCK_TOKENS, LineError, LineLog, Trace, TraceRow, as_count, as_ids, as_seconds, as_session,
-    field, finish, json_object, parse_rows, read_lines, show,
+    field, finish, header_was_skipped, json_object, parse_rows, read_lines, show,
 )
 
 PWBENCH_VERSION = 1
@@ -121,18 +121,24 @@ def read_pwbench(path: Path, skip_bad_lines: bool = False) -> Trace:
     lines = read_lines(path, log)
     header: dict[str, Any] = {}
     for number, text in lines:  # the header is the first non-blank line; it cannot be skipped
+        header_was_skipped(log)
         try:
             header = json_object(text)
             version = field(header, "pwbench_trace")
             block_tokens = as_count(header.get("block_tokens", BLOCK_TOKENS), "block_tokens", minimum=1)
         except LineError as exc:
-            raise WorkloadError(f"{path}:{number}: bad pwbench header ({exc})") from None
+            raise WorkloadError(
+                f"{path}:{number}: bad pwbench header ({exc}); the first line must be a header such as "
+                f'{{"pwbench_trace": {PWBENCH_VERSION}, "block_tokens": {BLOCK_TOKENS}}} (`pwbench trace convert` writes one)'
+            ) from None
         if version != PWBENCH_VERSION:
             raise WorkloadError(
-                f"{path}:{number}: pwbench_trace version {show(version)} is not supported (this pwbench reads {PWBENCH_VERSION})"
+                f"{path}:{number}: pwbench_trace version {show(version)} is not supported (this pwbench reads "
+                f"{PWBENCH_VERSION}); convert the source trace again with `pwbench trace convert`"
             )
         break
     else:
+        header_was_skipped(log)
         raise WorkloadError(f"{path}: the file is empty; give a trace with at least one request")
 
     def parse(number: int, text: str) -> TraceRow:
