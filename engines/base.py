@@ -94,8 +94,10 @@ class RequestOutput:
 class StepOutput:
     """Everything one `step()` did. Counters are for this step only; the harness sums them.
 
-    experts_hit counts distinct (layer, expert) pairs that ran at least one token. Transfer
-    counters cover every byte that crossed host<->device during the step (0 on a CPU-only run).
+    experts_hit counts distinct (layer, expert) pairs that ran at least one token;
+    weight_bytes_read is the weights the step's compute read at their stored size (dense
+    weights plus the experts that ran; 0 when the engine cannot say). Transfer counters cover
+    every byte that crossed host<->device during the step (0 on a CPU-only run).
     `extras` carries engine-specific per-step series (bit widths, cache hits, ...).
     """
 
@@ -108,6 +110,7 @@ class StepOutput:
     num_preempted: int = 0
     experts_hit: int = 0
     context_tokens: int = 0  # K/V positions attended, summed over the step's sequences
+    weight_bytes_read: int = 0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     h2d_transfers: int = 0

@@ -27,10 +27,10 @@ from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_FILE, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import read_scheme
-from engines.quant.ops import fused_moe
-from engines.runtime.checkpoint import Checkpoint, QuantizedLoad, load_quantized_weights, open_checkpoint
-from engines.runtime.model import ExpertFn
-from engines.runtime.weights import ExpertStore, ModelWeights, ResidentExpertStore
+from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_backend
+from engines.runtime.checkpoint import Checkpoint, open_checkpoint
+from engines.runtime.experts import ExpertBackend
+from engines.runtime.weights import ModelWeights
 
 CACHE_ENV = "PWBENCH_CACHE"
 # llm-compressor saves its recipe beside the weights: the modifier names the method.
@@ -57,17 +57,14 @@ class StaticQuantEngine(MoEEngine):
     method: ClassVar[str]
     config_cls = StaticQuantConfig
 
-    def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertStore]:
+    def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
         """The quantized folder (given, or quantized now from a full-precision one and cached)."""
         self.source = open_checkpoint(self.config.model)
         folder, self.quantized_at_start = self._quantized_folder(self.source)
         checkpoint = open_checkpoint(folder)
         self._check_method(checkpoint)
         self.loaded: QuantizedLoad = load_quantized_weights(checkpoint, self.device, self.dtype, self.ledger)
-        return checkpoint, self.loaded.weights, ResidentExpertStore(self.loaded.experts)
-
-    def _expert_fn(self) -> ExpertFn:
-        return fused_moe  # type: ignore[return-value]
+        return checkpoint, self.loaded.weights, quantized_backend(self.loaded.experts)
 
     # -- which folder to serve -------------------------------------------------------------------
     def _quantized_folder(self, src: Checkpoint) -> tuple[Path, bool]:

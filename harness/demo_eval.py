@@ -14,7 +14,6 @@ from typing import Any
 
 from engines.base import EngineRequest
 from engines.registry import create_engine
-from harness.results import HarnessError
 from workloads.demo.language import BOS_ID, EOS_ID, demo_language
 from workloads.demo.tasks import Sample, closed_book, copy_task, make_sample, score
 
@@ -72,32 +71,15 @@ def run_samples(engine, samples: list[Sample]) -> tuple[float, list[dict[str, An
     return sum(r["correct"] for r in rows) / max(1, len(rows)), rows
 
 
-def quantize_experts(engine, bits: int, group_size: int | None = 32) -> None:
-    """RTN quantize-dequantize every routed expert of a started `moe` engine, in place.
-    `group_size` None (or 0): one group per output row, the plain per-channel RTN that GPTQ
-    (arXiv 2210.17323) compares against; otherwise groups of that many inputs (capped at the
-    row length, which it must divide)."""
-    from engines.quant.rtn import rtn_fake_quantize  # noqa: PLC0415
-
-    for i in engine.experts.indices():
-        experts = engine.experts.layer(i)
-        for w in (experts.gate_up, experts.down):
-            row = w.shape[-1]
-            group = min(group_size or row, row)
-            if row % group:
-                raise HarnessError(f"expert group size {group_size} does not divide the expert rows ({row} inputs); "
-                                   f"pick a divisor of {row}, or 0 for one group per row")
-            w.copy_(rtn_fake_quantize(w, bits, group))
-
-
 def evaluate(model: str, engine_name: str = "moe", spec: EvalSpec = EvalSpec(), options: dict | None = None,
              expert_bits: int | None = None, progress: Callable[[str], None] | None = None,
              expert_group: int | None = 32) -> EvalResult:
-    engine = create_engine(engine_name, {"model": model, **(options or {})})
+    options = dict(options or {})
+    if expert_bits is not None:  # RTN-rounded experts: the moe engine's fake-quantization backend
+        options.update(expert_bits=expert_bits, expert_group=expert_group or 0)
+    engine = create_engine(engine_name, {"model": model, **options})
     engine.start()
     try:
-        if expert_bits is not None and expert_bits < 16:
-            quantize_experts(engine, expert_bits, expert_group)
         accuracy, counts, examples = {}, {}, {}
         for task in spec.tasks:
             acc, rows = run_samples(engine, demo_samples(task, spec))

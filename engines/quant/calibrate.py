@@ -42,11 +42,11 @@ from engines.quant.qweight import (
 )
 from engines.runtime.attention import AttentionBatch, PrefillSegment
 from engines.runtime.config import ModelConfig
-from engines.runtime.experts import Dispatch, grouped_swiglu
+from engines.runtime.experts import Dispatch, ExpertBackend, grouped_swiglu
 from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import DenseExperts, ModelWeights, ResidentExpertStore
+from engines.runtime.weights import DenseExperts, ModelWeights
 
 METHODS = ("rtn", "gptq", "awq")
 BLOCK = 16  # KV block size of the calibration pass
@@ -99,25 +99,30 @@ class QuantizedModel:
     tokens: int  # calibration tokens
 
 
-class _IndexedStore(ResidentExpertStore):
-    """Hands the layer index to the expert function along with the layer's dense experts."""
+class LayerQuantizer(ExpertBackend):
+    """The calibration pass's expert backend: in layer i's forward it quantizes layer i's
+    experts from the tokens routed to them, and returns the quantized layer's output, so
+    later layers calibrate on what the quantized model computes."""
 
-    def layer(self, index: int) -> tuple[int, DenseExperts]:
-        return index, super().layer(index)
-
-
-class LayerQuantizer:
-    """The calibration pass's expert function: quantizes layer i, returns its quantized output."""
-
-    def __init__(self, weights: ModelWeights, options: QuantizeOptions,
+    def __init__(self, weights: ModelWeights, dense: dict[int, DenseExperts], options: QuantizeOptions,
                  progress: Callable[[LayerReport], None] | None = None) -> None:
-        self.weights, self.options, self.progress = weights, options, progress
+        super().__init__()
+        self.weights, self.dense, self.options, self.progress = weights, dense, options, progress
         self.experts: dict[int, QuantizedExperts] = {}
         self.input_scales: dict[int, Tensor] = {}
         self.reports: list[LayerReport] = []
 
-    def __call__(self, h: Tensor, d: Dispatch, ref: tuple[int, DenseExperts]) -> Tensor:
-        i, dense = ref
+    def layers(self) -> list[int]:
+        return sorted(self.dense)
+
+    def num_experts(self, layer: int) -> int:
+        return self.dense[layer].num_experts
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return self.dense[layer].expert_nbytes(expert)
+
+    def forward(self, i: int, h: Tensor, d: Dispatch) -> Tensor:
+        dense = self.dense[i]
         o = self.options
         tokens, added = self._expert_tokens(h, d, self.weights.layers[i].mlp.router)  # type: ignore[union-attr]
         rtn = quantize_experts(dense, o.bits, o.group_size, o.symmetric, SCALE_DTYPE)
@@ -224,9 +229,9 @@ def quantize_model(config: ModelConfig, weights: ModelWeights, experts: dict[int
                                f"{config.max_position_embeddings}")
     device, dtype = weights.embed.device, weights.embed.dtype
     ledger = TransferLedger(device)
-    quantizer = LayerQuantizer(weights, options, progress)
+    quantizer = LayerQuantizer(weights, experts, options, progress)
     kv, batch = _prefill_batch(config, [len(p) for p in prompts], dtype, ledger)
-    model = MoEModel(config, weights, _IndexedStore(experts), kv, ledger, quantizer)  # type: ignore[arg-type]
+    model = MoEModel(config, weights, quantizer, kv, ledger)
     ids = ledger.tensor([t for p in prompts for t in p], torch.long)
     positions = ledger.tensor([j for p in prompts for j in range(len(p))], torch.long)
     model.forward(ids, positions, batch, ledger.tensor([ids.numel() - 1], torch.long))

@@ -330,6 +330,10 @@ class QuantizedExperts:
     def nbytes(self) -> int:
         return self.gate_up.nbytes() + self.down.nbytes()
 
+    def expert_nbytes(self, expert: int) -> int:
+        """One expert's share: every expert of a stack has the same scheme and shape."""
+        return self.nbytes() // self.num_experts
+
 
 def quantize_experts(experts: DenseExperts, bits: int, group_size: int, symmetric: bool = False,
                      scale_dtype: torch.dtype | None = None) -> QuantizedExperts:

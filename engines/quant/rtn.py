@@ -12,6 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from engines.base import EngineError
+from engines.runtime.weights import DenseExperts
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
@@ -35,3 +38,24 @@ def rtn_fake_quantize(w: Tensor, bits: int, group_size: int, symmetric: bool = F
         q = torch.clamp(torch.round(g / scale) + zero, 0, qmax)
         deq = (q - zero) * scale
     return deq.reshape(w.shape).to(w.dtype)
+
+
+def fake_quantized(dense: dict[int, DenseExperts], bits: int, group_size: int = 32) -> dict[int, DenseExperts]:
+    """Every layer's routed experts RTN quantize-dequantized (new tensors; `dense` untouched).
+    `group_size` 0: one group per output row, the plain per-channel RTN GPTQ (arXiv 2210.17323)
+    compares against; otherwise groups of that many inputs (capped at the row length, which it
+    must divide)."""
+    if bits not in SUPPORTED_BITS:
+        raise EngineError(f"expert_bits must be one of {SUPPORTED_BITS} (or 16 for full precision), got {bits}")
+    out = {}
+    for i, experts in dense.items():
+        ws = []
+        for w in (experts.gate_up, experts.down):
+            row = w.shape[-1]
+            group = min(group_size or row, row)
+            if row % group:
+                raise EngineError(f"expert group size {group_size} does not divide the expert rows ({row} inputs); "
+                                  f"pick a divisor of {row}, or 0 for one group per row")
+            ws.append(rtn_fake_quantize(w, bits, group))
+        out[i] = DenseExperts(*ws)
+    return out

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engines.runtime.kv_cache import PagedKVCache
+from engines.runtime.kv_cache import KVCache
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
@@ -91,7 +91,7 @@ def group_by_length(lengths: list[int], slack: float = 1.25) -> list[tuple[int, 
 
 
 def paged_attention(
-    q: Tensor, k: Tensor, v: Tensor, cache: PagedKVCache, layer: int, batch: AttentionBatch, window: int | None
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, batch: AttentionBatch, window: int | None
 ) -> Tensor:
     """q [T, H, hd], k/v [T, K, hd] of this step (already written to the cache) -> [T, H, hd]."""
     out = torch.empty_like(q)

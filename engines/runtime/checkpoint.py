@@ -7,9 +7,9 @@ expected tensor must exist with the shape config.json implies, and every tensor 
 files must be used, so a checkpoint we do not understand fails loudly instead of running
 with random weights. Errors are ModelLoadError with the file and tensor named.
 
-Quantized folders (GPTQ, AutoAWQ, compressed-tensors; read from `quantization_config`) load
-with `load_quantized_weights`: routed experts stay packed (QuantizedExperts per layer), any
-other quantized linear layer (attention, shared expert) is dequantized to the model dtype.
+The reader is pluggable and knows no quantization: `load_model` takes the loader of a
+layer's routed experts and, optionally, a `LinearFormat` for linear layers stored other than
+as a plain `.weight`. Quantized folders load through engines/quant/load.py, which plugs both.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from engines.base import ModelLoadError
-from engines.quant.hf_format import REQUIRED, FolderScheme, read_linear, read_scheme
-from engines.quant.qweight import QuantizedExperts, QuantizedWeight, concat_rows, dequantize, stack
 from engines.runtime.config import ModelConfig, parse_config
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
@@ -44,7 +42,7 @@ SINGLE_FILE = "model.safetensors"
 # Buffers some exporters save that carry no learned weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Per-expert projection names: Mixtral's original ones, and everyone else's (GPTQModel's too).
-_EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+EXPERT_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
 
 
 @dataclass(frozen=True)
@@ -105,21 +103,26 @@ def _key_files(root: Path) -> dict[str, Path]:
     raise ModelLoadError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-class _Reader:
-    """Tensor access by name across shards, with shape checks and a record of what was used.
+class LinearFormat(Protocol):
+    """How a folder stores linear layers other than as a plain `{prefix}.weight`."""
 
-    `scheme` is the folder's quantization scheme (None: full precision): with it, a linear
-    layer may be stored quantized, and `linear` dequantizes it (recorded in `dequantized`).
-    """
+    def stored(self, reader: TensorReader, prefix: str) -> bool:
+        """True when linear layer `prefix` is stored in this format."""
+
+    def dense(self, reader: TensorReader, prefix: str, shape: tuple[int, int]) -> Tensor | None:
+        """Its weight [out, in] at the reader's dtype on the device; None if a tensor is missing."""
+
+
+class TensorReader:
+    """Tensor access by name across shards, with shape checks and a record of what was used."""
 
     def __init__(self, ckpt: Checkpoint, stack: ExitStack, device: torch.device, dtype: torch.dtype,
-                 ledger: TransferLedger, scheme: FolderScheme | None = None):
+                 ledger: TransferLedger, linear_format: LinearFormat | None = None):
         self.ckpt, self.stack, self.device, self.dtype, self.ledger = ckpt, stack, device, dtype, ledger
-        self.scheme = scheme
+        self.linear_format = linear_format
         self.handles: dict[Path, Any] = {}
         self.used: set[str] = set()
         self.missing: list[str] = []
-        self.dequantized: list[str] = []
 
     def _handle(self, file: Path) -> Any:
         if file not in self.handles:
@@ -160,45 +163,17 @@ class _Reader:
         self.used.add(key)
         return tensor
 
-    def quantized(self, prefix: str, shape: tuple[int, int]) -> QuantizedWeight | None:
-        """Linear layer `prefix` stored in the folder's quantized format; None if a tensor is missing."""
-        assert self.scheme is not None
-        scheme = self.scheme
-
-        def get(suffix: str) -> Tensor | None:
-            key = f"{prefix}.{suffix}"
-            if self.has(key) or suffix in REQUIRED[scheme.fmt]:
-                return self.raw(key)
-            return None
-
-        qw = read_linear(get, scheme, prefix)
-        if qw is not None and qw.shape != shape:
-            raise ModelLoadError(f"{self.ckpt.path}: quantized layer {prefix} holds a {list(qw.shape)} weight, "
-                                 f"but config.json implies {list(shape)}")
-        return qw
-
     def linear(self, prefix: str, shape: tuple[int, int]) -> Tensor | None:
-        """The weight [out, in] of linear layer `prefix` at model dtype, dequantized if stored quantized."""
-        scheme = self.scheme
-        if scheme is not None and not self.has(prefix + ".weight") and any(
-            self.has(f"{prefix}.{suffix}") for suffix in scheme.tensor_names
-        ):
-            qw = self.quantized(prefix, shape)
-            if qw is None:
-                return None
-            self.dequantized.append(prefix)
-            return dequantize(qw, self.dtype)
+        """The weight [out, in] of linear layer `prefix` at model dtype (through the folder's
+        LinearFormat when it is stored that way)."""
+        fmt = self.linear_format
+        if fmt is not None and not self.has(prefix + ".weight") and fmt.stored(self, prefix):
+            return fmt.dense(self, prefix, shape)
         return self.get(prefix + ".weight", shape)
 
 
-@dataclass(frozen=True)
-class QuantizedLoad:
-    """What load_quantized_weights returns."""
-
-    weights: ModelWeights
-    experts: dict[int, QuantizedExperts]  # MoE layer -> its routed experts, packed
-    scheme: FolderScheme
-    dequantized: tuple[str, ...]  # other linear layers stored quantized, dequantized at load
+# Reads one MoE layer's routed experts: (reader, config, "model.layers.N.<moe>.experts.") -> experts | None.
+ExpertLoader = Callable[[TensorReader, ModelConfig, str], Any]
 
 
 def load_weights(
@@ -213,31 +188,19 @@ def load_weights(
             "engine needs a full-precision folder (quantized folders run with --engine static-gptq, "
             "static-awq or static-rtn)"
         )
+    return load_model(ckpt, device, dtype, ledger, dense_experts)
+
+
+def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger,
+               load_experts: ExpertLoader, linear_format: LinearFormat | None = None) -> tuple[ModelWeights, dict[int, Any]]:
+    """Every tensor of the folder, strictly: routed experts through `load_experts`, other linear
+    layers plain or through `linear_format`. Raises ModelLoadError naming missing tensors and
+    tensors nothing used."""
     with ExitStack() as stack:
-        reader = _Reader(ckpt, stack, device, dtype, ledger)
-        weights, experts = _load(reader, _load_experts)
-    return weights, experts
+        return _load(TensorReader(ckpt, stack, device, dtype, ledger, linear_format), load_experts)
 
 
-def load_quantized_weights(
-    ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger
-) -> QuantizedLoad:
-    """A quantized folder: dense weights (quantized non-expert layers dequantized to `dtype`) and
-    each MoE layer's routed experts packed as stored (scales keep their stored dtype)."""
-    if not ckpt.config.quantization:
-        raise ModelLoadError(f"{ckpt.path} has no quantization_config in config.json; it is a full-precision folder")
-    scheme = read_scheme(ckpt.config.quantization, str(ckpt.path / "config.json"))
-    with ExitStack() as stack:
-        reader = _Reader(ckpt, stack, device, dtype, ledger, scheme)
-        weights, experts = _load(reader, _load_quantized_experts)
-    return QuantizedLoad(weights, experts, scheme, tuple(reader.dequantized))
-
-
-# Reads one MoE layer's routed experts: (reader, config, "model.layers.N.<moe>.experts.") -> experts | None.
-ExpertLoader = Callable[["_Reader", ModelConfig, str], Any]
-
-
-def _load(reader: _Reader, load_experts: ExpertLoader) -> tuple[ModelWeights, dict[int, Any]]:
+def _load(reader: TensorReader, load_experts: ExpertLoader) -> tuple[ModelWeights, dict[int, Any]]:
     """Every tensor of the model through `reader`; routed experts through `load_experts`.
     Raises ModelLoadError naming missing tensors and tensors nothing used."""
     ckpt, cfg = reader.ckpt, reader.ckpt.config
@@ -264,7 +227,7 @@ def _load(reader: _Reader, load_experts: ExpertLoader) -> tuple[ModelWeights, di
     return ModelWeights(embed, norm, lm_head, layers), experts  # type: ignore[arg-type]
 
 
-def _load_layer(reader: _Reader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
+def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
     p = f"model.layers.{i}."
     D, hd = cfg.hidden_size, cfg.head_dim
     get, linear = reader.get, reader.linear
@@ -298,7 +261,7 @@ def _load_layer(reader: _Reader, cfg: ModelConfig, i: int, load_experts: ExpertL
     return LayerWeights(attn_norm, attn, mlp_norm, moe), experts  # type: ignore[arg-type]
 
 
-def _load_mlp(reader: _Reader, prefix: str, inter: int, D: int) -> MLPWeights | None:
+def _load_mlp(reader: TensorReader, prefix: str, inter: int, D: int) -> MLPWeights | None:
     gate = reader.linear(prefix + "gate_proj", (inter, D))
     up = reader.linear(prefix + "up_proj", (inter, D))
     down = reader.linear(prefix + "down_proj", (D, inter))
@@ -307,13 +270,14 @@ def _load_mlp(reader: _Reader, prefix: str, inter: int, D: int) -> MLPWeights | 
     return MLPWeights(torch.cat([gate, up]), down)
 
 
-def _load_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> DenseExperts | None:
+def dense_experts(reader: TensorReader, cfg: ModelConfig, prefix: str) -> DenseExperts | None:
+    """A layer's routed experts at full precision, per-expert or fused on disk -> one stacked record."""
     E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     if reader.has(prefix + "gate_up_proj"):
         gate_up = reader.get(prefix + "gate_up_proj", (E, 2 * I, D))
         down = reader.get(prefix + "down_proj", (E, D, I))
         return DenseExperts(gate_up, down) if gate_up is not None and down is not None else None
-    names = _expert_names(reader, prefix, "weight")
+    names = expert_names(reader, prefix, "weight")
     gate_up = torch.empty(E, 2 * I, D, dtype=reader.dtype, device=reader.device)
     down = torch.empty(E, D, I, dtype=reader.dtype, device=reader.device)
     complete = True
@@ -328,26 +292,6 @@ def _load_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> DenseExpert
     return DenseExperts(gate_up, down) if complete else None
 
 
-def _expert_names(reader: _Reader, prefix: str, suffix: str) -> tuple[str, str, str]:
+def expert_names(reader: TensorReader, prefix: str, suffix: str) -> tuple[str, str, str]:
     """(gate, up, down) projection names of the per-expert layout this folder uses."""
-    return next((n for n in _EXPERT_NAMES if reader.has(f"{prefix}0.{n[0]}.{suffix}")), _EXPERT_NAMES[1])
-
-
-def _load_quantized_experts(reader: _Reader, cfg: ModelConfig, prefix: str) -> QuantizedExperts | None:
-    """A layer's routed experts from per-expert quantized layers, gate and up fused row-wise."""
-    assert reader.scheme is not None
-    E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    fp = [prefix + "gate_up_proj", *(f"{prefix}0.{n[0]}.weight" for n in _EXPERT_NAMES)]
-    if any(reader.has(key) for key in fp):
-        raise ModelLoadError(f"{reader.ckpt.path}: the routed experts under {prefix} are full precision in a "
-                             f"{reader.scheme.fmt} folder; pwbench's static engines need every routed expert quantized")
-    names = _expert_names(reader, prefix, REQUIRED[reader.scheme.fmt][0])
-    gate_up, down = [], []
-    for e in range(E):
-        g = reader.quantized(f"{prefix}{e}.{names[0]}", (I, D))
-        u = reader.quantized(f"{prefix}{e}.{names[1]}", (I, D))
-        d = reader.quantized(f"{prefix}{e}.{names[2]}", (D, I))
-        if g is not None and u is not None and d is not None:
-            gate_up.append(concat_rows([g, u]))
-            down.append(d)
-    return QuantizedExperts(stack(gate_up), stack(down)) if len(down) == E else None
+    return next((n for n in EXPERT_NAMES if reader.has(f"{prefix}0.{n[0]}.{suffix}")), EXPERT_NAMES[1])

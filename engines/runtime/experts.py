@@ -1,15 +1,21 @@
-"""Routing and expert computation: tokens grouped by expert, one matmul per expert per step.
+"""Routing, dispatch and the expert seam: `ExpertBackend`, where routed experts live and run.
 
 Shapes: T tokens, A experts per token, E experts, D hidden, I expert intermediate.
 `route` picks experts; `dispatch` sorts the T*A assignments by expert so each expert's
-tokens are contiguous (the layout every expert kernel consumes); `grouped_swiglu` is the
-torch reference expert compute. Other weight formats plug in their own compute function
-with the same signature.
+tokens are contiguous (the layout every expert kernel consumes). An `ExpertBackend` gets
+`forward(layer, x, dispatch)`: the dispatch names the experts that have tokens, so a backend
+that keeps weights elsewhere fetches exactly those first (through the TransferLedger). Its
+storage is addressable per (layer, expert). `DenseBackend` (full precision, resident) and the
+torch reference compute `grouped_swiglu` live here; quantized backends live in engines/quant.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +40,11 @@ class Dispatch:
     token_index: Tensor  # [T*A] row of x for each sorted assignment
     weights: Tensor  # [T*A] routing weight of each sorted assignment
     counts: list[int]  # [E] assignments per expert, on the host (loop bounds)
+
+    @property
+    def active(self) -> list[int]:
+        """Experts with at least one token, ascending."""
+        return [e for e, n in enumerate(self.counts) if n]
 
 
 def dispatch(ids: Tensor, weights: Tensor, counts: list[int]) -> Dispatch:
@@ -65,3 +76,81 @@ def grouped_swiglu(x: Tensor, d: Dispatch, experts: DenseExperts) -> Tensor:
     # Assignments are in ascending expert order, so each token's sum runs in the same order as
     # transformers' per-expert loop: identical float results, not just close ones.
     return torch.zeros_like(x).index_add_(0, d.token_index, out)
+
+
+class ExpertBackend(ABC):
+    """Owns the routed-expert weights of every MoE layer and computes them.
+
+    `forward` runs layer `layer`'s experts over `x` as `d` dispatches it (sum over each token's
+    experts of routing weight * expert(x)). Storage is per (layer, expert): `expert_bytes` is
+    what one expert holds on the device, which may differ between experts once formats mix.
+    `step_stats` reports this step's expert traffic and resets it.
+    """
+
+    def __init__(self) -> None:
+        self._stats: Counter[str] = Counter()
+
+    @abstractmethod
+    def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor: ...
+
+    @abstractmethod
+    def layers(self) -> list[int]:
+        """The MoE layers whose experts this backend holds, ascending."""
+
+    @abstractmethod
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        """Device bytes of one expert's weights as stored."""
+
+    def prefetch(self, layer: int) -> None:
+        """Start making `layer`'s experts resident ahead of use (no-op when they always are)."""
+
+    def device_bytes(self) -> int:
+        """Device bytes held for routed experts now."""
+        return sum(self.expert_bytes(i, e) for i in self.layers() for e in range(self.num_experts(i)))
+
+    @abstractmethod
+    def num_experts(self, layer: int) -> int: ...
+
+    def step_stats(self) -> dict[str, int]:
+        """Since the previous call: `expert_bytes_read` (bytes of the experts that ran, at their
+        stored size) and `experts_run` ((layer, expert) pairs computed); then reset."""
+        stats, self._stats = self._stats, Counter()
+        return {"expert_bytes_read": stats["expert_bytes_read"], "experts_run": stats["experts_run"]}
+
+    def _count(self, layer: int, d: Dispatch) -> None:
+        """Record the experts `d` runs in `layer` (backends call this from forward)."""
+        active = d.active
+        self._stats["experts_run"] += len(active)
+        self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e in active)
+
+
+class ResidentBackend(ExpertBackend):
+    """Every layer's experts resident on the device in one stacked record per layer, run by
+    `compute(x, dispatch, record)`: DenseExperts with `grouped_swiglu` for `moe`, packed
+    QuantizedExperts with the fused kernel for the static engines. A record has
+    `nbytes()`, `expert_nbytes(e)` and `num_experts`."""
+
+    def __init__(self, layers: dict[int, Any], compute: Callable[[Tensor, Dispatch, Any], Tensor] | None = None) -> None:
+        super().__init__()
+        self._layers = layers
+        self._compute = compute or grouped_swiglu
+
+    def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
+        self._count(layer, d)
+        return self._compute(x, d, self._layers[layer])
+
+    def weights(self, layer: int) -> Any:
+        """Layer `layer`'s stacked expert record (the compute's input)."""
+        return self._layers[layer]
+
+    def layers(self) -> list[int]:
+        return sorted(self._layers)
+
+    def num_experts(self, layer: int) -> int:
+        return self._layers[layer].num_experts
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return self._layers[layer].expert_nbytes(expert)
+
+    def device_bytes(self) -> int:
+        return sum(w.nbytes() for w in self._layers.values())

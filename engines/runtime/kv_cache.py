@@ -10,25 +10,60 @@ Python (no torch), which lets the scheduler plan without touching the device.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
 
 
+class KVCache(Protocol):
+    """What attention needs from a KV cache: write this step's K/V at flat slots, read K/V back
+    for block tables. The paged device cache below is one; a host-side cache can be another."""
+
+    block_size: int
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None: ...
+
+    def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
 class BlockAllocator:
-    """Free-list allocator of block ids with per-sequence block tables."""
+    """Free-list allocator of block ids with per-sequence block tables.
+
+    `capacity` (at most the pool's `num_blocks`) is how many blocks may be in use; it can be
+    lowered and raised between steps (`set_capacity`), so memory can move between the KV cache
+    and other tenants of a device budget. Lowered below what is in use, nothing is taken
+    away here: the scheduler preempts until `over_capacity` is 0.
+    """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.capacity = num_blocks
         # Pop from the end: recently freed blocks are reused first (warm in cache).
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
 
+    def set_capacity(self, blocks: int) -> None:
+        if not 0 <= blocks <= self.num_blocks:
+            raise ValueError(f"KV capacity must be within [0, {self.num_blocks}] blocks, got {blocks}")
+        self.capacity = blocks
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def over_capacity(self) -> int:
+        """Blocks in use beyond the capacity (after it was lowered)."""
+        return max(0, self.num_used - self.capacity)
+
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that may still be taken: within the capacity, not in use."""
+        return max(0, self.capacity - self.num_used)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -38,12 +73,12 @@ class BlockAllocator:
         return max(0, self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())))
 
     def can_grow(self, seq_id: str, num_tokens: int) -> bool:
-        return self.extra_blocks(seq_id, num_tokens) <= len(self._free)
+        return self.extra_blocks(seq_id, num_tokens) <= self.num_free
 
     def grow(self, seq_id: str, num_tokens: int) -> None:
         need = self.extra_blocks(seq_id, num_tokens)
-        if need > len(self._free):
-            raise MemoryError(f"KV cache full: {seq_id} needs {need} blocks, {len(self._free)} free")
+        if need > self.num_free:
+            raise MemoryError(f"KV cache full: {seq_id} needs {need} blocks, {self.num_free} free")
         table = self.tables.setdefault(seq_id, [])
         for _ in range(need):
             table.append(self._free.pop())
@@ -54,7 +89,7 @@ class BlockAllocator:
     def tokens_fitting(self, seq_id: str, start: int) -> int:
         """How many tokens from position `start` on fit with the blocks held plus all free ones."""
         held = len(self.tables.get(seq_id, ()))
-        return max(0, (held + len(self._free)) * self.block_size - start)
+        return max(0, (held + self.num_free) * self.block_size - start)
 
     def slots(self, seq_id: str, start: int, length: int) -> list[int]:
         table, B = self.tables[seq_id], self.block_size

@@ -1,15 +1,15 @@
-"""The MoE decoder forward pass over one step's flat token batch.
+"""The MoE decoder as public per-layer blocks over one step's flat token batch.
 
-Reads like the architecture: embed -> L x (RMSNorm, attention over the paged cache,
-residual, RMSNorm, routed experts [+ shared expert] or a dense MLP, residual) -> norm ->
-LM head on the rows that need a next token. Everything architecture-specific comes from
-ModelConfig; where expert weights live (ExpertStore) and how experts are computed
-(`expert_fn`) are passed in, so quantized or offloaded experts reuse this file unchanged.
+Reads like the architecture: `embed` -> L x (`attention_block`: RMSNorm, attention over the
+KV cache, residual; `mlp_block`: RMSNorm, routed experts [+ shared expert] or a dense MLP,
+residual) -> `head`: norm and LM head on the rows that need a next token. `forward` is that
+composition; a layer-major executor calls the blocks itself over many micro-batches.
+Everything architecture-specific comes from ModelConfig; where expert weights live and how
+they run is the ExpertBackend passed in, so quantized or offloaded experts reuse this file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +18,10 @@ from torch import Tensor
 
 from engines.runtime.attention import AttentionBatch, apply_rope, paged_attention, rope_cos_sin, rope_inv_freq
 from engines.runtime.config import ModelConfig
-from engines.runtime.experts import Dispatch, dense_mlp, dispatch, grouped_swiglu, route
-from engines.runtime.kv_cache import PagedKVCache
+from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route
+from engines.runtime.kv_cache import KVCache
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import AttentionWeights, ExpertStore, MoEWeights, ModelWeights
-
-ExpertFn = Callable[[Tensor, Dispatch, object], Tensor]
+from engines.runtime.weights import AttentionWeights, MoEWeights, ModelWeights
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -41,35 +39,48 @@ class ForwardResult:
 
 class MoEModel:
     def __init__(
-        self,
-        config: ModelConfig,
-        weights: ModelWeights,
-        experts: ExpertStore,
-        kv: PagedKVCache,
-        ledger: TransferLedger,
-        expert_fn: ExpertFn = grouped_swiglu,
+        self, config: ModelConfig, weights: ModelWeights, experts: ExpertBackend, kv: KVCache, ledger: TransferLedger
     ) -> None:
         self.config, self.weights, self.experts, self.kv, self.ledger = config, weights, experts, kv, ledger
-        self.expert_fn = expert_fn
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, weights.embed.device)
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, logit_rows: Tensor) -> ForwardResult:
-        cfg, w = self.config, self.weights
-        x = F.embedding(token_ids, w.embed)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        x, rope = self.embed(token_ids, positions)
         counts: dict[int, list[int]] = {}
-        for i, layer in enumerate(w.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            x = x + self._attention(i, layer.attn, h, cos, sin, attn)
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-            if isinstance(layer.mlp, MoEWeights):
-                y, counts[i] = self._moe(i, layer.mlp, h)
-            else:
-                y = dense_mlp(h, layer.mlp)
-            x = x + y
-        x = rms_norm(x[logit_rows], w.norm, cfg.rms_norm_eps)
-        return ForwardResult(F.linear(x, w.lm_head).float(), counts)
+        for i in range(self.config.num_layers):
+            x = self.attention_block(i, x, rope, attn)
+            x, layer_counts = self.mlp_block(i, x)
+            if layer_counts is not None:
+                counts[i] = layer_counts
+        return ForwardResult(self.head(x, logit_rows), counts)
+
+    # -- the blocks ------------------------------------------------------------------------------
+    def embed(self, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """token ids [T] -> hidden states [T, D] and the rotary (cos, sin) of their positions."""
+        x = F.embedding(token_ids, self.weights.embed)
+        return x, rope_cos_sin(positions, self.inv_freq, x.dtype)
+
+    def attention_block(self, i: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBatch) -> Tensor:
+        """Layer i's RMSNorm, attention over the KV cache (writing this batch's K/V), residual."""
+        layer = self.weights.layers[i]
+        h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)
+        return x + self._attention(i, layer.attn, h, *rope, attn)
+
+    def mlp_block(self, i: int, x: Tensor) -> tuple[Tensor, list[int] | None]:
+        """Layer i's RMSNorm, routed experts (+ shared expert) or dense MLP, residual; also the
+        tokens routed to each expert (None for a dense layer)."""
+        layer = self.weights.layers[i]
+        h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)
+        if isinstance(layer.mlp, MoEWeights):
+            y, counts = self._moe(i, layer.mlp, h)
+            return x + y, counts
+        return x + dense_mlp(h, layer.mlp), None
+
+    def head(self, x: Tensor, logit_rows: Tensor) -> Tensor:
+        """Final norm and LM head on rows `logit_rows` of x -> logits [S, V] float32."""
+        w = self.weights
+        return F.linear(rms_norm(x[logit_rows], w.norm, self.config.rms_norm_eps), w.lm_head).float()
 
     def _attention(
         self, i: int, w: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBatch
@@ -96,7 +107,7 @@ class MoEModel:
         cfg = self.config
         ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob)
         counts = self.ledger.to_host(torch.bincount(ids.flatten(), minlength=cfg.num_experts), "routing").tolist()
-        y = self.expert_fn(h, dispatch(ids, weights, counts), self.experts.layer(i))
+        y = self.experts.forward(i, h, dispatch(ids, weights, counts))
         if w.shared is not None:
             y = y + torch.sigmoid(F.linear(h, w.shared_gate)) * dense_mlp(h, w.shared)
         return y, counts

@@ -1,6 +1,8 @@
 """Continuous-batching scheduler: which tokens of which sequences run in the next step.
 
 Policy (first come, first served), each step:
+  0. if the KV capacity was lowered below the blocks in use, the most recently admitted
+     sequences are preempted until it holds again;
   1. every running sequence with one pending token decodes it; if the KV cache cannot grow,
      the most recently admitted sequences are preempted (blocks freed, recomputed later);
   2. the remaining token budget goes to prefill chunks: first sequences already mid-prompt,
@@ -99,6 +101,8 @@ class Scheduler:
         plan = Plan()
         alloc = self.allocator
         budget = self.max_num_batched_tokens
+        while alloc.over_capacity and self.running:
+            self._preempt(self.running[-1], plan)
         for seq in list(self.running):
             if seq not in self.running or seq.num_pending != 1 or budget == 0:
                 continue
@@ -111,7 +115,8 @@ class Scheduler:
                 plan.decodes.append(Chunk(seq, seq.num_computed, 1))
                 budget -= 1
         # Preempted sequences go back to the front of the queue, oldest first.
-        self.waiting.extendleft(reversed(plan.preempted))
+        # (preempted is newest first; extendleft reverses it, so the oldest ends up in front)
+        self.waiting.extendleft(plan.preempted)
         for seq in self.running:
             if seq.num_pending > 1 and budget > 0:
                 budget -= self._prefill(seq, budget, plan)

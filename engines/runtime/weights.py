@@ -1,14 +1,13 @@
-"""Weight records of the runtime and the expert store, the one place expert weights live.
+"""Weight records of the runtime: plain tensors in dataclasses.
 
-Dense weights (embeddings, attention, norms, routers, shared experts) are plain tensors in
-dataclasses. Routed-expert weights sit behind `ExpertStore`, so later engines can keep them
-quantized, paged, or on the host without touching the model code: the model asks the store
-for a layer's experts and hands the result to the expert compute function.
+Dense weights (embeddings, attention, norms, routers, shared experts) live here. Routed
+experts of a layer load as one `DenseExperts` record and are then owned by an
+`ExpertBackend` (engines/runtime/experts.py), so later engines can keep them quantized,
+paged, or on the host without touching the model code.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 
 from torch import Tensor
@@ -87,38 +86,12 @@ class DenseExperts:
     gate_up: Tensor  # [E, 2I, D]
     down: Tensor  # [E, D, I]
 
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
 
-
-class ExpertStore(ABC):
-    """Owns the routed-expert weights of every MoE layer.
-
-    `layer(i)` returns what the expert compute needs for layer i, making it resident first
-    if the store keeps weights elsewhere (any copy goes through the engine's TransferLedger).
-    """
-
-    @abstractmethod
-    def layer(self, index: int) -> object: ...
-
-    @abstractmethod
-    def nbytes(self) -> int:
-        """Device bytes held for routed experts now."""
-
-
-class ResidentExpertStore(ExpertStore):
-    """Every layer's experts resident on the device, in whatever form the compute takes
-    (DenseExperts for `moe`, QuantizedExperts for the static engines); anything with nbytes()."""
-
-    def __init__(self, layers: dict) -> None:
-        self._layers = layers
-
-    def layer(self, index: int):
-        return self._layers[index]
-
-    def indices(self) -> list[int]:
-        """The MoE layers whose experts this store holds."""
-        return list(self._layers)
-
-    def nbytes(self) -> int:
-        return sum(e.nbytes() for e in self._layers.values())
+    def expert_nbytes(self, expert: int) -> int:
+        return self.nbytes() // self.num_experts

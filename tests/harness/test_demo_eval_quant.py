@@ -1,13 +1,14 @@
-"""`quantize_experts` (what `pwbench demo eval --expert-bits/--expert-group` applies) against
+"""The `moe` engine's expert_bits/expert_group options (what `pwbench demo eval
+--expert-bits/--expert-group` sets: a fake-quantization expert backend) against
 a loop reference: asymmetric min-max RTN, each value replaced by the nearest of the
 2**bits levels of its group (one group per row with group 0 / None)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-
-from harness.results import HarnessError
 
 
 def _loop_rtn(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
@@ -28,16 +29,17 @@ def _loop_rtn(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("group", [None, 8])
 def test_quantize_experts_per_row_and_groups(checkpoints, group):
+    from engines.base import EngineError
     from engines.moe_engine import MoEEngine, MoEEngineConfig
-    from harness.demo_eval import quantize_experts
 
-    engine = MoEEngine(MoEEngineConfig(model=str(checkpoints("mixtral"))))
+    # float32 on the CPU, pinned: the loop reference and atol 1e-6 are float32 arithmetic.
+    cfg = MoEEngineConfig(model=str(checkpoints("mixtral")), device="cpu", dtype="float32")
+    with MoEEngine(cfg) as full:
+        before = {i: (full.experts.weights(i).gate_up, full.experts.weights(i).down) for i in full.experts.layers()}
+    engine = MoEEngine(dataclasses.replace(cfg, expert_bits=2, expert_group=group or 0))
     with engine:
-        before = {i: (engine.experts.layer(i).gate_up.clone(), engine.experts.layer(i).down.clone())
-                  for i in engine.experts.indices()}
-        quantize_experts(engine, 2, group)
         for i, weights in before.items():
-            after = (engine.experts.layer(i).gate_up, engine.experts.layer(i).down)
+            after = (engine.experts.weights(i).gate_up, engine.experts.weights(i).down)
             for w, q in zip(weights, after):
                 per_row, rows = q.reshape(-1, w.shape[-1]), w.reshape(-1, w.shape[-1])
                 picked = torch.arange(0, rows.shape[0], 7)  # every 7th row keeps the loop short
@@ -45,5 +47,5 @@ def test_quantize_experts_per_row_and_groups(checkpoints, group):
                 assert torch.allclose(per_row[picked], ref, atol=1e-6), (i, tuple(w.shape))
                 if group is None:  # one group per row: at most 4 distinct values in a row
                     assert all(len(set(row.tolist())) <= 4 for row in per_row)
-        with pytest.raises(HarnessError, match="does not divide"):
-            quantize_experts(engine, 2, 7)
+    with pytest.raises(EngineError, match="does not divide"):
+        MoEEngine(dataclasses.replace(cfg, expert_bits=2, expert_group=7)).start()

@@ -28,20 +28,21 @@ def test_compare_by_hand():
 def test_engines_against_reference(checkpoints):
     from engines.hf_engine import HFEngine, HFEngineConfig
     from engines.moe_engine import MoEEngine, MoEEngineConfig
-    from harness.demo_eval import quantize_experts
 
     folder = str(checkpoints("mixtral"))
-    reference = MoEEngine(MoEEngineConfig(model=folder))
+    # float32 on the CPU, pinned: KL < 1e-6 against the reference means float32 against
+    # float32, also on a CUDA host (where the engines would pick the GPU and bf16).
+    cpu32 = {"device": "cpu", "dtype": "float32"}
+    reference = MoEEngine(MoEEngineConfig(model=folder, **cpu32))
     with reference:
-        same = MoEEngine(MoEEngineConfig(model=folder, block_size=4))
+        same = MoEEngine(MoEEngineConfig(model=folder, block_size=4, **cpu32))
         with same:
             q = measure_quality(same, reference, count=4, length=48)
         assert q.kl_mean == pytest.approx(0.0, abs=1e-6) and q.top1_agreement == 1.0
-        hf = HFEngine(HFEngineConfig(model=folder))
+        hf = HFEngine(HFEngineConfig(model=folder, **cpu32))
         with hf:
             assert measure_quality(hf, reference, count=4, length=48).kl_mean < 1e-6
-        damaged = MoEEngine(MoEEngineConfig(model=folder))
+        damaged = MoEEngine(MoEEngineConfig(model=folder, **cpu32, expert_bits=2, expert_group=32))
         with damaged:
-            quantize_experts(damaged, 2)
             q2 = measure_quality(damaged, reference, count=4, length=48)
     assert q2.kl_mean > 1e-3 and q2.prompt_source == "seeded random token ids"

@@ -48,26 +48,23 @@ def test_shipped_folder_is_small_and_loads_with_transformers():
 def closed_book_at(moe):
     """closed_book_at(bits, group): closed-book accuracy (1,600 seeded questions of the 6,400
     facts, by generation) with the routed experts RTN-quantized to `bits` in groups of
-    `group` inputs (None: one group per row), restoring the full-precision experts after;
-    bits None = full precision. Each setting is measured once per module."""
-    from harness.demo_eval import EvalSpec, demo_samples, quantize_experts, run_samples
+    `group` inputs (None: one group per row); bits None = full precision. Each setting is measured once per module."""
+    from engines.moe_engine import MoEEngine, MoEEngineConfig
+    from harness.demo_eval import EvalSpec, demo_samples, run_samples
 
     samples = demo_samples("closed_book", EvalSpec())
     measured: dict[tuple, float] = {}
 
     def measure(bits: int | None, group: int | None = 32) -> float:
         key = (bits, group if bits else None)
-        if key in measured:
-            return measured[key]
-        saved = {i: (moe.experts.layer(i).gate_up.clone(), moe.experts.layer(i).down.clone()) for i in moe.experts.indices()}
-        try:
-            if bits:
-                quantize_experts(moe, bits, group)
-            measured[key] = run_samples(moe, samples)[0]
-        finally:
-            for i, (gate_up, down) in saved.items():
-                moe.experts.layer(i).gate_up.copy_(gate_up)
-                moe.experts.layer(i).down.copy_(down)
+        if key not in measured:
+            if not bits:
+                measured[key] = run_samples(moe, samples)[0]
+            else:  # the engine option `pwbench demo eval --expert-bits/--expert-group` sets
+                cfg = MoEEngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", expert_bits=bits,
+                                      expert_group=group or 0)
+                with MoEEngine(cfg) as engine:
+                    measured[key] = run_samples(engine, samples)[0]
         return measured[key]
 
     return measure

@@ -20,8 +20,10 @@ from engines.demo import DEMO_MODEL_DIR
 from engines.quant.calibrate import QuantizeOptions
 from engines.quant.export import quantize_folder
 from engines.quant.qweight import SUPPORTED_GROUP_SIZES, dequantize
-from engines.registry import create_engine
-from engines.runtime.checkpoint import load_quantized_weights, open_checkpoint
+from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.quant.load import load_quantized_weights
+from engines.runtime.checkpoint import open_checkpoint
+from engines.runtime.experts import ResidentBackend
 from engines.runtime.experts import grouped_swiglu
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import DenseExperts
@@ -53,26 +55,36 @@ def model_dir(request, tmp_path_factory):
     return save_checkpoint(model, tmp_path_factory.mktemp("quality") / "mixtral-256")
 
 
+class _Recording(ResidentBackend):
+    """The dense backend, also keeping each MoE layer's inputs and dispatch."""
+
+    def __init__(self, dense):
+        super().__init__(dense)
+        self.seen = defaultdict(list)
+
+    def forward(self, layer, x, d):
+        self.seen[layer].append((x.clone(), d))
+        return super().forward(layer, x, d)
+
+
+class _RecordingEngine(MoEEngine):
+    def build_experts(self, dense):
+        return _Recording(dense)
+
+
 @pytest.fixture(scope="module")
 def held_out(model_dir):
     """Per MoE layer: [(h, dispatch)] of the full-precision model on the held-out prompts, and its experts."""
-    engine = create_engine("moe", {"model": str(model_dir), "device": "cpu", "dtype": "float32"})
+    engine = _RecordingEngine(MoEEngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
     engine.start()
     moe_layers = [i for i, moe in enumerate(engine.checkpoint.config.moe_layers) if moe]
-    layer_of = {id(engine.experts.layer(i)): i for i in moe_layers}
-    seen, inner = defaultdict(list), engine.model.expert_fn
-
-    def record(h, d, experts):
-        seen[layer_of[id(experts)]].append((h.clone(), d))
-        return inner(h, d, experts)
-
-    engine.model.expert_fn = record
     for j, p in enumerate(calibration_prompts(str(model_dir), "rag_long", HELD_OUT, 1, LENGTH)):
         engine.add_request(EngineRequest(f"r{j}", tuple(p), 1))
     while engine.has_unfinished():
         engine.step()
-    fp = {i: engine.experts.layer(i) for i in moe_layers}
+    fp = {i: engine.experts.weights(i) for i in moe_layers}
     norms = {i: engine.weights.layers[i].mlp_norm for i in moe_layers}
+    seen = engine.experts.seen
     engine.stop()
     return seen, fp, norms
 

@@ -1,0 +1,38 @@
+"""Executors: run a StepBatch through the model and choose the next tokens.
+
+`Executor` is today's one: the whole flat batch through every layer in one forward, then
+sampling. A layer-major executor (module-based batching) implements the same `execute` over
+the model's public blocks. Nothing here touches sequences; the engine applies the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from engines.runtime.batch import SeqState, StepBatch
+from engines.runtime.model import MoEModel
+from engines.runtime.sampling import sample
+from engines.runtime.transfer import TransferLedger
+
+
+@dataclass
+class StepResult:
+    logits: Tensor  # [S, V] float32 on the device, one row per batch.logit_rows entry
+    tokens: list[int]  # one per batch.sampled entry, on the host
+    expert_counts: dict[int, list[int]]  # MoE layer -> tokens routed to each expert
+
+
+class Executor:
+    def __init__(self, model: MoEModel, ledger: TransferLedger) -> None:
+        self.model, self.ledger = model, ledger
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        out = self.model.forward(batch.token_ids, batch.positions, batch.attn, batch.logit_rows)
+        rows = out.logits[[i for _, i in batch.sampled]]
+        states: list[SeqState] = [c.seq.state for c, _ in batch.sampled]  # type: ignore[misc]
+        params = [c.seq.request.sampling for c, _ in batch.sampled]
+        # Copying the chosen ids back is the step's device sync: the work is done when it returns.
+        tokens = self.ledger.to_host(sample(rows, params, [s.generator for s in states]), "tokens").tolist()
+        return StepResult(out.logits, tokens, out.expert_counts)
