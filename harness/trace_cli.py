@@ -22,7 +22,17 @@ trace_app = typer.Typer(
 )
 
 FormatOption = Annotated[
-    str | None, typer.Option("--format", help="Trace format (default: detected from the file's first line).")
+    str | None,
+    typer.Option("--format", help="Trace format (default: detected from the file's first line); jsonl or csv with --map."),
+]
+MapOption = Annotated[
+    str | None,
+    typer.Option(
+        "--map",
+        help="Your own JSONL/CSV layout: which key or column holds each field, e.g. arrival_s=start_time_s,"
+        "input_tokens=prompt_len,output_tokens=output_len[,session_id=sid][,time_unit=ms]. Times may be "
+        "absolute (Unix time, ISO 8601) or relative: they are shifted to start at 0.",
+    ),
 ]
 SkipOption = Annotated[
     bool, typer.Option("--skip-bad-lines", help="Skip malformed lines, count them and report them at the end.")
@@ -60,12 +70,13 @@ def info(
     format: FormatOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
     skip_bad_lines: SkipOption = False,
+    columns: MapOption = None,
 ) -> None:
     """Summarise a trace: requests, duration, token lengths, sessions, prefix reuse."""
     from workloads.traces.formats import read_trace
     from workloads.traces.stats import summarize
 
-    trace = read_trace(path, format, skip_bad_lines)
+    trace = read_trace(path, format, skip_bad_lines, columns)
     summary = summarize(trace)
     _report_skipped(trace)
     if as_json:
@@ -99,12 +110,13 @@ def convert(
     output: Annotated[str, typer.Option("--output", "-o", help="The pwbench JSONL file to write.")],
     format: FormatOption = None,
     skip_bad_lines: SkipOption = False,
+    columns: MapOption = None,
 ) -> None:
     """Convert a trace to pwbench JSONL (written to a temp file, then renamed into place)."""
     from workloads.traces.formats import read_trace
     from workloads.traces.jsonl_formats import write_pwbench
 
-    trace = read_trace(path, format, skip_bad_lines)
+    trace = read_trace(path, format, skip_bad_lines, columns)
     _report_skipped(trace)
     written = write_pwbench(trace, output)
     typer.echo(f"wrote {len(trace.rows):,} requests ({trace.format} -> pwbench) to {written}")

@@ -68,6 +68,17 @@ def replay_times(times: Sequence[float], time_scale: float) -> list[float]:
     return [(t - first) * time_scale for t in times]
 
 
+def session_times(start: float, session: list[RequestSkeleton], time_scale: float) -> list[tuple[float, float]]:
+    """(arrival, think time) of each turn of an open-loop session starting at `start`."""
+    clock = float(start)
+    times = []
+    for s in session:
+        think = s.think_time_s * time_scale
+        clock += think if s.turn > 0 else 0.0
+        times.append((clock, think))
+    return times
+
+
 def apply_arrivals(
     sessions: list[list[RequestSkeleton]], arrival: str, time_scale: float, starts=None
 ) -> list[RequestSkeleton]:
@@ -88,14 +99,11 @@ def apply_arrivals(
         times = replay_times([s.arrival_s for s in flat], time_scale)
         flat = [dataclasses.replace(s, arrival_s=t, think_time_s=s.think_time_s * time_scale) for s, t in zip(flat, times)]
     elif arrival in ("poisson", "gamma"):  # sessions start at the process's times, turns follow after think gaps
-        timed = []
-        for start, session in zip(starts, sessions):
-            clock = float(start)
-            for s in session:
-                think = s.think_time_s * time_scale
-                clock += think if s.turn > 0 else 0.0
-                timed.append(dataclasses.replace(s, arrival_s=clock, think_time_s=think))
-        flat = timed
+        flat = [
+            dataclasses.replace(s, arrival_s=clock, think_time_s=think)
+            for start, session in zip(starts, sessions)
+            for s, (clock, think) in zip(session, session_times(start, session, time_scale))
+        ]
     elif arrival == "closed":  # every request belongs to a session the harness can run
         flat = [
             dataclasses.replace(s, arrival_s=None, think_time_s=s.think_time_s * time_scale, session_id=s.session_id or f"single-{i}")

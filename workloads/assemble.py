@@ -2,20 +2,24 @@
 
 A workload's shape step is a stream of sessions (lists of RequestSkeleton, turn by turn,
 think gaps set, arrivals unset unless replayed). `assemble` applies the arrival process,
-keeps the first `requests` / those before `duration_s`, clips to the model's context and
-only then synthesizes tokens, so a bounded run never synthesizes a whole trace.
+keeps the first `requests` by arrival / those before `duration_s`, clips to the model's
+context and only then makes the prompts: with the default (deferrable) synthesizer a
+request's tokens are synthesized when it is sent (workloads/prompts.py), so building even a
+whole trace holds no tokens; another synthesizer runs at build time, its ids kept as int32.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from workloads.arrivals import apply_arrivals, open_loop_times
+from workloads.arrivals import apply_arrivals, open_loop_times, session_times
 from workloads.base import Request, WorkloadError
-from workloads.synth import HashBlockSynthesizer, PromptSynthesizer, RequestSkeleton, to_request
+from workloads.prompts import PromptIds, Recent, as_prompt_ids
+from workloads.synth import HashBlockSynthesizer, Prompt, PromptSynthesizer, RequestSkeleton, to_request
 
 DEFAULT_REQUESTS = 100  # a generated workload without --requests or --duration
 DEFAULT_CONCURRENCY = 4  # closed-loop users when the spec does not say
@@ -63,13 +67,31 @@ def assemble(spec, target, shape: Shape, synthesizer: PromptSynthesizer | None =
     plan = make_plan(spec, target, shape)
     synthesizer = synthesizer or HashBlockSynthesizer(spec.seed, target.vocab_size, tuple(target.special_ids))
     label = spec.name.partition(":")[0]
-    requests = tuple(to_request(s, synthesizer.synthesize(s), f"{label}-{s.index:05d}") for s in plan.skeletons)
+    if getattr(synthesizer, "deferrable", False):  # tokens made when the request is sent
+        recent = Recent()
+        requests = tuple(
+            to_request(s, Prompt(PromptIds.deferred(synthesizer, s, recent)), f"{label}-{s.index:05d}")
+            for s in plan.skeletons
+        )
+    else:  # tasks are known now; the ids are kept as int32
+        requests = tuple(
+            to_request(s, _compact(synthesizer.synthesize(s)), f"{label}-{s.index:05d}") for s in plan.skeletons
+        )
     concurrency = (spec.concurrency or DEFAULT_CONCURRENCY) if plan.arrival == "closed" else None
     return Workload(spec.name, plan.arrival, requests, plan.notes, concurrency)
 
 
+def _compact(prompt: Prompt) -> Prompt:
+    return dataclasses.replace(prompt, ids=as_prompt_ids(prompt.ids))
+
+
 def make_plan(spec, target, shape: Shape) -> Plan:
-    """Arrivals, bounds and clipping: everything but the tokens."""
+    """Arrivals, bounds and clipping: everything but the tokens.
+
+    With `requests` N the plan holds the first N requests by arrival (open loop and trace
+    replay): sessions whose later turns come after the N-th request are cut short, and the
+    notes name them. Closed-loop and offline plans keep the first N in session order.
+    """
     arrival = spec.arrival or shape.default_arrival
     rate = spec.rate if spec.rate is not None else shape.default_rate
     burstiness = 1.0 if arrival == "poisson" else spec.burstiness or shape.default_burstiness
@@ -87,15 +109,22 @@ def make_plan(spec, target, shape: Shape) -> Plan:
     if open_loop and limit is None and spec.duration_s is not None:  # as many sessions as start in time
         starts = open_loop_times(session_rate, burstiness, spec.seed, until_s=spec.duration_s)
         sessions = _take(stream, sessions=len(starts))
+    elif open_loop and limit is not None:  # enough sessions that no later one can arrive among the first N
+        sessions, starts = _take_first_arrivals(stream, limit, session_rate, burstiness, spec.seed, spec.time_scale)
+    elif arrival == "trace" and limit is not None:  # the whole (finite) trace; the first N by arrival below
+        sessions, starts = list(stream), None
     else:
         sessions = _take(stream, requests=limit)
         starts = open_loop_times(session_rate, burstiness, spec.seed, n=len(sessions)) if open_loop else None
     skeletons = apply_arrivals(sessions, arrival, spec.time_scale, starts)
+    planned = skeletons
     if arrival in ("trace", "poisson", "gamma") and spec.duration_s is not None:
         skeletons = [s for s in skeletons if s.arrival_s < spec.duration_s]
     skeletons = skeletons[:limit] if limit is not None else skeletons
     if not skeletons:
         raise WorkloadError(f"workload {spec.name!r} has no requests within duration_s={spec.duration_s}; raise it")
+    if limit is not None and arrival in ("trace", "poisson", "gamma") and len(skeletons) < len(planned):
+        notes.extend(_cut_sessions_note(planned, skeletons, limit, spec.duration_s))
     skeletons, clipped = _clip_all(skeletons, target.max_model_len)
     if clipped:
         notes.append(
@@ -115,6 +144,63 @@ def _take(stream: Iterator[list[RequestSkeleton]], requests: int | None = None, 
         taken.append(session)
         turns += len(session)
     return taken
+
+
+def _take_first_arrivals(
+    stream: Iterator[list[RequestSkeleton]], limit: int, session_rate: float, burstiness: float, seed: int,
+    time_scale: float,
+):
+    """Open loop: sessions (and their start times) until `limit` turns have arrived before the
+    next session's start, so the first `limit` requests by arrival are all among them."""
+    size = 2 * limit + 64
+    starts = open_loop_times(session_rate, burstiness, seed, n=size)
+    sessions: list[list[RequestSkeleton]] = []
+    pending: list[float] = []  # arrivals of taken turns after the current start (a heap)
+    arrived = 0  # taken turns arriving at or before the current start
+    while True:
+        if len(sessions) == len(starts):  # the process's times are a prefix-stable seeded stream
+            size *= 2
+            starts = open_loop_times(session_rate, burstiness, seed, n=size)
+        start = float(starts[len(sessions)])
+        while pending and pending[0] <= start:
+            heapq.heappop(pending)
+            arrived += 1
+        if arrived >= limit:
+            break
+        session = next(stream, None)
+        if session is None:  # a finite stream (a trace) ran out
+            break
+        sessions.append(session)
+        for clock, _ in session_times(start, session, time_scale):
+            heapq.heappush(pending, clock)
+    return sessions, starts[: len(sessions)]
+
+
+MAX_NAMED_SESSIONS = 10  # sessions named one by one in the cut-short note; the rest are counted
+
+
+def _cut_sessions_note(planned: list[RequestSkeleton], kept: list[RequestSkeleton], limit, duration_s) -> list[str]:
+    """Which sessions lost their later turns to the bound (requests and/or duration_s)."""
+    total: dict[str, int] = {}
+    for s in planned:
+        if s.session_id is not None:
+            total[s.session_id] = total.get(s.session_id, 0) + 1
+    have: dict[str, int] = {}
+    for s in kept:
+        if s.session_id is not None:
+            have[s.session_id] = have.get(s.session_id, 0) + 1
+    cut = [(sid, n, total[sid]) for sid, n in have.items() if n < total[sid]]
+    if not cut:
+        return []
+    bound = " and ".join(
+        b for b in (f"requests={limit}" if limit is not None else "", f"duration_s={duration_s}" if duration_s is not None else "") if b
+    )
+    named = ", ".join(f"{sid} ({n} of {t} turns)" for sid, n, t in cut[:MAX_NAMED_SESSIONS])
+    more = f" and {len(cut) - MAX_NAMED_SESSIONS} more" if len(cut) > MAX_NAMED_SESSIONS else ""
+    return [
+        f"kept the first {len(kept)} requests by arrival ({bound}); {len(cut)} session{'s' * (len(cut) != 1)} cut short, "
+        f"their later turns arriving after that: {named}{more}"
+    ]
 
 
 def _clip_all(skeletons: list[RequestSkeleton], max_len: int) -> tuple[list[RequestSkeleton], int]:

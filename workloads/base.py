@@ -8,6 +8,7 @@ what the right answer is (for accuracy scoring).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -26,7 +27,9 @@ class TaskInfo:
 @dataclass(frozen=True)
 class Request:
     request_id: str
-    prompt_ids: tuple[int, ...]
+    # A tuple, or (from build_workload) a workloads.prompts.PromptIds that reads like one but
+    # holds its ids as int32 or synthesizes them when read; give engines tuple(prompt_ids).
+    prompt_ids: Sequence[int]
     max_new_tokens: int  # expected output length (exact when ignore_eos)
     # Seconds from the start of the run; None = closed loop (sent when the session's previous
     # turn has finished, plus think_time_s).

@@ -7,6 +7,8 @@ sampled by inverse CDF (`sample_quantiles`); counts are pmfs {value: observation
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 QUANTILES = (0.0, 0.01, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 MAX_THINK_S = 3600.0  # a longer gap inside a session is a user coming back later, not thinking
 
@@ -58,11 +60,34 @@ def sample_quantiles(rng, table: tuple[float, ...], size: int, scale: float = 1.
 
 
 def sample_pmf(rng, pmf: dict[int, int], size: int):
+    """`size` draws of the pmf's values, weighted by their counts: the same numbers (and the same
+    use of the random stream) as rng.choice(values, size, p=counts / counts.sum())."""
+    values, cdf = _pmf_table(tuple(pmf.items()))
+    return values[draw_index(rng, cdf, size)]
+
+
+@lru_cache(maxsize=64)
+def _pmf_table(items: tuple[tuple[int, int], ...]):
     import numpy as np
 
-    values = np.fromiter(pmf.keys(), dtype=np.int64)
-    weights = np.fromiter(pmf.values(), dtype=np.float64)
-    return rng.choice(values, size=size, p=weights / weights.sum())
+    values = np.fromiter((k for k, _ in items), dtype=np.int64)
+    weights = np.fromiter((n for _, n in items), dtype=np.float64)
+    return values, cumulative(weights / weights.sum())
+
+
+def cumulative(p):
+    """The normalised CDF of probabilities p, as numpy's Generator.choice computes it."""
+    import numpy as np
+
+    cdf = np.asarray(p, dtype=np.float64).cumsum()
+    cdf /= cdf[-1]
+    return cdf
+
+
+def draw_index(rng, cdf, size: int | None = None):
+    """Indices drawn with probabilities given by `cdf` (from cumulative): one uniform per draw,
+    what rng.choice(len(cdf), size, p=p) does (numpy 2.x), without re-checking p on every call."""
+    return cdf.searchsorted(rng.random(size), side="right")
 
 
 def pmf_mean(pmf: dict[int, int]) -> float:

@@ -85,7 +85,10 @@ class WorkloadSpec:
     output_tokens: int | None = None  # offline_batch: output tokens (default 256)
     input_range: tuple[int, int] | None = None  # offline_batch: prompt tokens uniform in [lo, hi]
     output_range: tuple[int, int] | None = None
-    trace_format: str | None = None  # trace:PATH: the format, instead of detecting it
+    trace_format: str | None = None  # trace:PATH: the format, instead of detecting it (jsonl/csv with trace_map)
+    # trace:PATH in the user's own JSONL/CSV layout: "arrival_s=COL,input_tokens=COL,output_tokens=COL[,...]"
+    # (the --map text; workloads/traces/generic.py)
+    trace_map: str | None = None
     skip_bad_lines: bool = False  # trace:PATH: skip malformed lines, reported in notes
 
     def __post_init__(self) -> None:
@@ -112,6 +115,13 @@ class WorkloadSpec:
                    "replaying trace times needs a trace:PATH workload; use poisson, gamma, closed or offline")
             _check(self.trace_format is None, "trace_format", self.trace_format, "it needs a trace:PATH workload")
             _check(not self.skip_bad_lines, "skip_bad_lines", self.skip_bad_lines, "it needs a trace:PATH workload")
+            _check(self.trace_map is None, "trace_map", self.trace_map, "it needs a trace:PATH workload")
+        if self.trace_map is not None:  # a bad map fails here, before an engine loads
+            from workloads.traces.generic import parse_map
+
+            parse_map(self.trace_map)
+            _check(self.trace_format in (None, "jsonl", "csv"), "trace_format", self.trace_format,
+                   "a trace_map (--map) names the columns of --format jsonl or csv; drop one of them")
 
 
 def _whole(value: object, minimum: int) -> bool:

@@ -19,7 +19,8 @@ from workloads.fitted import (
     CHAT_OUTPUT_Q, CHAT_SHARED_BLOCKS, CHAT_THINK_Q, CHAT_TURNS_PMF, RAG_EMPTY_HISTORY_TOKENS, RAG_OUTPUT_Q,
     RAG_PASSAGE_LEN_Q, RAG_PASSAGE_POOL_PER_REF, RAG_PASSAGE_ZIPF, RAG_PASSAGES_PMF, RAG_QUESTION_Q,
     RAG_SYS_BLOCK_TOKENS, RAG_SYS_POOL_PER_REQUEST, RAG_SYS_POOL_ZIPF, RAG_SYS_VARIANTS, RAG_TEMPLATE_TOKENS,
-    RAG_THINK_Q, RAG_TURNS_PMF, RAG_WEB_LEN_Q, RAG_WEB_PMF, pmf_mean, sample_pmf, sample_quantiles,
+    RAG_THINK_Q, RAG_TURNS_PMF, RAG_WEB_LEN_Q, RAG_WEB_PMF, cumulative, draw_index, pmf_mean, sample_pmf,
+    sample_quantiles,
 )
 from workloads.synth import RequestSkeleton
 from workloads.traces.common import BLOCK_TOKENS, Trace, TraceRow
@@ -43,6 +44,33 @@ def zipf_weights(size: int, exponent: float):
     return weights / weights.sum()
 
 
+def smallest_first(keys, k: int):
+    """The first k indices of np.argsort(keys, kind="stable") (k smallest keys, ties by index),
+    in O(len(keys)) instead of a full sort: the rag_long pool grows with the requests asked for."""
+    import numpy as np
+
+    if k >= len(keys):
+        return np.argsort(keys, kind="stable")
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    kth = np.partition(keys, k - 1)[k - 1]
+    candidates = np.flatnonzero(keys <= kth)  # the k smallest and any ties with the k-th, by index
+    return candidates[np.argsort(keys[candidates], kind="stable")][:k]
+
+
+def _fill(keys, lengths, budget: float) -> list[int]:
+    """Passages in key order until their lengths add up to `budget` (all of them if they never do)."""
+    import numpy as np
+
+    k = 64
+    while True:
+        order = smallest_first(keys, k)
+        reached = np.flatnonzero(np.cumsum(lengths[order]) >= budget)
+        if len(reached) or k >= len(keys):
+            return order[: reached[0] + 1 if len(reached) else len(keys)].tolist()
+        k *= 4
+
+
 def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
     import numpy as np
 
@@ -61,7 +89,8 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
     variant_p = np.array([n for n, _, _ in RAG_SYS_VARIANTS], dtype=np.float64)
     variant_p /= variant_p.sum()
     template_ids = [next(ids) for _ in range(max(1, math.ceil(RAG_SYS_POOL_PER_REQUEST * hint)))]
-    template_p = zipf_weights(len(template_ids), RAG_SYS_POOL_ZIPF)
+    template_cdf = cumulative(zipf_weights(len(template_ids), RAG_SYS_POOL_ZIPF))
+    variant_cdf = cumulative(variant_p)
     per_request = pmf_mean(RAG_PASSAGES_PMF)
     if spec.context is not None:  # enough passages that a prompt can reach `context` tokens
         per_request = max(per_request, spec.context / (sum(RAG_PASSAGE_LEN_Q) / len(RAG_PASSAGE_LEN_Q)))
@@ -69,6 +98,7 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
     passage_ids = [next(ids) for _ in range(pool)]
     passage_len = sample_quantiles(g, RAG_PASSAGE_LEN_Q, pool, scale).tolist()
     passage_p = zipf_weights(pool, RAG_PASSAGE_ZIPF)
+    lengths_array = np.asarray(passage_len, dtype=np.int64)
     empty_history = next(ids)
 
     for number in itertools.count():
@@ -77,9 +107,9 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
         session = []
         for turn in range(int(sample_pmf(g, RAG_TURNS_PMF, 1)[0])):
             parts: list[tuple[int, int, str]] = []  # (block id, tokens, kind)
-            first, tail, tail_id = variants[int(g.choice(len(variants), p=variant_p))]
+            first, tail, tail_id = variants[int(draw_index(g, variant_cdf))]
             parts.append((first, sys_tokens, "sys_prompt"))
-            parts.append((template_ids[int(g.choice(len(template_ids), p=template_p))], sys_tokens, "sys_prompt"))
+            parts.append((template_ids[int(draw_index(g, template_cdf))], sys_tokens, "sys_prompt"))
             parts.append((tail_id if tail_id is not None else next(ids), tail, "sys_prompt"))
             if turn == 0:
                 parts.append((empty_history, tokens(RAG_EMPTY_HISTORY_TOKENS), "history"))
@@ -95,15 +125,14 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
             parts.append((next(ids), question, "question"))
             glue = tokens(g.integers(RAG_TEMPLATE_TOKENS[0], RAG_TEMPLATE_TOKENS[1] + 1))
             fixed = sum(n for _, n, _ in parts) + glue
-            # Popularity-weighted order without replacement (Efraimidis-Spirakis exponential keys).
-            order = np.argsort(g.exponential(size=pool) / passage_p, kind="stable").tolist()
+            # Popularity-weighted order without replacement (Efraimidis-Spirakis exponential keys):
+            # the passages with the smallest keys, in key order.
+            keys = g.exponential(size=pool) / passage_p
             if spec.context is None:
-                chosen = order[: int(sample_pmf(g, RAG_PASSAGES_PMF, 1)[0])]
+                chosen = smallest_first(keys, int(sample_pmf(g, RAG_PASSAGES_PMF, 1)[0])).tolist()
             else:
                 budget = g.uniform(CONTEXT_LOW, 1.0) * spec.context * scale - fixed
-                totals = itertools.accumulate(passage_len[i] for i in order)
-                count = next((k + 1 for k, total in enumerate(totals) if total >= budget), pool)
-                chosen = order[:count] if budget > 0 else []
+                chosen = _fill(keys, lengths_array, budget) if budget > 0 else []
             passages = [(passage_ids[i], passage_len[i], "passage") for i in chosen]
             parts[3:3] = passages  # prompt order: system prompt, passages, history, web, question
             output = draw(RAG_OUTPUT_Q)
@@ -205,7 +234,7 @@ def _singles(spec, draw: Callable) -> Iterator[list[RequestSkeleton]]:
 def trace_shape(spec) -> Shape:
     """Rows keep lengths, sessions and blocks; think time = gap to the session's previous row."""
     path = spec.name.partition(":")[2]
-    trace = read_trace(path, spec.trace_format, spec.skip_bad_lines)
+    trace = read_trace(path, spec.trace_format, spec.skip_bad_lines, spec.trace_map)
     if not trace.has_arrivals and spec.arrival in (None, "trace"):
         raise WorkloadError(
             f"{trace.path} ({trace.format}) has no arrival times; choose --arrival poisson, gamma, closed or offline"

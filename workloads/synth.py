@@ -57,6 +57,12 @@ class PromptSynthesizer(Protocol):
     order). A task synthesizer (rag_long / long_chat with an answer to score) overwrites the
     tokens of chosen blocks (by `block_kinds`: e.g. a fact into a "passage" block, the query
     into the "question" block) and returns the TaskInfo.
+
+    Optional: a synthesizer whose `deferrable` attribute is true promises that its prompts
+    carry no task and cost nothing to remake; its prompts are then synthesized when the
+    request is sent, not when the workload is built (with `token_ids(skeleton)`, an integer
+    array, when it has one). Any other synthesizer runs for every request at build time and
+    its ids are held as an int32 array (workloads.prompts.PromptIds).
     """
 
     def synthesize(self, skeleton: RequestSkeleton) -> Prompt: ...
@@ -81,6 +87,8 @@ class HashBlockSynthesizer:
     Block ids map to even keys and request indices (for unique tokens) to odd keys, so the
     two never collide. `avoid_ids` (BOS, EOS, pad, ...) never appear in a prompt.
     """
+
+    deferrable = True  # no tasks, pure: prompts are synthesized when sent (workloads.prompts)
 
     def __init__(self, seed: int, vocab_size: int, avoid_ids: tuple[int, ...] = ()) -> None:
         import numpy as np
@@ -113,6 +121,7 @@ class HashBlockSynthesizer:
 
 
 def to_request(skeleton: RequestSkeleton, prompt: Prompt, request_id: str) -> Request:
+    """The request for `skeleton`; `prompt.ids` as given (a tuple or a workloads.prompts.PromptIds)."""
     return Request(
         request_id=request_id,
         prompt_ids=prompt.ids,
