@@ -150,6 +150,11 @@ class Engine(ABC):
 
     name: ClassVar[str]
     config_cls: ClassVar[type]
+    # Capabilities: what the harness asks instead of comparing engine names.
+    needs_model: ClassVar[bool] = True  # reads a model folder (--model; default: the bundled demo model)
+    prompt_logits: ClassVar[bool] = False  # returns teacher-forced prompt logits (quality, lm-eval)
+    # Run on the CPU in float32 with no other option, this engine *is* the quality reference.
+    float32_reference: ClassVar[bool] = False
 
     @abstractmethod
     def start(self) -> None: ...

@@ -4,7 +4,9 @@ Each step admits waiting requests (up to `max_num_seqs`), prefills every new pro
 (emitting its first token) and decodes one token for every running request. It sleeps
     base_ms + prefill_ms_per_token * prefill_tokens + decode_ms_per_token * decode_tokens
 so the harness measures known latencies. Tokens are a deterministic function of the prompt.
-Tests may pass their own `sleep` (a simulated clock) to get exact timings.
+Tests may pass their own `sleep` (a simulated clock) to get exact timings. `fail_after_steps=N`
+makes every step after the first N since start() (warm-up included) raise RuntimeError, to
+test what a run does when its engine crashes mid-way.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class DummyConfig:
     vocab_size: int = 32000
     eos_token_id: int = 2
     max_model_len: int = 1 << 20
+    fail_after_steps: int | None = None  # None: never; N: steps after the first N raise RuntimeError
 
 
 @dataclass
@@ -51,15 +54,17 @@ class _Running:
 class DummyEngine(Engine):
     name = "dummy"
     config_cls = DummyConfig
+    needs_model = False
 
     def __init__(self, config: DummyConfig, sleep: Callable[[float], None] = time.sleep) -> None:
         self.config, self._sleep = config, sleep
         self._waiting: deque[EngineRequest] = deque()
         self._running: dict[str, _Running] = {}
         self._aborted: list[str] = []
+        self._steps = 0
 
     def start(self) -> None:
-        pass
+        self._steps = 0
 
     def stop(self) -> None:
         self._waiting.clear()
@@ -94,6 +99,9 @@ class DummyEngine(Engine):
 
     def step(self) -> StepOutput:
         cfg = self.config
+        self._steps += 1
+        if cfg.fail_after_steps is not None and self._steps > cfg.fail_after_steps:
+            raise RuntimeError(f"dummy engine: injected failure in step {self._steps} (fail_after_steps={cfg.fail_after_steps})")
         outputs = [RequestOutput(rid, finished=True, finish_reason="abort") for rid in self._aborted]
         self._aborted = []
         decode_ids = list(self._running)

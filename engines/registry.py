@@ -19,23 +19,23 @@ from engines.base import Engine, EngineError
 # name -> (lazy target, one-line description)
 _ENGINES: dict[str, tuple[str, str]] = {
     "moe": (
-        "engines.moe_engine:MoEEngine",
+        "engines.moe:MoEEngine",
         "pwbench MoE runtime, full precision: paged KV, continuous batching, expert-grouped matmuls",
     ),
     "hf": (
-        "engines.hf_engine:HFEngine",
+        "engines.hf:HFEngine",
         "transformers' own model with generate(), static batches with left padding (reference)",
     ),
     "static-gptq": (
-        "engines.static_engines:StaticGPTQEngine",
+        "engines.static_quant:StaticGPTQEngine",
         "moe runtime, every routed expert GPTQ-quantized before serving (a GPTQ folder, or --set bits=N)",
     ),
     "static-awq": (
-        "engines.static_engines:StaticAWQEngine",
+        "engines.static_quant:StaticAWQEngine",
         "moe runtime, every routed expert AWQ-quantized before serving (an AWQ folder, or --set bits=N)",
     ),
     "static-rtn": (
-        "engines.static_engines:StaticRTNEngine",
+        "engines.static_quant:StaticRTNEngine",
         "moe runtime, every routed expert round-to-nearest quantized (a quantized folder, or --set bits=N)",
     ),
     "dummy": (
@@ -43,6 +43,12 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "no model: deterministic tokens and a parametric latency model, for harness tests",
     ),
 }
+
+
+# The quality reference every engine is compared with (harness/quality.py): full precision,
+# float32, on the CPU.
+REFERENCE_ENGINE = "moe"
+REFERENCE_OPTIONS = {"device": "cpu", "dtype": "float32"}
 
 
 def register_engine(name: str, target: str, description: str) -> None:

@@ -60,7 +60,7 @@ def generate(
         list[str] | None, typer.Option("--prompt", help="A text prompt (needs tokenizer.json); repeatable.")
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
-    engine: Annotated[str, typer.Option(help="Engine name (see `pwbench ls engines`).")] = "moe",
+    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: moe, or static-<method> for a quantized folder).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0 = off).")] = 0,
@@ -81,7 +81,7 @@ def generate(
     if not prompts:
         raise EngineError("give at least one --prompt-ids or --prompt")
     args = GenerateArgs(
-        engine=engine,
+        engine=_engine_for(engine, model),
         model=model,
         prompts=prompts,
         max_new_tokens=max_new_tokens,
@@ -216,7 +216,8 @@ def demo_tasks(
     typer.echo(f"wrote demo_rag, demo_chat, demo_closed_book, demo_copy to {folder}")
 
 
-@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command("lm-eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                         "help_option_names": []})
 @user_errors
 def lm_eval_passthrough(ctx: typer.Context) -> None:
     """lm-eval's own command line with `--model pwbench` available (arguments pass through)."""
@@ -229,7 +230,7 @@ def lm_eval_passthrough(ctx: typer.Context) -> None:
 @user_errors
 def run(
     workload: Annotated[str, typer.Option(help="Named workload (see `pwbench ls workloads`) or trace:PATH.")] = "rag_long",
-    engine: Annotated[str, typer.Option(help="Engine name (see `pwbench ls engines`).")] = "moe",
+    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: moe, or static-<method> for a quantized folder).")] = None,
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
     requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
     duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,
@@ -243,6 +244,7 @@ def run(
     input_len: Annotated[str | None, typer.Option(help="offline_batch: prompt length N or range A-B.")] = None,
     output_len: Annotated[str | None, typer.Option(help="offline_batch: output length N or range A-B.")] = None,
     trace_format: Annotated[str | None, typer.Option("--format", help="trace:PATH: the trace format (default: detected).")] = None,
+    trace_map: Annotated[str | None, typer.Option("--map", help="trace:PATH in your own JSONL/CSV layout (--format jsonl|csv): FIELD=COLUMN pairs, e.g. arrival_s=start_time_s,input_tokens=input_tokens,output_tokens=output_tokens,session_id=session_id[,time_unit=ms]; times may be absolute or relative.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the workload and sampling.")] = 0,
     output: Annotated[str | None, typer.Option(help="Result folder (default: results/<run_id>).")] = None,
     slo: Annotated[str, typer.Option(help="Latency targets for goodput, e.g. ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
@@ -258,7 +260,9 @@ def run(
     """Replay a workload against an engine and write a result folder (run.json + parquet files)."""
     from harness.run_cli import run_command
 
-    code = run_command(locals())
+    options = dict(locals())
+    options["engine"] = _engine_for(engine, model)
+    code = run_command(options)
     raise typer.Exit(code)
 
 
@@ -304,6 +308,19 @@ def hw(
             ref = sheet[1].get(key) if sheet else None
             note = f"   datasheet {ref / 1e9:,.0f} G" if ref else ""
             typer.echo(f"  {key:38s} {value / 1e9:12,.1f} G{note}")
+
+
+def _engine_for(engine: str | None, model: str | None) -> str:
+    """The engine named, else the one that serves the folder (static-<method> for a quantized
+    folder, said in one line on stderr)."""
+    if engine is not None:
+        return engine
+    from engines.folders import engine_for_folder
+
+    name, note = engine_for_folder(model)
+    if note:
+        typer.echo(f"note: {note}", err=True)
+    return name
 
 
 def _ordered_prompts(id_prompts: list[list[int]], text_prompts: list[str]) -> list[list[int] | str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from engines.base import EngineRequest
 from engines.registry import create_engine
+from harness.offline import cut_at_eos, run_offline
 from workloads.demo.language import BOS_ID, EOS_ID, demo_language
 from workloads.demo.tasks import Sample, closed_book, copy_task, make_sample, score
 
@@ -55,18 +56,11 @@ def demo_samples(task: str, spec: EvalSpec, tokens: tuple[int, int] | None = Non
 
 def run_samples(engine, samples: list[Sample]) -> tuple[float, list[dict[str, Any]]]:
     lang = demo_language()
-    outputs: dict[str, list[int]] = {}
-    for i, s in enumerate(samples):
-        prompt = (BOS_ID, *lang.encode(s.prompt))
-        engine.add_request(EngineRequest(str(i), prompt, len(s.answer.split()) + 2))
-        outputs[str(i)] = []
-    while engine.has_unfinished():
-        for o in engine.step().outputs:
-            outputs[o.request_id].extend(o.new_token_ids)
+    done = run_offline(engine, [EngineRequest(str(i), (BOS_ID, *lang.encode(s.prompt)), len(s.answer.split()) + 2)
+                                for i, s in enumerate(samples)])
     rows = []
     for i, s in enumerate(samples):
-        ids = outputs[str(i)]
-        text = lang.decode(ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids)
+        text = lang.decode(cut_at_eos(done[str(i)].output_ids, (EOS_ID,)))
         rows.append({"task": s.task, "answer": s.answer, "output": text, "correct": score(text, s.answer)})
     return sum(r["correct"] for r in rows) / max(1, len(rows)), rows
 

@@ -12,6 +12,7 @@ from typing import Any
 from engines.base import EngineError, EngineRequest, SamplingParams
 from engines.registry import create_engine
 from engines.tokenizer import load_tokenizer
+from harness.offline import run_offline
 
 
 @dataclass(frozen=True)
@@ -54,24 +55,20 @@ def run_generate(args: GenerateArgs) -> list[dict[str, Any]]:
     options = {k: v for k, v in args.options.items() if v is not None}
     engine = create_engine(args.engine, {"model": args.model, **options})
     engine.start()
-    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    reasons: dict[str, str | None] = {}
     try:
-        for i, ids in enumerate(prompts):
-            sampling = SamplingParams(args.temperature, args.top_p, args.top_k, seed=args.seed + i)
-            engine.add_request(EngineRequest(str(i), tuple(ids), args.max_new_tokens, sampling, args.ignore_eos))
-        while engine.has_unfinished():
-            for out in engine.step().outputs:
-                outputs[out.request_id].extend(out.new_token_ids)
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
+        done = run_offline(engine, [
+            EngineRequest(str(i), tuple(ids), args.max_new_tokens,
+                          SamplingParams(args.temperature, args.top_p, args.top_k, seed=args.seed + i), args.ignore_eos)
+            for i, ids in enumerate(prompts)
+        ])
     finally:
         engine.stop()
     results = []
     for i, ids in enumerate(prompts):
-        item: dict[str, Any] = {"prompt_ids": ids, "output_ids": outputs[str(i)], "finish_reason": reasons.get(str(i))}
+        out = done[str(i)]
+        item: dict[str, Any] = {"prompt_ids": ids, "output_ids": out.output_ids, "finish_reason": out.finish_reason}
         if tokenizer is not None:
             item["prompt_text"] = tokenizer.decode(ids)
-            item["text"] = tokenizer.decode(outputs[str(i)])
+            item["text"] = tokenizer.decode(out.output_ids)
         results.append(item)
     return results

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,10 @@ def cpu_model() -> str:
 def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | None:
     if not device_name:
         return None
-    # Longest key first so "H100" does not match inside an unrelated longer name by accident.
+    # A key matches as a whole word ("NVIDIA L4", "NVIDIA A100-SXM4-80GB"), so "L4" does not
+    # match an L40S nor "A10G" an A100; longest key first.
     for key in sorted(DATASHEET, key=len, reverse=True):
-        if key.lower() in device_name.lower():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
             return key, DATASHEET[key]
     return None
 

@@ -18,6 +18,7 @@ from lm_eval.api.registry import register_model
 from engines.base import EngineError, EngineRequest, SamplingParams
 from engines.registry import create_engine
 from engines.tokenizer import load_tokenizer
+from harness.offline import cut_at_eos, run_offline
 
 _GROUP = 32  # requests in flight per scoring group
 
@@ -60,14 +61,9 @@ class PwbenchLM(LM):
         out: list[torch.Tensor] = []
         for start in range(0, len(sequences), _GROUP):
             group = sequences[start : start + _GROUP]
-            got: dict[str, torch.Tensor] = {}
-            for i, ids in enumerate(group):
-                self.engine.add_request(EngineRequest(str(i), tuple(ids), 1, ignore_eos=True, return_prompt_logits=True))
-            while self.engine.has_unfinished():
-                for o in self.engine.step().outputs:
-                    if o.prompt_logits is not None:
-                        got[o.request_id] = torch.log_softmax(o.prompt_logits.float(), dim=-1)
-            out += [got[str(i)] for i in range(len(group))]
+            done = run_offline(self.engine, [EngineRequest(str(i), tuple(ids), 1, ignore_eos=True,
+                                                           return_prompt_logits=True) for i, ids in enumerate(group)])
+            out += [torch.log_softmax(done[str(i)].prompt_logits.float(), dim=-1) for i in range(len(group))]
         return out
 
     def _truncate(self, ids: list[int], keep_for: int = 1) -> list[int]:
@@ -101,6 +97,7 @@ class PwbenchLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         stops: list[list[str]] = []
+        submitted = []
         for i, req in enumerate(requests):
             context, kwargs = req.args
             kwargs = dict(kwargs or {})
@@ -109,16 +106,11 @@ class PwbenchLM(LM):
             max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             ids = self._truncate(self._encode(context, True), max_new)
-            self.engine.add_request(EngineRequest(str(i), tuple(ids), max_new, SamplingParams(temperature, seed=i)))
-        outputs: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
-        while self.engine.has_unfinished():
-            for o in self.engine.step().outputs:
-                outputs[o.request_id].extend(o.new_token_ids)
+            submitted.append(EngineRequest(str(i), tuple(ids), max_new, SamplingParams(temperature, seed=i)))
+        done = run_offline(self.engine, submitted)
         texts = []
         for i, until in enumerate(stops):
-            ids = outputs[str(i)]
-            cut = next((k for k, t in enumerate(ids) if t in self.eos_ids), len(ids))
-            text = self.tokenizer.decode(ids[:cut])
+            text = self.tokenizer.decode(cut_at_eos(done[str(i)].output_ids, self.eos_ids))
             for stop in until:
                 if stop and stop in text:
                     text = text[: text.index(stop)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 PERCENTILES = (50, 90, 95, 99)
@@ -148,12 +148,28 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], output_tokens: int) -> d
     }
 
 
+# StepOutput's per-step counters -> steps.parquet columns: every field is a column under its
+# own name but these; `extras` become x_<key> columns. New StepOutput fields appear by themselves.
+STEP_COLUMN_NAMES = {"num_prefill_tokens": "prefill_tokens", "num_decode_tokens": "decode_tokens",
+                     "num_running": "running", "num_waiting": "waiting", "num_preempted": "preempted"}
+_NOT_COLUMNS = ("outputs", "started", "extras")
+
+
+def step_row(out: Any) -> dict[str, Any]:
+    """One steps.parquet row (without its timestamps) from a StepOutput."""
+    row = {STEP_COLUMN_NAMES.get(f.name, f.name): getattr(out, f.name) for f in fields(out) if f.name not in _NOT_COLUMNS}
+    row.update({f"x_{k}": v for k, v in out.extras.items()})
+    return row
+
+
 def efficiency(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: Mapping[str, Any]) -> dict[str, Any]:
     """MBU / MFU of decode-only steps and host->device bandwidth use against the peaks.
 
-    Bytes read per decode step = dense weights + experts hit x bytes per expert + K/V of
-    every attended token; FLOPs = 2 x active parameters x tokens. `model` comes from the
-    engine info (model_stats); `peaks` from `pwbench hw` or the datasheet table.
+    Bytes read per decode step = the weights the step read (its `weight_bytes_read`, at their
+    stored size; for an engine that does not report it, dense weights + experts hit x bytes
+    per expert) + K/V of every attended token; FLOPs = 2 x active parameters x tokens.
+    `model` comes from the engine info (model_stats); `peaks` from `pwbench hw` or the
+    datasheet table.
     """
     decode = [s for s in steps if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
     out: dict[str, Any] = {"peaks_source": peaks.get("source")}
@@ -161,7 +177,7 @@ def efficiency(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], pea
         return out
     time = sum(s["duration_s"] for s in decode)
     read = sum(
-        model["dense_weight_bytes"] + s["experts_hit"] * model["bytes_per_expert"]
+        (s.get("weight_bytes_read") or model["dense_weight_bytes"] + s["experts_hit"] * model["bytes_per_expert"])
         + s.get("context_tokens", 0) * model["kv_bytes_per_token"]
         for s in decode
     )

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engines.base import Engine, EngineRequest
+from harness.offline import run_offline
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,9 @@ def quality_prompts(vocab_size: int, count: int = 16, length: int = 256, seed: i
 
 
 def prompt_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tensor]:
-    got: dict[str, torch.Tensor] = {}
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"q{i}", tuple(ids), 1, ignore_eos=True, return_prompt_logits=True))
-    while engine.has_unfinished():
-        for o in engine.step().outputs:
-            if o.prompt_logits is not None:
-                got[o.request_id] = o.prompt_logits.float()
-    return [got[f"q{i}"] for i in range(len(prompts))]
+    done = run_offline(engine, [EngineRequest(f"q{i}", tuple(ids), 1, ignore_eos=True, return_prompt_logits=True)
+                                for i, ids in enumerate(prompts)])
+    return [done[f"q{i}"].prompt_logits.float() for i in range(len(prompts))]
 
 
 def compare(test: list[torch.Tensor], reference: list[torch.Tensor], prompts: list[list[int]], source: str) -> Quality:

@@ -86,7 +86,8 @@ def quantize(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     from engines.quant.calibrate import QuantizeOptions  # noqa: PLC0415
-    from engines.quant.export import REPORT_FILE, preflight, quantize_folder  # noqa: PLC0415
+    from engines.folders import REPORT_FILE  # noqa: PLC0415
+    from engines.quant.export import preflight, quantize_folder  # noqa: PLC0415
 
     options = QuantizeOptions(method, bits, group_size, sym, act_order, damp, min_expert_tokens)
     ckpt, scheme = preflight(model, output, options, fmt)  # fail before building prompts

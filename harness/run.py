@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import Engine, EngineInfo
-from engines.registry import create_engine, engine_class
+from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class
 from harness.metrics import DEFAULT_SLO, summarize
+from harness.offline import cut_at_eos
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
 from harness.runner import RunLimits, Runner, RunRecords
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload
@@ -106,15 +107,17 @@ def build(args: RunArgs, info: EngineInfo, demo: bool):
 
 
 def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: None,
-            on_step: Callable[[RunRecords], None] | None = None) -> tuple[Path, dict[str, Any]]:
+            on_step: Callable[[RunRecords], None] | None = None,
+            on_start: Callable[[], None] | None = None) -> tuple[Path, dict[str, Any]]:
     """Run and write the result folder; returns (folder, run.json). `make_runner` lets the CLI
-    keep a handle to the runner (for Ctrl-C) before the run starts."""
+    keep a handle to the runner (for Ctrl-C) before the run starts; `on_start` is called once
+    warm-up is done, just before the measured run's clock starts."""
     from harness.hw import peaks_for  # noqa: PLC0415
     from harness.telemetry import TelemetrySampler  # noqa: PLC0415
 
-    engine_class(args.engine)  # an unknown engine name fails before anything else
+    cls = engine_class(args.engine)  # an unknown engine name fails before anything else
     model = args.model
-    if model is None and args.engine != "dummy":
+    if model is None and cls.needs_model:
         from engines.demo import demo_model_path  # noqa: PLC0415
 
         model = str(demo_model_path())
@@ -134,11 +137,15 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         sampler = TelemetrySampler(runner.now, args.telemetry_hz)
         sampler.start()
         try:
+            if on_start is not None:
+                on_start()
             records = runner.run()
         finally:
             sampler.stop()
         requests = _request_rows(records, model)
-        peaks = peaks_for(sampler.gpu_name or (None if info.device.startswith("cuda") else _cpu_name()))
+        # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
+        # measured against the CPU, not the GPU NVML sees.
+        peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
         summary = summarize(requests, records.steps, args.slo, info.model_stats, peaks)
         summary["memory"] = {"weight_bytes": info.weight_bytes, "kv_cache_bytes": info.kv_cache_bytes,
                              "kv_capacity_tokens": info.kv_capacity_tokens}
@@ -188,8 +195,7 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
         row["output_tokens"] = r.output_tokens
         if tokenizer is not None and r.task is not None:
             ids = r.output_ids
-            cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
-            row["output_text"] = tokenizer.decode(ids[:cut])
+            row["output_text"] = tokenizer.decode(cut_at_eos(ids, eos))
         else:
             row["output_text"] = None
         rows.append(row)
@@ -199,11 +205,15 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
 def _quality(args: RunArgs, engine: Engine, model: str | None, info: EngineInfo) -> dict[str, Any] | None:
     from harness.quality import measure_quality  # noqa: PLC0415
 
-    if not args.quality or model is None or args.engine == "dummy":
+    cls = type(engine)
+    if not args.quality or model is None or not cls.prompt_logits:
         return None
-    if args.engine == "moe" and info.dtype == "float32" and not args.engine_options:
+    # The reference is `moe` in float32 on the CPU with default options: an engine that is
+    # exactly that (e.g. `--device cpu` given explicitly) would only be compared with itself.
+    if (cls.float32_reference and info.dtype == "float32" and info.device == "cpu"
+            and not set(args.engine_options) - set(REFERENCE_OPTIONS)):
         return {"skipped": "this engine is the float32 reference itself"}
-    reference = create_engine("moe", {"model": model, "dtype": "float32", "device": "cpu"})
+    reference = create_engine(REFERENCE_ENGINE, {"model": model, **REFERENCE_OPTIONS})
     reference.start()
     try:
         return measure_quality(engine, reference).to_dict()

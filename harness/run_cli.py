@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
         **_lengths(o["input_len"], "input"), **_lengths(o["output_len"], "output"),
     )
     spec_options["scale"] = o["scale"]
+    spec_options["trace_map"] = o.get("trace_map")
     spec_options = {k: v for k, v in spec_options.items() if v is not None}
     spec = WorkloadSpec(o["workload"], **spec_options)  # validates before the engine loads
     engine_options = {"device": o["device"], "dtype": o["dtype"], **parse_set_options(o["set_"] or [])}
@@ -70,14 +72,31 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
 
 
 class _Progress:
-    """A rich progress bar fed from the runner's step callback (throttled to 10 Hz)."""
+    """Progress on stderr, fed from the runner's step callback (throttled to 10 Hz).
 
-    def __init__(self, quiet: bool) -> None:
+    On a terminal: a rich progress bar. Otherwise (a log, CI, a pipe) plain lines, which a
+    live bar cannot give there: `run: measuring N requests ...` once warm-up is done and the
+    clock starts, then `run: D/N requests done, X out tok/s, T s` each time another tenth of
+    the requests has finished or PLAIN_PERIOD_S has passed since the last line.
+    """
+
+    PLAIN_PERIOD_S = 10.0
+
+    def __init__(self, quiet: bool, plain: bool | None = None) -> None:
         self.quiet, self.bar, self.task, self.last, self.runner = quiet, None, None, 0.0, None
+        self.plain = (not sys.stderr.isatty()) if plain is None else plain
+        self.next_mark, self.last_line = 0, 0.0
+
+    def start(self) -> None:
+        if self.quiet or not self.plain or self.runner is None:
+            return
+        total = len(self.runner.requests)
+        self.next_mark, self.last_line = max(1, -(-total // 10)), 0.0
+        typer.echo(f"run: measuring {total} requests (Ctrl-C stops and saves what was measured)", err=True)
 
     def attach(self, runner: Runner) -> None:
         self.runner = runner
-        if self.quiet:
+        if self.quiet or self.plain:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
@@ -88,12 +107,21 @@ class _Progress:
 
     def update(self, records: RunRecords) -> None:
         now = time.perf_counter()
-        if self.bar is None or now - self.last < 0.1:
+        if self.quiet or (self.bar is None and not self.plain) or now - self.last < 0.1:
             return
         self.last = now
         elapsed = max(self.runner.now(), 1e-9)
         tokens = sum(s["decode_tokens"] for s in records.steps)
-        self.bar.update(self.task, completed=self.runner.completed(), tps=f"{tokens / elapsed:,.0f} out tok/s")
+        done = self.runner.completed()
+        if self.bar is not None:
+            self.bar.update(self.task, completed=done, tps=f"{tokens / elapsed:,.0f} out tok/s")
+            return
+        if done >= self.next_mark or elapsed - self.last_line >= self.PLAIN_PERIOD_S:
+            total = len(self.runner.requests)
+            step = max(1, -(-total // 10))
+            self.next_mark = (done // step + 1) * step
+            self.last_line = elapsed
+            typer.echo(f"run: {done}/{total} requests done, {tokens / elapsed:,.0f} out tok/s, {elapsed:,.1f} s", err=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -114,7 +142,7 @@ def run_command(options: dict[str, Any]) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        folder, run = execute(args, make_runner=progress.attach, on_step=progress.update)
+        folder, run = execute(args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start)
     finally:
         progress.close()
         signal.signal(signal.SIGINT, previous)

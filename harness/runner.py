@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import Engine, EngineError, EngineRequest, StepOutput
+from harness.metrics import step_row
+from harness.offline import run_offline
 from workloads.base import Request
 
 
@@ -79,6 +81,7 @@ class Runner:
         self.limits, self.closed_loop, self.concurrency = limits, closed_loop, concurrency
         self.requests = list(requests)[: limits.requests] if limits.requests else list(requests)
         self._stop = False
+        self._warmup_error: str | None = None
         self.t0 = 0.0
 
     def stop(self) -> None:
@@ -88,16 +91,26 @@ class Runner:
         return self.clock() - self.t0
 
     def warmup(self, requests: Sequence[Request]) -> None:
-        """Run requests to completion before the clock starts; nothing of them is recorded."""
-        for i, r in enumerate(requests):
-            self.engine.add_request(EngineRequest(f"warmup-{i}", r.prompt_ids, r.max_new_tokens, ignore_eos=True))
-        while self.engine.has_unfinished() and not self._stop:
-            self.engine.step()
+        """Run requests to completion before the clock starts; nothing of them is recorded.
+
+        An EngineError (e.g. a request the KV cache cannot hold) propagates: the CLI shows it
+        as a one-line user error. Any other exception is an engine crash and fails the run as
+        it would mid-way: `run()` then returns status `failed` with the error at once."""
+        try:
+            run_offline(self.engine, [EngineRequest(f"warmup-{i}", tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=True)
+                                      for i, r in enumerate(requests)], should_stop=lambda: self._stop)
+        except EngineError:
+            raise
+        except Exception as exc:  # an engine bug: say what broke, as run() does
+            self._warmup_error = f"warm-up: {type(exc).__name__}: {exc}"
 
     def run(self) -> RunRecords:
         self.t0 = self.clock()
         result = RunRecords("complete", [], [], time.time())
         self._records: dict[str, RequestRecord] = {}
+        if self._warmup_error is not None:
+            result.status, result.error = "failed", self._warmup_error
+            return result
         self._by_id = {r.request_id: r for r in self.requests}
         self._in_flight: set[str] = set()
         self._setup_arrivals()
@@ -177,7 +190,9 @@ class Runner:
     def _send(self, rec: RequestRecord, req: Request, now: float) -> None:
         rec.sent_s = now
         try:
-            self.engine.add_request(EngineRequest(rec.request_id, req.prompt_ids, req.max_new_tokens, ignore_eos=req.ignore_eos))
+            # tuple(): a deferred prompt (workloads.prompts) is synthesized here, when it is sent.
+            self.engine.add_request(EngineRequest(rec.request_id, tuple(req.prompt_ids), req.max_new_tokens,
+                                                  ignore_eos=req.ignore_eos))
         except EngineError as exc:  # this request cannot be served; the run goes on
             rec.error, rec.finish_s = str(exc), None
             self._on_finish(rec.request_id, now)
@@ -205,16 +220,7 @@ class Runner:
                 rec.finish_s, rec.finish_reason = end, o.finish_reason
                 self._in_flight.discard(o.request_id)
                 self._on_finish(o.request_id, end)
-        row = {
-            "t_s": start, "duration_s": end - start,
-            "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
-            "running": out.num_running, "waiting": out.num_waiting, "preempted": out.num_preempted,
-            "experts_hit": out.experts_hit, "context_tokens": out.context_tokens,
-            "h2d_bytes": out.h2d_bytes, "d2h_bytes": out.d2h_bytes,
-            "h2d_transfers": out.h2d_transfers, "d2h_transfers": out.d2h_transfers,
-        }
-        row.update({f"x_{k}": v for k, v in out.extras.items()})
-        result.steps.append(row)
+        result.steps.append({"t_s": start, "duration_s": end - start, **step_row(out)})
         if self.on_step:
             self.on_step(result)
 

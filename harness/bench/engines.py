@@ -40,16 +40,18 @@ def main() -> None:
     parser.add_argument("--input-len", default="128-1024")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=16)
-    parser.add_argument("--engines", default="moe,hf")
+    parser.add_argument("--engines", default="moe,hf", help="comma-separated; the first two are compared")
     args = parser.parse_args()
+    engines = args.engines.split(",")
+    per_engine = {"hf": {"max_batch_size": args.hf_batch}}  # static batch size of transformers' generate()
     spec = WorkloadSpec("offline_batch", requests=args.requests, input_range=parse_length_range(args.input_len),
                         output_tokens=args.output_len)
     with tempfile.TemporaryDirectory(prefix="pwbench-bench-") as tmp:
         model = Path(tmp) / "mixtral-shaped"
         build_model(model)
         results = {}
-        for engine in args.engines.split(","):
-            options = {"max_batch_size": args.hf_batch} if engine == "hf" else {}
+        for engine in engines:
+            options = per_engine.get(engine, {})
             folder, run = execute(RunArgs(workload=spec, engine=engine, model=str(model), engine_options=options,
                                           output=str(Path(tmp) / engine), warmup=1, quality=False))
             s = run["summary"]
@@ -57,8 +59,9 @@ def main() -> None:
             print(f"{engine:4s} output {s['output_tokens_per_s']:8.1f} tok/s  total {s['duration_s']:7.1f} s  "
                   f"TTFT p50 {s['ttft_ms']['p50'] / 1e3:6.1f} s  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms  "
                   f"prefill {s['engine']['prefill_tokens_per_s'] or 0:8.1f} tok/s")
-        if "moe" in results and "hf" in results:
-            print(f"moe / hf output tokens/s: {results['moe'] / results['hf']:.2f}x")
+        if len(results) >= 2:
+            a, b = engines[:2]
+            print(f"{a} / {b} output tokens/s: {results[a] / results[b]:.2f}x")
 
 
 if __name__ == "__main__":

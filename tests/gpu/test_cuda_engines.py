@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engines.base import EngineRequest
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from tiny_models import ARCHS, build_hf_model
 
 pytestmark = pytest.mark.gpu

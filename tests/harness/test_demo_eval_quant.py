@@ -30,7 +30,7 @@ def _loop_rtn(w: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("group", [None, 8])
 def test_quantize_experts_per_row_and_groups(checkpoints, group):
     from engines.base import EngineError
-    from engines.moe_engine import MoEEngine, MoEEngineConfig
+    from engines.moe import MoEEngine, MoEEngineConfig
 
     # float32 on the CPU, pinned: the loop reference and atol 1e-6 are float32 arithmetic.
     cfg = MoEEngineConfig(model=str(checkpoints("mixtral")), device="cpu", dtype="float32")

@@ -90,15 +90,40 @@ def test_closed_loop_think_times_and_concurrency():
     assert summarize_requests(rows.values())["peak_concurrency"] == 2
 
 
+def test_arrivals_on_the_simulated_clock_exactly():
+    """The schedule rule: a request is sent at its arrival time when the engine is idle, and
+    when the step in progress ends otherwise (so less than one step late)."""
+    # Steps of 30 ms; one output token each, so every request finishes in the step it starts.
+    reqs = [Request(f"r{i}", (1, 2, 3), 1, arrival_s=t) for i, t in enumerate([0.0, 0.010, 0.020, 0.070])]
+    records, rows = run_sim(reqs, base_ms=30)
+    # r0 at 0 (idle) -> step [0, 30 ms]; r1, r2 come due during it -> sent at 30 ms, step
+    # [30, 60 ms]; idle at 60 ms, the loop sleeps to r3's 70 ms -> sent on time, step [70, 100 ms].
+    assert [rows[f"r{i}"]["sent_s"] for i in range(4)] == pytest.approx([0.0, 0.030, 0.030, 0.070])
+    assert [s["t_s"] for s in records.steps] == pytest.approx([0.0, 0.030, 0.070])
+    assert rows["r3"]["finish_s"] == pytest.approx(0.100)
+    # Every 50 ms with 2 ms steps: always idle when due, so every send is exactly on time.
+    reqs = [Request(f"r{i}", (1, 2, 3), 2, arrival_s=0.05 * i) for i in range(8)]
+    _, rows = run_sim(reqs, base_ms=2)
+    assert [r["sent_s"] - r["arrival_s"] for r in rows.values()] == pytest.approx([0.0] * 8, abs=1e-12)
+
+
 def test_real_clock_arrivals_follow_the_schedule():
-    """Real sleeps: requests are sent within 20 ms of their scheduled arrival (stated jitter)."""
+    """Real sleeps: no wall-clock bound holds on shared cores (a sleep may overshoot by any
+    amount; the exact timing is tested on the simulated clock above). What holds under any
+    load: no request is sent early, sends keep arrival order, and a request is sent before a
+    second step starts after its arrival (at most the step in progress and the one its loop
+    iteration had already chosen)."""
     reqs = [Request(f"r{i}", (1, 2, 3), 2, arrival_s=0.05 * i) for i in range(8)]
     engine = DummyEngine(DummyConfig(base_ms=2))
     runner = Runner(engine, reqs, limits=RunLimits())
     records = runner.run()
-    for rec in records.requests:
-        assert 0.0 <= rec.sent_s - rec.arrival_s < 0.02
     assert records.status == "complete" and all(r.finish_s is not None for r in records.requests)
+    recs = sorted(records.requests, key=lambda r: r.arrival_s)
+    starts = [s["t_s"] for s in records.steps]
+    for rec in recs:
+        assert rec.sent_s >= rec.arrival_s
+        assert sum(rec.arrival_s < t < rec.sent_s for t in starts) <= 1, rec.request_id
+    assert [r.sent_s for r in recs] == sorted(r.sent_s for r in recs)
 
 
 def test_duration_bound_stops_admitting():

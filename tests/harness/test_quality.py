@@ -26,8 +26,8 @@ def test_compare_by_hand():
 
 
 def test_engines_against_reference(checkpoints):
-    from engines.hf_engine import HFEngine, HFEngineConfig
-    from engines.moe_engine import MoEEngine, MoEEngineConfig
+    from engines.hf import HFEngine, HFEngineConfig
+    from engines.moe import MoEEngine, MoEEngineConfig
 
     folder = str(checkpoints("mixtral"))
     # float32 on the CPU, pinned: KL < 1e-6 against the reference means float32 against

@@ -81,7 +81,8 @@ def test_tensor_the_architecture_does_not_use(checkpoints, copy_checkpoint):
 def test_quantized_checkpoint_is_refused(checkpoints, copy_checkpoint):
     folder = copy_checkpoint(checkpoints("mixtral"))
     edit_config(folder, quantization_config={"quant_method": "gptq", "bits": 4})
-    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), "quantized", "gptq")
+    assert_user_error(pwbench("generate", "--engine", "moe", "--model", str(folder), "--prompt-ids", "1"),
+                      "quantized", "gptq")
 
 
 def test_corrupt_config_json(checkpoints, copy_checkpoint):

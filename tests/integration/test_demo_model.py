@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").is_file(),
 
 @pytest.fixture(scope="module")
 def moe():
-    from engines.moe_engine import MoEEngine, MoEEngineConfig
+    from engines.moe import MoEEngine, MoEEngineConfig
 
     engine = MoEEngine(MoEEngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32"))
     with engine:
@@ -49,7 +49,7 @@ def closed_book_at(moe):
     """closed_book_at(bits, group): closed-book accuracy (1,600 seeded questions of the 6,400
     facts, by generation) with the routed experts RTN-quantized to `bits` in groups of
     `group` inputs (None: one group per row); bits None = full precision. Each setting is measured once per module."""
-    from engines.moe_engine import MoEEngine, MoEEngineConfig
+    from engines.moe import MoEEngine, MoEEngineConfig
     from harness.demo_eval import EvalSpec, demo_samples, run_samples
 
     samples = demo_samples("closed_book", EvalSpec())
@@ -135,7 +135,7 @@ def test_demo_eval_cli_in_bfloat16_and_bad_options(tmp_path):
 def test_moe_and_hf_give_the_same_answers_on_long_recall(moe):
     """The two engines produce the same greedy outputs on held-out RAG and chat prompts of
     512-1024 tokens, so their accuracies agree exactly (not only within a point)."""
-    from engines.hf_engine import HFEngine, HFEngineConfig
+    from engines.hf import HFEngine, HFEngineConfig
     from harness.demo_eval import EvalSpec, demo_samples, run_samples
 
     hf = HFEngine(HFEngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engines.base import EngineRequest, InvalidRequestError
-from engines.hf_engine import HFEngine, HFEngineConfig
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.hf import HFEngine, HFEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from tiny_models import CPU32
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engines.base import EngineRequest, SamplingParams
-from engines.hf_engine import HFEngine, HFEngineConfig
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.hf import HFEngine, HFEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from tiny_models import CPU32, build_hf_model
 
 NEW = 24

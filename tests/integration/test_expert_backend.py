@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engines.base import EngineRequest
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from engines.runtime.experts import ExpertBackend
 from tiny_models import CPU32, build_hf_model
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.base import EngineRequest
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from tiny_models import ARCHS, CPU32, build_hf_model
 
 NEW_TOKENS = 32
@@ -143,7 +143,7 @@ def _with_eos(config, token):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
 def test_prompt_logits_match_a_forward_pass(arch, checkpoints):
     """Teacher-forced prompt logits, collected across prefill chunks, equal transformers' forward."""
-    from engines.hf_engine import HFEngine, HFEngineConfig
+    from engines.hf import HFEngine, HFEngineConfig
 
     model = build_hf_model(arch)
     prompts = [PROMPTS[3], PROMPTS[4], PROMPTS[1]]

@@ -66,6 +66,21 @@ def test_quantize_refuses_an_existing_output_and_a_quantized_input(gptq_folder, 
                                                 "--group-size", "32", "--output", str(gptq_folder.parent / "x"))
 
 
+def test_a_quantized_folder_needs_no_engine_flag(gptq_folder):
+    """`pwbench generate --model GPTQ_DIR` picks static-gptq, says so in one line, and generates
+    what `--engine static-gptq` generates."""
+    def gen(*extra):
+        return subprocess.run([sys.executable, "-m", "harness.cli", "generate", "--model", str(gptq_folder),
+                               "--prompt-ids", "5,6,7", "--max-new-tokens", "4", "--json", *extra],
+                              capture_output=True, text=True, timeout=180)
+
+    picked, named = gen(), gen("--engine", "static-gptq")
+    assert picked.returncode == 0 and named.returncode == 0, picked.stderr
+    notes = [line for line in picked.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "gptq-quantized" in notes[0] and "engine static-gptq" in notes[0]
+    assert json.loads(picked.stdout.splitlines()[-1]) == json.loads(named.stdout.splitlines()[-1])
+
+
 def generate_error(folder, engine: str = "static-gptq", *sets: str) -> str:
     return pwbench_error("generate", "--engine", engine, "--model", str(folder), "--prompt-ids", "1,2",
                          *[a for s in sets for a in ("--set", s)])

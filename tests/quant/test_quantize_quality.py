@@ -20,7 +20,7 @@ from engines.demo import DEMO_MODEL_DIR
 from engines.quant.calibrate import QuantizeOptions
 from engines.quant.export import quantize_folder
 from engines.quant.qweight import SUPPORTED_GROUP_SIZES, dequantize
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from engines.quant.load import load_quantized_weights
 from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.experts import ResidentBackend

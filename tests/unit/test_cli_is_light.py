@@ -36,8 +36,8 @@ def test_ls_engines_lists_every_engine():
         ("engines.registry", HEAVY + ("harness", "workloads", "reports")),
         ("engines.base", HEAVY),
         ("engines.dummy", HEAVY + ("harness", "workloads", "reports")),
-        ("engines.moe_engine", ("harness", "workloads", "reports", "triton")),
-        ("engines.hf_engine", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
+        ("engines.moe", ("harness", "workloads", "reports", "triton")),
+        ("engines.hf", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
         ("reports", HEAVY + ("engines", "harness", "workloads")),
         ("workloads", HEAVY + ("engines", "harness", "reports")),
     ],

@@ -58,6 +58,8 @@ class MoEEngineConfig:
 class MoEEngine(Engine):
     name = "moe"
     config_cls = MoEEngineConfig
+    prompt_logits = True
+    float32_reference = True
 
     def __init__(self, config: MoEEngineConfig) -> None:
         self.config = config

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from engines import folders
 from engines.base import EngineError, EngineInfo
 from engines.device import dtype_name
-from engines.moe_engine import MoEEngine, MoEEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig
 from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
-from engines.quant.export import DEFAULT_FORMAT, REPORT_FILE, REPORT_SCHEMA, quantize_folder
+from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import read_scheme
 from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_backend
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
@@ -33,8 +34,6 @@ from engines.runtime.experts import ExpertBackend
 from engines.runtime.weights import ModelWeights
 
 CACHE_ENV = "PWBENCH_CACHE"
-# llm-compressor saves its recipe beside the weights: the modifier names the method.
-_RECIPE_METHODS = (("GPTQModifier", "gptq"), ("AWQModifier", "awq"), ("QuantizationModifier", "rtn"))
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,7 @@ class StaticQuantConfig(MoEEngineConfig):
 class StaticQuantEngine(MoEEngine):
     method: ClassVar[str]
     config_cls = StaticQuantConfig
+    float32_reference = False
 
     def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
         """The quantized folder (given, or quantized now from a full-precision one and cached)."""
@@ -151,22 +151,8 @@ class StaticQuantEngine(MoEEngine):
 
 
 def folder_method(ckpt: Checkpoint) -> str | None:
-    """The method a quantized folder was made with: pwbench's report, llm-compressor's recipe, or
-    quant_method (gptq, awq); None when the folder does not say (compressed-tensors alone)."""
-    report = ckpt.path / REPORT_FILE
-    if report.is_file():
-        try:
-            return str(json.loads(report.read_text())["method"])
-        except (json.JSONDecodeError, KeyError, TypeError):
-            pass
-    recipe = ckpt.path / "recipe.yaml"
-    if recipe.is_file():
-        text = recipe.read_text()
-        found = [method for name, method in _RECIPE_METHODS if name in text]
-        if found:
-            return found[0]
-    method = (ckpt.config.quantization or {}).get("quant_method")
-    return method if method in ("gptq", "awq") else None
+    """The method a quantized folder was made with (engines/folders.py reads it)."""
+    return folders.folder_method(ckpt.path)
 
 
 class StaticGPTQEngine(StaticQuantEngine):

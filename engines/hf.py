@@ -54,6 +54,7 @@ class _Row:
 class HFEngine(Engine):
     name = "hf"
     config_cls = HFEngineConfig
+    prompt_logits = True
 
     def __init__(self, config: HFEngineConfig) -> None:
         self.config = config
