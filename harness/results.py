@@ -20,11 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.errors import HarnessError
+
 SCHEMA_VERSION = 1
-
-
-class HarnessError(Exception):
-    """A run-level problem the user can fix (output folder, options); shown as one line."""
 
 
 def new_run_id(workload: str, engine: str) -> str:

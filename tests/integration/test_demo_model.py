@@ -50,7 +50,7 @@ def closed_book_at(moe):
     facts, by generation) with the routed experts RTN-quantized to `bits` in groups of
     `group` inputs (None: one group per row); bits None = full precision. Each setting is measured once per module."""
     from engines.moe import MoEEngine, MoEEngineConfig
-    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+    from harness.demo.eval import EvalSpec, demo_samples, run_samples
 
     samples = demo_samples("closed_book", EvalSpec())
     measured: dict[tuple, float] = {}
@@ -86,7 +86,7 @@ def test_2bit_rtn_experts_cost_at_least_ten_points(closed_book_at, group):
 @pytest.fixture(scope="module")
 def long_recall(moe) -> dict[str, float]:
     """Recall at the demo workloads' 512-1024 tokens (48 held-out examples per task), measured once."""
-    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+    from harness.demo.eval import EvalSpec, demo_samples, run_samples
 
     return {task: run_samples(moe, demo_samples(task, EvalSpec(samples=48)))[0] for task in ("rag_recall", "chat_recall")}
 
@@ -103,7 +103,7 @@ def test_recall_looks_the_entity_up(moe, make):
     lookup circuit did) scores about 1 / facts here, 3-6% at 16-32 facts."""
     import random
 
-    from harness.demo_eval import run_samples
+    from harness.demo.eval import run_samples
 
     rng = random.Random(11)
     samples = []
@@ -136,7 +136,7 @@ def test_moe_and_hf_give_the_same_answers_on_long_recall(moe):
     """The two engines produce the same greedy outputs on held-out RAG and chat prompts of
     512-1024 tokens, so their accuracies agree exactly (not only within a point)."""
     from engines.hf import HFEngine, HFEngineConfig
-    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+    from harness.demo.eval import EvalSpec, demo_samples, run_samples
 
     hf = HFEngine(HFEngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32"))
     with hf:
@@ -149,7 +149,7 @@ def test_moe_and_hf_give_the_same_answers_on_long_recall(moe):
 
 def test_lm_eval_accuracy_equals_pwbench_scorer(moe, tmp_path):
     """`pwbench eval` through lm-eval, offline, scores the bundled model like pwbench does."""
-    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+    from harness.demo.eval import EvalSpec, demo_samples, run_samples
 
     pytest.importorskip("lm_eval")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "ds"))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.demo_train import TrainConfig, build_model, circuit_batch, set_rope_theta, train
-from harness.results import HarnessError
+from harness.demo.train import TrainConfig, build_model, circuit_batch, set_rope_theta, train
+from harness.errors import HarnessError
 
 TINY = TrainConfig(
     steps=4, hidden=32, heads=2, kv_heads=1, expert_intermediate=32, eval_every=2, eval_samples=2,

@@ -34,7 +34,7 @@ class _Req:
 
 
 def test_loglikelihood_matches_transformers(demo_vocab_model):
-    from harness.lm_eval_model import PwbenchLM
+    from harness.lmeval.model import PwbenchLM
     from workloads.demo.language import BOS_ID, demo_language
 
     folder, model = demo_vocab_model
@@ -66,7 +66,7 @@ def test_pwbench_eval_offline_matches_own_scorer(tmp_path):
     scores far from 0 on both tasks, so agreement says something (a random model scores 0)."""
     from engines.demo import DEMO_MODEL_DIR
     from engines.moe import MoEEngine, MoEEngineConfig
-    from harness.demo_eval import EvalSpec, demo_samples, run_samples
+    from harness.demo.eval import EvalSpec, demo_samples, run_samples
 
     if not (DEMO_MODEL_DIR / "config.json").is_file():
         pytest.skip("engines/demo_model is not built (pwbench demo train)")

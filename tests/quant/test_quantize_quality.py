@@ -27,7 +27,7 @@ from engines.runtime.experts import ResidentBackend
 from engines.runtime.experts import grouped_swiglu
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import DenseExperts
-from harness.quantize_cli import calibration_prompts
+from harness.calibration import calibration_prompts
 from tiny_models import build_hf_model, save_checkpoint
 
 CPU = torch.device("cpu")

@@ -39,6 +39,8 @@ def test_ls_engines_lists_every_engine():
         ("engines.moe", ("harness", "workloads", "reports", "triton")),
         ("engines.hf", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
         ("reports", HEAVY + ("engines", "harness", "workloads")),
+        ("reports.summary_table", HEAVY + ("engines", "workloads")),
+        ("engines.runtime.model", ("engines.quant", "harness", "workloads", "reports", "triton")),
         ("workloads", HEAVY + ("engines", "harness", "reports")),
     ],
 )

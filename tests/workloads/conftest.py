@@ -15,7 +15,7 @@ import pytest
 
 TRACES = Path(os.environ.get("PWBENCH_TRACES", Path(__file__).resolve().parents[3] / "shared" / "traces"))
 REPO = Path(__file__).resolve().parents[2]
-CLI = "from harness.trace_cli import trace_app; trace_app()"
+CLI = "from harness.cli.trace import trace_app; trace_app()"
 
 
 @pytest.fixture(scope="session")

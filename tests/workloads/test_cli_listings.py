@@ -1,6 +1,6 @@
 """`pwbench trace formats` and `pwbench demo tasks`, run as the `pwbench` command runs them
 (`python -m harness.cli`, a fresh interpreter): exit 0, and their output checked against the
-registries (workloads.traces.formats, harness.lm_eval_tasks.DEMO_TASKS), the README's list of
+registries (workloads.traces.formats, harness.lmeval.tasks.DEMO_TASKS), the README's list of
 formats, and the demo language's facts.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from harness.lm_eval_tasks import DEMO_TASKS
+from harness.lmeval.tasks import DEMO_TASKS
 from workloads.demo.language import demo_language
 from workloads.traces.formats import list_formats
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from harness.trace_cli import trace_app
+from harness.cli.trace import trace_app
 from workloads.base import WorkloadError
 from workloads.traces.formats import list_formats, read_trace
 

@@ -100,7 +100,7 @@ def test_ragpulse_missing_side_table(trace_cli, tmp_path, real_trace):
 
 def test_help_imports_nothing_heavy():
     probe = (
-        "import sys\nfrom harness.trace_cli import trace_app\n"
+        "import sys\nfrom harness.cli.trace import trace_app\n"
         "try:\n    trace_app(['info', '--help'])\nexcept SystemExit:\n    pass\n"
         "print('heavy:', *(m for m in ('numpy', 'pandas', 'torch') if m in sys.modules))"
     )

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from harness.trace_cli import trace_app
+from harness.cli.trace import trace_app
 
 
 def info_json(path) -> dict:

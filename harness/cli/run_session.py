@@ -17,10 +17,10 @@ import typer
 
 from engines.registry import parse_set_options
 from harness.metrics import DEFAULT_SLO
-from harness.results import HarnessError
+from harness.errors import HarnessError
 from harness.run import RunArgs, execute
 from harness.runner import Runner, RunRecords
-from harness.summary_table import print_summary
+from reports.summary_table import print_summary
 from workloads.base import WorkloadError
 from workloads.registry import WorkloadSpec, parse_length_range
 

@@ -43,7 +43,7 @@ metadata:
 
 def write_demo_tasks(folder: Path, samples: int = 200) -> Path:
     """Write the demo tasks' data and YAMLs into `folder`; returns it (an lm-eval include path)."""
-    from harness.demo_eval import EvalSpec, demo_samples  # noqa: PLC0415
+    from harness.demo.eval import EvalSpec, demo_samples  # noqa: PLC0415
 
     folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ def write_demo_tasks(folder: Path, samples: int = 200) -> Path:
 def require_lm_eval() -> None:
     import importlib.util  # noqa: PLC0415
 
-    from harness.results import HarnessError  # noqa: PLC0415
+    from harness.errors import HarnessError  # noqa: PLC0415
 
     if importlib.util.find_spec("lm_eval") is None:
         raise HarnessError("lm-eval is not installed; install it with: pip install -e '.[eval]' (or pip install 'lm_eval>=0.4.13,<0.5')")
@@ -73,7 +73,7 @@ def run_lm_eval(tasks: list[str], engine: str, model: str | None, include_path: 
     from lm_eval import simple_evaluate  # noqa: PLC0415
     from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
-    from harness.lm_eval_model import PwbenchLM  # noqa: PLC0415  (registers "pwbench")
+    from harness.lmeval.model import PwbenchLM  # noqa: PLC0415  (registers "pwbench")
 
     lm = PwbenchLM(engine=engine, model=model, **(options or {}))
     try:
@@ -95,7 +95,7 @@ def lm_eval_cli(argv: list[str]) -> int:
     import sys  # noqa: PLC0415
 
     require_lm_eval()
-    import harness.lm_eval_model  # noqa: F401, PLC0415  (registers "pwbench")
+    import harness.lmeval.model  # noqa: F401, PLC0415  (registers "pwbench")
     from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
 
     sys.argv = ["lm-eval", *argv]

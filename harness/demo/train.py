@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from harness.results import HarnessError
+from harness.errors import HarnessError
 from workloads.demo.language import ATTRIBUTES, BOS_ID, EOS_ID, PAD_ID, build_tokenizer, demo_language
 from workloads.demo.tasks import Sample, chat_recall, closed_book, copy_task, rag_recall
 

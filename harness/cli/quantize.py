@@ -1,53 +1,19 @@
 """`pwbench quantize`: a full-precision model folder in, a quantized Hugging Face folder out.
 
 Calibration prompts come from a named workload (rag_long by default; demo-language prompts when
-the folder is the demo model, as `pwbench run` makes them), built at full length and seeded;
-each gives one random window of --calib-len tokens, because RAG prompts open with the system
-prompt and passages they share, so their heads repeat (32 rag_long heads of 256 tokens hold 2
-distinct sequences) and GPTQ would fit those few sequences. The work is engines.quant.export.quantize_folder; this module parses options, builds
-the prompts and prints progress. Heavy imports stay inside the command (`pwbench --help` is light).
+the folder is the demo model, as `pwbench run` makes them): harness/calibration.py. The work is
+engines.quant.export.quantize_folder; this module parses options and prints progress. Heavy
+imports stay inside the command (`pwbench --help` is light).
 """
 
 from __future__ import annotations
 
 import json
-import random
 from typing import Annotated, Any
 
 import typer
 
-from harness.cli_common import user_errors
-
-FULL_LENGTH = 1 << 20  # a model length no workload prompt reaches
-
-
-def calibration_prompts(model: str, workload: str, samples: int, seed: int, max_len: int) -> list[list[int]]:
-    """A random window of at most `max_len` tokens from each of `samples` prompts of `workload`."""
-    from engines.base import EngineError, EngineInfo  # noqa: PLC0415
-    from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
-    from harness.run import uses_demo_language  # noqa: PLC0415
-    from workloads.registry import ModelTarget, WorkloadSpec, build_workload  # noqa: PLC0415
-
-    if samples < 1 or max_len < 1:
-        raise EngineError(f"--calib-samples and --calib-len must be >= 1, got {samples} and {max_len}")
-    cfg = open_checkpoint(model).config
-    info = EngineInfo(name="quantize", model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
-                      vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
-    synthesizer = None
-    if workload in ("rag_long", "long_chat") and uses_demo_language(model, info):
-        from workloads.demo.synth import DemoTaskSynthesizer  # noqa: PLC0415
-
-        synthesizer = DemoTaskSynthesizer(seed, "rag" if workload == "rag_long" else "chat")
-    # Prompts at their natural length (not clipped to the model's): windows are cut below.
-    target = ModelTarget(cfg.vocab_size, FULL_LENGTH, tuple(cfg.eos_token_ids))
-    built = build_workload(WorkloadSpec(workload, seed=seed, requests=samples), target, synthesizer)
-    length = min(max_len, cfg.max_position_embeddings)
-    rng = random.Random(seed)
-    windows = []
-    for r in built.requests:
-        start = rng.randrange(len(r.prompt_ids) - length + 1) if len(r.prompt_ids) > length else 0
-        windows.append(list(r.prompt_ids[start : start + length]))
-    return windows
+from harness.cli.common import user_errors
 
 
 def _layer_lines(r: Any) -> list[str]:
@@ -88,6 +54,7 @@ def quantize(
     from engines.quant.calibrate import QuantizeOptions  # noqa: PLC0415
     from engines.folders import REPORT_FILE  # noqa: PLC0415
     from engines.quant.export import preflight, quantize_folder  # noqa: PLC0415
+    from harness.calibration import calibration_prompts  # noqa: PLC0415
 
     options = QuantizeOptions(method, bits, group_size, sym, act_order, damp, min_expert_tokens)
     ckpt, scheme = preflight(model, output, options, fmt)  # fail before building prompts

@@ -1,6 +1,6 @@
 """Where a demo model's recall and knowledge live: the probes behind README "The demo model".
 
-    python -m harness.bench.demo_probe [--model DIR] [--theta 1e6]
+    python -m harness.demo.probe [--model DIR] [--theta 1e6]
 
 Prints, teacher-forced on seeded examples (transformers' MixtralForCausalLM, float32):
   - recall by number of facts and context length (half RAG, half chat; 64 examples each),
@@ -22,7 +22,7 @@ import random
 import torch
 
 from engines.demo import demo_model_path
-from harness.demo_train import answer_accuracy, set_rope_theta
+from harness.demo.train import answer_accuracy, set_rope_theta
 from workloads.demo.tasks import Sample, chat_recall, closed_book, rag_recall
 
 GRID = ((4, 128), (4, 512), (4, 1024), (8, 64), (16, 110), (32, 210), (16, 512), (32, 1024))

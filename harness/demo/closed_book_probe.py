@@ -1,7 +1,7 @@
 """Where closed-book facts live, in isolation: train the demo architecture on closed-book
 questions alone and watch what 2-bit RTN experts do to them (README "The demo model").
 
-    python -m harness.bench.closed_book_probe [--names two] [--intermediate 64] [--steps 3000]
+    python -m harness.demo.closed_book_probe [--names two] [--intermediate 64] [--steps 3000]
 
 --names one: 400 one-word names (RAG entity words) x 4 attributes = 1,600 facts, which the
 names' own embeddings can hold; two: the demo language's 6,400 facts about 1,600 two-word
@@ -19,8 +19,8 @@ import random
 
 import torch
 
-from harness.bench.demo_probe import expert_probes
-from harness.demo_train import TrainConfig, build_model, encode, forward_loss, lr_at
+from harness.demo.probe import expert_probes
+from harness.demo.train import TrainConfig, build_model, encode, forward_loss, lr_at
 from workloads.demo.language import ATTRIBUTES, demo_language
 from workloads.demo.tasks import Sample, _question
 

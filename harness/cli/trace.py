@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from harness.cli_common import print_columns, user_errors
+from harness.cli.common import print_columns, user_errors
 
 trace_app = typer.Typer(
     help="Inspect request traces and convert them to pwbench JSONL.",

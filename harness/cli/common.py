@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from engines.base import EngineError
-from harness.results import HarnessError
+from harness.errors import HarnessError
 from workloads.base import WorkloadError
 
 # Errors a user can fix: shown as one `error:` line with exit code 2, never a traceback.

@@ -1,0 +1,23 @@
+"""The `pwbench` command line: one module per command group, each command a thin call into a
+library function.
+
+Commands import their heavy dependencies inside the function body, so `pwbench --help` and
+`pwbench ls engines` never import torch. A user error (EngineError and friends) becomes one
+line on stderr and exit code 2; Ctrl-C exits with 130.
+"""
+
+from __future__ import annotations
+
+from harness.cli import run, generate, evals, hw, ls, demo  # noqa: F401, I001  (each registers its commands, in help order)
+from harness.cli.apps import app, demo_app, ls_app
+from harness.cli.quantize import quantize
+from harness.cli.trace import trace_app
+
+app.add_typer(ls_app, name="ls")
+app.add_typer(trace_app, name="trace")
+app.add_typer(demo_app, name="demo")
+app.command("quantize")(quantize)
+
+
+def main() -> None:
+    app()
