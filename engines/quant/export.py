@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from engines.base import EngineError
+from engines.folders import REPORT_FILE
 from engines.device import dtype_name, resolve_device, resolve_dtype
 from engines.quant.calibrate import LayerReport, QuantizedModel, QuantizeOptions, check_model, quantize_model
 from engines.quant.convert import AWQ_BITS
@@ -37,7 +38,6 @@ from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
 from engines.runtime.transfer import TransferLedger
 
 DEFAULT_FORMAT = {"rtn": "gptq", "gptq": "gptq", "awq": "awq"}
-REPORT_FILE = "quantize_report.json"
 REPORT_SCHEMA = 1
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.")
@@ -58,7 +58,13 @@ def folder_scheme(options: QuantizeOptions, fmt: str | None) -> FolderScheme:
                           f"{options.bits}; use --format gptq or compressed-tensors")
     if fmt == "awq" and options.act_order:
         raise EngineError("AWQ checkpoints have no act-order g_idx; use --format gptq or compressed-tensors")
-    return FolderScheme(fmt, options.bits, options.group_size, options.symmetric, options.act_order)
+    # GPTQ zero points: asymmetric layers go out as gptq_v2 (zero as is), symmetric ones as v1
+    # (zero - 1, which every GPTQ reader takes). GPTQModel, which transformers 5 also loads GPTQ
+    # folders through, refuses asymmetric v1 unless its meta.quantizer names GPTQModel itself
+    # (7.6: "only supported if produced by gptqmodel"), and v1 cannot hold a zero point of 0
+    # exactly (it wraps, see convert.to_gptq); v2 has neither problem.
+    ckpt_format = "gptq_v2" if fmt == "gptq" and not options.symmetric else "gptq"
+    return FolderScheme(fmt, options.bits, options.group_size, options.symmetric, options.act_order, ckpt_format)
 
 
 def preflight(src: str | Path, out: str | Path, options: QuantizeOptions,

@@ -8,6 +8,7 @@ reading files, is the loader's job (engines/runtime/checkpoint.py) and the write
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -153,12 +154,40 @@ def rows(qw: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
                    shape=(stop - start, qw.shape[1]))
 
 
+def only_experts_dynamic(expert_modules: list[str]) -> dict[str, dict[str, Any]]:
+    r"""GPTQModel's `dynamic` rule keeping every module but `expert_modules` full precision.
+
+    GPTQModel (7.6) reads only `dynamic` to find full-precision layers when it loads a folder; it
+    ignores modules_in_block_to_quantize and modules_to_not_convert, so without this rule it
+    builds quantized modules for attention, routers and shared experts and then finds no
+    tensors for them (GPTQ: refuses to load; AWQ: loads them unfilled). One negative rule
+    (`-:` skips what it matches): any module whose name does not end in one of `expert_modules`
+    with its numbers (expert and layer indices) read as `\d+`. GPTQModel matches it from the
+    start of the full module name (PCRE), e.g. for "mlp.experts.0.gate_proj":
+    `-:^(?!(?:.*\.)?mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)$).*`.
+    """
+    leaves: dict[str, list[str]] = {}  # parent pattern -> leaf names, in first-seen order
+    for name in expert_modules:
+        parent, _, leaf = name.rpartition(".")
+        key = r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in parent.split(".")) if parent else ""
+        if leaf not in leaves.setdefault(key, []):
+            leaves[key].append(leaf)
+    if not leaves:
+        raise QuantFormatError("only_experts_dynamic: no expert modules")
+    alternatives = [f"{key}\\.(?:{'|'.join(map(re.escape, ls))})" if key else f"(?:{'|'.join(map(re.escape, ls))})"
+                    for key, ls in leaves.items()]
+    body = alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+    return {f"-:^(?!(?:.*\\.)?{body}$).*": {}}
+
+
 def quantization_config(scheme: FolderScheme, expert_modules: list[str], extra: Mapping[str, Any]) -> dict[str, Any]:
     """The quantization_config the format's own tools write, for a folder whose quantized layers
     are `expert_modules` (names inside a decoder layer, e.g. "mlp.experts.0.gate_proj").
 
     Attention, routers and shared experts stay full precision; each format says so its own way
-    (GPTQ: modules_in_block_to_quantize; AWQ: modules_to_not_convert; compressed-tensors: targets).
+    (GPTQ: modules_in_block_to_quantize; AWQ: modules_to_not_convert; compressed-tensors: targets),
+    and GPTQ and AWQ say it once more as GPTQModel reads it (`dynamic`, see only_experts_dynamic;
+    transformers' GPTQConfig / AwqConfig and read_scheme ignore the key).
     `extra` lands where the format keeps tool metadata (GPTQ `meta`; others ignore it).
     """
     if scheme.fmt == "gptq":
@@ -166,12 +195,14 @@ def quantization_config(scheme: FolderScheme, expert_modules: list[str], extra: 
             "quant_method": "gptq", "bits": scheme.bits, "group_size": scheme.group_size, "sym": scheme.symmetric,
             "desc_act": scheme.act_order, "checkpoint_format": scheme.checkpoint_format, "static_groups": False,
             "true_sequential": True, "lm_head": False, "pack_dtype": "int32",
-            "modules_in_block_to_quantize": [expert_modules], "meta": dict(extra),
+            "modules_in_block_to_quantize": [expert_modules], "dynamic": only_experts_dynamic(expert_modules),
+            "meta": dict(extra),
         }
     if scheme.fmt == "awq":
         return {
             "quant_method": "awq", "bits": scheme.bits, "group_size": scheme.group_size, "zero_point": True,
             "version": "gemm", "modules_to_not_convert": ["self_attn", "mlp.gate", "shared_expert", "lm_head"],
+            "dynamic": only_experts_dynamic(expert_modules),
         }
     weights = {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.symmetric, "strategy": "group",
                "group_size": scheme.group_size, "actorder": "group" if scheme.act_order else None,

@@ -4,9 +4,12 @@ compressed-tensors pack_to_int32), then converted back bit for bit; plus one-lin
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from engines.quant.calibrate import QuantizeOptions
 from engines.quant.convert import (
     from_awq,
     from_compressed_tensors,
@@ -14,6 +17,13 @@ from engines.quant.convert import (
     to_awq,
     to_compressed_tensors,
     to_gptq,
+)
+from engines.quant.export import folder_scheme
+from engines.quant.hf_format import (
+    FolderScheme,
+    only_experts_dynamic,
+    quantization_config,
+    read_scheme,
 )
 from engines.quant.qweight import SUPPORTED_BITS, QuantFormatError, dequantize
 
@@ -226,3 +236,32 @@ def test_conversion_errors_name_the_tensor_and_the_supported_values():
     with pytest.raises(QuantFormatError, match=r"L.weight_scale: expected shape \[40, 2\]"):
         from_compressed_tensors(**{**ct, "weight_scale": ct["weight_scale"].T}, bits=4, group_size=32,
                                 symmetric=False, name="L")
+
+
+def test_folder_config_keeps_all_but_the_experts_full_precision_for_gptqmodel():
+    """The `dynamic` rule GPTQModel reads (first match, start-anchored, `-:` = not quantized)
+    excludes every module of the four architectures except the routed experts' projections."""
+    modules = [f"mlp.experts.{e}.{p}" for e in range(128) for p in ("gate_proj", "up_proj", "down_proj")]
+    rule = {r"-:^(?!(?:.*\.)?mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)$).*": {}}
+    assert only_experts_dynamic(modules) == rule
+    for fmt in ("gptq", "awq"):
+        assert quantization_config(FolderScheme(fmt, 4, 32, False), modules, {})["dynamic"] == rule
+    (pattern,) = rule
+    skip = re.compile(pattern[2:])
+    quantized = ["model.layers.0.mlp.experts.0.gate_proj", "model.layers.11.mlp.experts.127.down_proj",
+                 "model.layers.3.mlp.experts.7.up_proj"]
+    full = ["lm_head", "model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
+            "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert.gate_proj",  # qwen2_moe shared expert
+            "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.down_proj",  # and a dense MLP layer
+            "model.layers.0.block_sparse_moe.experts.0.w1", "model.layers.0.mlp.experts.0.gate_proj.lora"]
+    assert [n for n in quantized if skip.match(n)] == [] and [n for n in full if not skip.match(n)] == []
+    assert only_experts_dynamic(["a.0.x", "b.1.y", "a.2.z"]) == {r"-:^(?!(?:.*\.)?(?:a\.\d+\.(?:x|z)|b\.\d+\.(?:y))$).*": {}}
+
+
+@pytest.mark.parametrize("sym, want", [(False, "gptq_v2"), (True, "gptq")])
+def test_asymmetric_gptq_folders_are_written_as_gptq_v2(sym, want):
+    scheme = folder_scheme(QuantizeOptions("gptq", 4, 32, symmetric=sym), "gptq")
+    assert scheme.checkpoint_format == want
+    qc = quantization_config(scheme, ["mlp.experts.0.up_proj"], {})
+    assert qc["checkpoint_format"] == want and read_scheme(qc, "t") == scheme
+    assert folder_scheme(QuantizeOptions("gptq", 4, 32, symmetric=sym), "compressed-tensors").checkpoint_format == "gptq"

@@ -1,7 +1,7 @@
 """Folders written by `pwbench quantize`, served by the static engines.
 
-Oracle: each format's published definition, written out below in plain tensor ops (GPTQ v1
-qweight/qzeros/scales/g_idx, AutoAWQ GEMM's interleaved nibbles, compressed-tensors
+Oracle: each format's published definition, written out below in plain tensor ops (GPTQ v1 and
+v2 qweight/qzeros/scales/g_idx, AutoAWQ GEMM's interleaved nibbles, compressed-tensors
 pack-quantized), dequantizes the folder into a dense checkpoint that the full-precision `moe`
 engine runs; the static engine on the quantized folder must generate the same tokens with the
 same logits. Also: quantizing at start equals loading the cache, and resident expert bytes
@@ -28,7 +28,8 @@ AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column
 SHIFTS = torch.arange(8, dtype=torch.int32) * 4
 GROUP = 32
 CASES = {  # method, format, extra flags
-    "gptq": ("gptq", "gptq", ["--act-order"]),
+    "gptq": ("gptq", "gptq", ["--act-order"]),  # asymmetric: gptq_v2
+    "gptq-sym": ("gptq", "gptq", ["--sym"]),  # symmetric: gptq (v1)
     "awq": ("awq", "awq", []),
     "compressed-tensors": ("rtn", "compressed-tensors", []),
 }
@@ -56,10 +57,11 @@ def nibbles(words: torch.Tensor) -> torch.Tensor:
     return (words.unsqueeze(-1) >> SHIFTS) & 0xF
 
 
-def dense_gptq(t: dict) -> torch.Tensor:
-    """GPTQ v1, 4 bits: qweight [in/8, out] packs inputs; qzeros [G, out/8] packs zero - 1."""
+def dense_gptq(t: dict, checkpoint_format: str = "gptq") -> torch.Tensor:
+    """GPTQ, 4 bits: qweight [in/8, out] packs inputs; qzeros [G, out/8] packs zero - 1 (v1,
+    checkpoint_format "gptq") or zero (v2, "gptq_v2")."""
     codes = nibbles(t["qweight"].T).reshape(t["qweight"].shape[1], -1)  # [out, in]
-    zeros = nibbles(t["qzeros"]).reshape(t["qzeros"].shape[0], -1) + 1  # [G, out]
+    zeros = nibbles(t["qzeros"]).reshape(t["qzeros"].shape[0], -1) + (checkpoint_format == "gptq")  # [G, out]
     g = t["g_idx"].long()
     return (codes - zeros[g].T) * t["scales"].float()[g].T
 
@@ -99,12 +101,13 @@ def dequantized_copy(folder, fmt, dst):
             experts.setdefault(prefix, {})[suffix] = t
         else:
             dense[key] = t
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.pop("quantization_config")
     for prefix, parts in experts.items():
-        dense[prefix + ".weight"] = DENSE[fmt](parts).float().contiguous()
+        args = (qc["checkpoint_format"],) if fmt == "gptq" else ()
+        dense[prefix + ".weight"] = DENSE[fmt](parts, *args).float().contiguous()
     dst.mkdir()
     save_file(dense, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((folder / "config.json").read_text())
-    del config["quantization_config"]
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -128,18 +131,22 @@ def greedy(engine_name: str, options: dict, prompts, n: int = 10):
 PROMPTS = [[5, 9, 14, 200, 37, 88, 3, 41], [100, 101, 102], list(range(20, 60))]
 
 
-@pytest.mark.parametrize("fmt", list(CASES))
-def test_quantized_folder_generates_like_its_dequantized_copy(fmt, checkpoints, tmp_path):
+@pytest.mark.parametrize("case", list(CASES))
+def test_quantized_folder_generates_like_its_dequantized_copy(case, checkpoints, tmp_path):
     src = checkpoints("mixtral")
-    method, fmt_name, flags = CASES[fmt]
-    out = tmp_path / f"q-{fmt}"
-    pwbench("quantize", "--model", str(src), "--method", method, "--format", fmt_name, "--bits", "4",
+    method, fmt, flags = CASES[case]
+    out = tmp_path / f"q-{case}"
+    pwbench("quantize", "--model", str(src), "--method", method, "--format", fmt, "--bits", "4",
             "--group-size", str(GROUP), "--calib-samples", "8", "--calib-len", "128", "--output", str(out), *flags)
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no partial folder left behind
     assert {"config.json", "generation_config.json", "model.safetensors", "quantize_report.json"} <= {
         p.name for p in out.iterdir()}
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == fmt
+    if fmt == "gptq":  # asymmetric zero points as gptq_v2 (GPTQModel loads no other's asymmetric v1)
+        assert (qc["sym"], qc["checkpoint_format"]) == ((True, "gptq") if case == "gptq-sym" else (False, "gptq_v2"))
+    if fmt in ("gptq", "awq"):  # GPTQModel's only exclusion rule: everything but the routed experts
+        assert qc["dynamic"] == {r"-:^(?!(?:.*\.)?mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)$).*": {}}
     report = json.loads((out / "quantize_report.json").read_text())
     assert report["method"] == method and len(report["layers"]) == 2
     for layer in report["layers"]:
@@ -182,7 +189,7 @@ def test_quantized_folder_generates_like_its_dequantized_copy(fmt, checkpoints, 
         torch.testing.assert_close(got_logits[k], want_logits[k], rtol=1e-4, atol=1e-4)
     assert info.config["quantization"]["format"] == fmt and info.config["quantization"]["dequantized_at_load"] == []
 
-    if fmt == "gptq":  # and from the command line
+    if case == "gptq":  # and from the command line
         proc = pwbench("generate", "--engine", "static-gptq", "--model", str(out), "--max-new-tokens", "10",
                        "--ignore-eos", "--json", *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))])
         outputs = json.loads(proc.stdout.strip().splitlines()[-1])["outputs"]
@@ -257,14 +264,16 @@ def test_transformers_loads_our_folder_where_its_backend_is_installed(checkpoint
 
 
 def test_older_gptq_names_and_quantized_attention_load(checkpoints, tmp_path):
-    """An AutoGPTQ-era Mixtral folder: `block_sparse_moe.experts.N.{w1,w3,w2}` and a quantized
-    q_proj. It must serve exactly what the GPTQModel-named folder serves, with q_proj dequantized."""
+    """An AutoGPTQ-era Mixtral folder: `block_sparse_moe.experts.N.{w1,w3,w2}`, symmetric v1
+    (what pwbench writes for --sym) and a quantized q_proj. It must serve exactly what the
+    GPTQModel-named folder serves, with q_proj dequantized."""
     from engines.quant.convert import to_gptq
     from engines.quant.qweight import quantize_rtn
 
     out = tmp_path / "q"
-    pwbench("quantize", "--model", str(checkpoints("mixtral")), "--method", "gptq", "--group-size", str(GROUP),
-            "--calib-samples", "4", "--calib-len", "64", "--output", str(out), "--quiet")
+    pwbench("quantize", "--model", str(checkpoints("mixtral")), "--method", "gptq", "--sym", "--group-size",
+            str(GROUP), "--calib-samples", "4", "--calib-len", "64", "--output", str(out), "--quiet")
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["checkpoint_format"] == "gptq"
     old = tmp_path / "old"
     old.mkdir()
     for f in out.iterdir():
@@ -278,7 +287,7 @@ def test_older_gptq_names_and_quantized_attention_load(checkpoints, tmp_path):
             key = key.replace(f".{new}.", f".{legacy}.")
         tensors[key] = t
     q_proj = "model.layers.1.self_attn.q_proj"
-    packed = to_gptq(quantize_rtn(tensors.pop(q_proj + ".weight"), 4, GROUP))
+    packed = to_gptq(quantize_rtn(tensors.pop(q_proj + ".weight"), 4, GROUP, symmetric=True))
     tensors.update({f"{q_proj}.{k}": v for k, v in packed.items()})
     save_file(tensors, str(old / "model.safetensors"), metadata={"format": "pt"})
 

@@ -12,32 +12,28 @@ safetensors files under tmp_path. Without the venv every test here skips and say
     and the static engine's logits equal the tool's model run on the same tokens;
 (b) a folder `pwbench quantize` writes is read by the tool: same two checks the other way.
 
-Known gaps, found by these tests (see the xfail reasons): GPTQModel ignores
-`modules_in_block_to_quantize` and `modules_to_not_convert` and builds quantized modules for
-the full-precision attention of a pwbench folder; it refuses asymmetric GPTQ v1
-(`checkpoint_format: gptq`) folders that another quantizer wrote. The (b) checks therefore run
-on pwbench's folder plus a `dynamic` exclusion in its quantization_config (and, for
-asymmetric GPTQ, the tensors rewritten as gptq_v2 by pwbench's own writer, or the v1 tensors
-with GPTQModel named as quantizer), and the folder exactly as written is a strict xfail.
+GPTQModel 7.6 reads only `dynamic` to find a folder's full-precision layers (not
+`modules_in_block_to_quantize` / `modules_to_not_convert`) and refuses asymmetric GPTQ v1
+folders that another quantizer wrote; these tests found both. pwbench's folders therefore
+carry a `dynamic` rule excluding everything but the routed experts and write asymmetric GPTQ
+as gptq_v2, and (b) hands GPTQModel each folder exactly as `pwbench quantize` wrote it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import sys
-from dataclasses import replace
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engines.base import EngineRequest
-from engines.quant.hf_format import read_linear, read_scheme, write_linear
+from engines.quant.hf_format import read_linear, read_scheme
 from engines.quant.qweight import dequantize
 from engines.registry import create_engine
 from tiny_models import build_hf_model, save_checkpoint
@@ -53,12 +49,9 @@ TOOLS_PYTHON = Path(os.environ.get("PWBENCH_TOOLS_PYTHON", ROOT / ".venv-tools" 
 GROUP = 32
 PROMPTS = [[5, 9, 14, 200, 37, 88, 3, 41], [100, 101, 102], list(range(20, 44))]
 NEW_TOKENS = 4
-# GPTQModel: every layer that is not a routed expert stays full precision (its `dynamic`
-# negative match, the only exclusion it reads when loading).
-ONLY_EXPERTS = {r"-:^(?!.*\.experts\.\d+\.(gate|up|down)_proj$).*": {}}
-WONT_LOAD = ("GPTQModel 7.6 ignores modules_in_block_to_quantize / modules_to_not_convert (it reads only "
-             "`dynamic`) and refuses asymmetric v1 GPTQ folders not made by GPTQModel: pwbench's folder as "
-             "written does not load there (engines/quant/hf_format.py quantization_config)")
+# What a pwbench folder must say for GPTQModel to keep everything but the routed experts full
+# precision: its `dynamic` negative match, the only exclusion GPTQModel reads when loading.
+ONLY_EXPERTS = {r"-:^(?!(?:.*\.)?mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)$).*": {}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -125,12 +118,14 @@ def pwbench(*args: str) -> None:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Tiny random Mixtral folders: hidden 96 (GPTQ, compressed-tensors), and hidden 128 for
-    GPTQModel's AWQ, whose clip search needs every output width to be a multiple of 64."""
+    GPTQModel's AWQ, whose clip search needs every output width to be a multiple of 64; and a
+    Qwen2-MoE (shared expert, one dense MLP layer: full precision beside the experts)."""
     root = tmp_path_factory.mktemp("real-tools-src")
     return {
         "mixtral": save_checkpoint(build_hf_model("mixtral"), root / "mixtral"),
         "mixtral128": save_checkpoint(build_hf_model("mixtral", hidden_size=128, num_attention_heads=4),
                                       root / "mixtral128"),
+        "qwen2_moe": save_checkpoint(build_hf_model("qwen2_moe", moe_intermediate_size=64), root / "qwen2_moe"),
     }
 
 
@@ -198,36 +193,6 @@ def compare(folder: Path, result: Path, first_tensor: str, logits_tol: float | N
 
 def sequences(tokens: dict[int, list[int]]) -> str:
     return json.dumps([p + tokens[j][:-1] for j, p in enumerate(PROMPTS)])
-
-
-def add_config(folder: Path, dst: Path, **changes) -> Path:
-    shutil.copytree(folder, dst)
-    config = json.loads((dst / "config.json").read_text())
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(config["quantization_config"].get(key), dict):
-            config["quantization_config"][key].update(value)
-        else:
-            config["quantization_config"][key] = value
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
-
-
-def as_gptq_v2(folder: Path, dst: Path) -> Path:
-    """The same folder with every GPTQ layer rewritten by pwbench's own writer as gptq_v2."""
-    shutil.copytree(folder, dst)
-    config = json.loads((folder / "config.json").read_text())
-    scheme = read_scheme(config["quantization_config"], str(folder))
-    tensors = load_file(folder / "model.safetensors")
-    prefixes = quantized_prefixes(folder, "qweight")
-    out = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] not in prefixes}
-    v2 = replace(scheme, checkpoint_format="gptq_v2")
-    for p in sorted(prefixes):
-        qw = read_linear(lambda s: tensors.get(f"{p}.{s}"), scheme, p)
-        out.update({f"{p}.{s}": t.contiguous() for s, t in write_linear(qw, v2).items()})
-    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    config["quantization_config"]["checkpoint_format"] = "gptq_v2"
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst
 
 
 # --- (a) the tool writes, pwbench reads --------------------------------------------------------
@@ -308,46 +273,33 @@ def pwbench_folders(models, tmp_path_factory):
     return make
 
 
-GPTQ_B = {  # pwbench flags, how the folder is handed to GPTQModel
-    "4bit-sym-act-order-v1": (["--method", "gptq", "--bits", "4", "--sym", "--act-order"], "v1"),
-    "4bit-asym-as-v2": (["--method", "gptq", "--bits", "4", "--act-order"], "v2"),
-    "3bit-asym-v1": (["--method", "gptq", "--bits", "3"], "v1-gptqmodel-claim"),
+B_CASES = {  # source model, pwbench flags, checkpoint_format it must write (GPTQ)
+    "gptq-default": ("mixtral", ["--method", "gptq", "--format", "gptq"], "gptq_v2"),  # 4-bit asymmetric
+    "gptq-4bit-sym-act-order": ("mixtral", ["--method", "gptq", "--bits", "4", "--sym", "--act-order",
+                                            "--format", "gptq"], "gptq"),
+    "gptq-3bit-asym-act-order": ("mixtral", ["--method", "gptq", "--bits", "3", "--act-order", "--format", "gptq"],
+                                 "gptq_v2"),
+    "awq": ("mixtral128", ["--method", "awq", "--bits", "4", "--format", "awq"], None),
+    # the shared expert and the dense MLP (mlp.gate_proj, ...) must stay full precision too
+    "gptq-qwen2_moe": ("qwen2_moe", ["--method", "gptq", "--format", "gptq"], "gptq_v2"),
 }
 
 
-@pytest.mark.parametrize("case", list(GPTQ_B))
-def test_pwbench_gptq_folder_reads_in_gptqmodel_as_in_pwbench(case, tool_versions, pwbench_folders, tmp_path):
+@pytest.mark.parametrize("case", list(B_CASES))
+def test_pwbench_folder_as_written_reads_in_gptqmodel_as_in_pwbench(case, tool_versions, pwbench_folders, tmp_path):
+    """The folder exactly as `pwbench quantize` wrote it: GPTQModel loads it (only the experts
+    quantized), dequantizes every expert layer to pwbench's weights and runs pwbench's logits."""
     need(tool_versions, "gptqmodel")
-    flags, how = GPTQ_B[case]
-    folder = pwbench_folders(f"gptq-{case}", "mixtral", *flags, "--format", "gptq")
-    handed = add_config(folder, tmp_path / "handed", dynamic=ONLY_EXPERTS)
-    if how == "v2":  # asymmetric: the tensors as pwbench's writer lays out gptq_v2
-        handed = as_gptq_v2(handed, tmp_path / "handed-v2")
-    elif how == "v1-gptqmodel-claim":  # asymmetric v1 bytes as written; GPTQModel only trusts its own
-        handed = add_config(handed, tmp_path / "handed-claim", meta={"quantizer": ["gptqmodel:7.6.0"]})
-    tokens, logits, _ = pwbench_greedy("static-gptq", handed)
-    tool("gptqmodel_tool.py", "read", handed, tmp_path / "tool.safetensors", "--prompts", sequences(tokens))
-    compare(handed, tmp_path / "tool.safetensors", "qweight", 1e-4, tokens, logits)
-
-
-def test_pwbench_awq_folder_reads_in_gptqmodel_as_in_pwbench(tool_versions, pwbench_folders, tmp_path):
-    need(tool_versions, "gptqmodel")
-    folder = pwbench_folders("awq", "mixtral128", "--method", "awq", "--bits", "4", "--format", "awq")
-    handed = add_config(folder, tmp_path / "handed", dynamic=ONLY_EXPERTS)
-    tokens, logits, _ = pwbench_greedy("static-awq", handed)
-    tool("gptqmodel_tool.py", "read", handed, tmp_path / "tool.safetensors", "--prompts", sequences(tokens))
-    compare(handed, tmp_path / "tool.safetensors", "qweight", 1e-2, tokens, logits)
-
-
-@pytest.mark.xfail(strict=True, reason=WONT_LOAD)
-@pytest.mark.parametrize("fmt", ["gptq", "awq"])
-def test_pwbench_folder_as_written_loads_in_gptqmodel(fmt, tool_versions, pwbench_folders, tmp_path):
-    need(tool_versions, "gptqmodel")
-    if fmt == "gptq":  # pwbench's default GPTQ folder: asymmetric, v1
-        folder = pwbench_folders("gptq-default", "mixtral", "--method", "gptq", "--format", "gptq")
-    else:
-        folder = pwbench_folders("awq", "mixtral128", "--method", "awq", "--bits", "4", "--format", "awq")
-    tool("gptqmodel_tool.py", "read", folder, tmp_path / "tool.safetensors", "--prompts", json.dumps(PROMPTS[:1]))
+    src, flags, checkpoint_format = B_CASES[case]
+    folder = pwbench_folders(case, src, *flags)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc["dynamic"] == ONLY_EXPERTS
+    if checkpoint_format:
+        assert qc["checkpoint_format"] == checkpoint_format and qc["meta"]["quantizer"][0].startswith("pwbench:")
+    tokens, logits, _ = pwbench_greedy(f"static-{qc['quant_method']}", folder)
+    tool("gptqmodel_tool.py", "read", folder, tmp_path / "tool.safetensors", "--prompts", sequences(tokens))
+    # GPTQModel's CPU AWQ kernel multiplies in fp16 whatever the model dtype: logits to ~1e-3
+    compare(folder, tmp_path / "tool.safetensors", "qweight", 1e-2 if case == "awq" else 1e-4, tokens, logits)
 
 
 CT_B = {"4bit-asym-gptq": ["--method", "gptq", "--bits", "4"], "3bit-sym-rtn": ["--method", "rtn", "--bits", "3", "--sym"]}
