@@ -1,2 +1,3 @@
-"""The run: the `pwbench` CLI and, as they land, the step loop, metrics, telemetry and result files.
-It talks to engines only through engines.base and engines.registry."""
+"""The run: the `pwbench` CLI, the step loop, the offline driver, metrics, telemetry, result files,
+the demo model's trainer and evaluator, and benchmarks. It talks to engines through
+engines.base and engines.registry (capability flags, never engine names)."""

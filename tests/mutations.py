@@ -47,7 +47,7 @@ MUTATIONS = (
         "percentile", "harness/metrics.py",
         "    pos = (len(xs) - 1) * q / 100",
         "    pos = min(len(xs) - 1, len(xs) * q / 100)",
-        ("tests/harness",),
+        ("tests/harness/test_efficiency_by_hand.py", "tests/harness/test_run_cli.py", "tests/harness/test_metrics_dummy.py"),
         "percentiles by the wrong rank formula (n * q instead of (n - 1) * q, numpy's linear)",
     ),
 )

@@ -1,5 +1,5 @@
 """Where closed-book facts live, in isolation: train the demo architecture on closed-book
-questions alone and watch what 2-bit RTN experts do to them (README "The demo model").
+questions alone and watch what 2-bit RTN experts do to them (docs/demo_model.md).
 
     python -m harness.demo.closed_book_probe [--names two] [--intermediate 64] [--steps 3000]
 

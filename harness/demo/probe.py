@@ -1,4 +1,4 @@
-"""Where a demo model's recall and knowledge live: the probes behind README "The demo model".
+"""Where a demo model's recall and knowledge live: the probes behind docs/demo_model.md.
 
     python -m harness.demo.probe [--model DIR] [--theta 1e6]
 

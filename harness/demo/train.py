@@ -1,6 +1,6 @@
 """`pwbench demo train`: train the bundled demo MoE model (Mixtral architecture) from scratch.
 
-Recipe (what trials on these 2-core CPUs showed; see README "The demo model"):
+Recipe (what trials on these 2-core CPUs showed; see docs/demo_model.md):
   - First the lookup circuit, on its own (`circuit_batch`): token-level copy, key-value recall
     and a "skip" task (x r x: the target is the token two back) over random words, until
     held-out 8-pair key-value recall reaches `circuit_until` (1,100 steps in the shipped run). The skip
@@ -65,7 +65,7 @@ LEVELS: tuple[tuple[int, int, int, int], ...] = (
 
 @dataclass(frozen=True)
 class TrainConfig:
-    seed: int = 2  # the shipped model's; see README "The demo model" for seeds 0 and 1
+    seed: int = 2  # the shipped model's; see docs/demo_model.md for seeds 0 and 1
     steps: int = 4000
     hidden: int = 128
     layers: int = 2
