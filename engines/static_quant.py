@@ -128,7 +128,7 @@ class StaticQuantEngine(MoEEngine):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
     def _check_method(self, ckpt: Checkpoint) -> None:
-        method = folder_method(ckpt)
+        method = folders.folder_method(ckpt.path)
         if method is not None and method != self.method:
             raise EngineError(
                 f"{ckpt.path} holds {method}-quantized weights; engine {self.name} serves {self.method} "
@@ -148,11 +148,6 @@ class StaticQuantEngine(MoEEngine):
         }
         return dataclasses.replace(info, model=str(self.source.path),
                                    config={**info.config, "quantization": quantization})
-
-
-def folder_method(ckpt: Checkpoint) -> str | None:
-    """The method a quantized folder was made with (engines/folders.py reads it)."""
-    return folders.folder_method(ckpt.path)
 
 
 class StaticGPTQEngine(StaticQuantEngine):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import Engine, EngineRequest
+from engines.base import Engine, EngineRequest, StepOutput
 
 
 @dataclass
@@ -24,16 +24,18 @@ class Completion:
     prompt_logits: Any = None  # with return_prompt_logits
 
 
-def run_offline(engine: Engine, requests: Iterable[EngineRequest],
-                should_stop: Callable[[], bool] = lambda: False) -> dict[str, Completion]:
+def run_offline(engine: Engine, requests: Iterable[EngineRequest], should_stop: Callable[[], bool] = lambda: False,
+                on_step: Callable[[StepOutput], None] | None = None) -> dict[str, Completion]:
     """Submit every request to the started `engine`, step until it has nothing left (or
-    `should_stop()`), and return each request's Completion by request id."""
+    `should_stop()`), and return each request's Completion by request id. `on_step` sees each
+    StepOutput after it is collected (preemption counts, or a test aborting mid-way)."""
     done: dict[str, Completion] = {}
     for r in requests:
         engine.add_request(r)
         done[r.request_id] = Completion()
     while engine.has_unfinished() and not should_stop():
-        for o in engine.step().outputs:
+        out = engine.step()
+        for o in out.outputs:
             c = done.setdefault(o.request_id, Completion())
             c.output_ids.extend(o.new_token_ids)
             if o.logits is not None:
@@ -42,6 +44,8 @@ def run_offline(engine: Engine, requests: Iterable[EngineRequest],
                 c.prompt_logits = o.prompt_logits
             if o.finished:
                 c.finish_reason = o.finish_reason
+        if on_step is not None:
+            on_step(out)
     return done
 
 

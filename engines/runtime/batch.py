@@ -41,10 +41,6 @@ class StepBatch:
     sampled: list[tuple[Chunk, int]]  # chunk whose last row yields a token, its index in logit_rows
     prompt_rows: list[tuple[Chunk, int, int]]  # chunk, first and end index in logit_rows of prompt logits
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
-
 
 def build_batch(plan: Plan, allocator: BlockAllocator, ledger: TransferLedger) -> StepBatch | None:
     """The plan's chunks as one flat batch (None when the plan runs nothing). Advances each

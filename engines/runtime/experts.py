@@ -5,8 +5,9 @@ Shapes: T tokens, A experts per token, E experts, D hidden, I expert intermediat
 tokens are contiguous (the layout every expert kernel consumes). An `ExpertBackend` gets
 `forward(layer, x, dispatch)`: the dispatch names the experts that have tokens, so a backend
 that keeps weights elsewhere fetches exactly those first (through the TransferLedger). Its
-storage is addressable per (layer, expert). `DenseBackend` (full precision, resident) and the
-torch reference compute `grouped_swiglu` live here; quantized backends live in engines/quant.
+storage is addressable per (layer, expert). `ResidentBackend` (every expert on the device, any
+stacked record and compute) and the torch reference compute `grouped_swiglu` live here; the
+quantized backend is built in engines/quant/load.py.
 """
 
 from __future__ import annotations
@@ -112,28 +113,30 @@ class ExpertBackend(ABC):
     def num_experts(self, layer: int) -> int: ...
 
     def step_stats(self) -> dict[str, int]:
-        """Since the previous call: `expert_bytes_read` (bytes of the experts that ran, at their
-        stored size) and `experts_run` ((layer, expert) pairs computed); then reset."""
+        """Since the previous call: `expert_bytes_read`, the bytes of the experts that ran at
+        their stored size (which experts ran is the router's counts, StepOutput.experts_hit);
+        then reset."""
         stats, self._stats = self._stats, Counter()
-        return {"expert_bytes_read": stats["expert_bytes_read"], "experts_run": stats["experts_run"]}
+        return {"expert_bytes_read": stats["expert_bytes_read"]}
 
     def _count(self, layer: int, d: Dispatch) -> None:
         """Record the experts `d` runs in `layer` (backends call this from forward)."""
-        active = d.active
-        self._stats["experts_run"] += len(active)
-        self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e in active)
+        self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e in d.active)
 
 
 class ResidentBackend(ExpertBackend):
     """Every layer's experts resident on the device in one stacked record per layer, run by
     `compute(x, dispatch, record)`: DenseExperts with `grouped_swiglu` for `moe`, packed
     QuantizedExperts with the fused kernel for the static engines. A record has
-    `nbytes()`, `expert_nbytes(e)` and `num_experts`."""
+    `nbytes()`, `expert_nbytes(e)` (the same for every e of a stack) and `num_experts`."""
 
     def __init__(self, layers: dict[int, Any], compute: Callable[[Tensor, Dispatch, Any], Tensor] | None = None) -> None:
         super().__init__()
         self._layers = layers
         self._compute = compute or grouped_swiglu
+        # One stacked record holds experts of one shape and scheme: one size per layer, looked
+        # up per expert that runs (every step), so computed once here.
+        self._expert_bytes = {i: w.expert_nbytes(0) for i, w in layers.items()}
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
         self._count(layer, d)
@@ -150,7 +153,7 @@ class ResidentBackend(ExpertBackend):
         return self._layers[layer].num_experts
 
     def expert_bytes(self, layer: int, expert: int) -> int:
-        return self._layers[layer].expert_nbytes(expert)
+        return self._expert_bytes[layer]
 
     def device_bytes(self) -> int:
         return sum(w.nbytes() for w in self._layers.values())

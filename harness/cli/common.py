@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from engines.base import EngineError
+from engines.folders import engine_for_folder
 from harness.errors import HarnessError
 from workloads.base import WorkloadError
 
@@ -42,3 +43,14 @@ def print_columns(rows: list[tuple[str, str]]) -> None:
     width = max(len(name) for name, _ in rows)
     for name, text in rows:
         typer.echo(f"{name.ljust(width)}  {text}")
+
+
+def engine_for(engine: str | None, model: str | None) -> str:
+    """The engine named, else the one that serves the folder (static-<method> for a quantized
+    folder, said in one line on stderr)."""
+    if engine is not None:
+        return engine
+    name, note = engine_for_folder(model)
+    if note:
+        typer.echo(f"note: {note}", err=True)
+    return name

@@ -10,7 +10,7 @@ import typer
 
 from engines.base import EngineError
 from harness.cli.apps import app
-from harness.cli.common import user_errors
+from harness.cli.common import engine_for, user_errors
 
 
 @app.command()
@@ -45,7 +45,7 @@ def generate(
     if not prompts:
         raise EngineError("give at least one --prompt-ids or --prompt")
     args = GenerateArgs(
-        engine=_engine_for(engine, model),
+        engine=engine_for(engine, model),
         model=model,
         prompts=prompts,
         max_new_tokens=max_new_tokens,
@@ -63,19 +63,6 @@ def generate(
     for i, r in enumerate(results):
         typer.echo(f"[{i}] prompt: {r.get('prompt_text', r['prompt_ids'])}")
         typer.echo(f"    output: {r.get('text', r['output_ids'])}  ({len(r['output_ids'])} tokens, {r['finish_reason']})")
-
-
-def _engine_for(engine: str | None, model: str | None) -> str:
-    """The engine named, else the one that serves the folder (static-<method> for a quantized
-    folder, said in one line on stderr)."""
-    if engine is not None:
-        return engine
-    from engines.folders import engine_for_folder
-
-    name, note = engine_for_folder(model)
-    if note:
-        typer.echo(f"note: {note}", err=True)
-    return name
 
 
 def _ordered_prompts(id_prompts: list[list[int]], text_prompts: list[str]) -> list[list[int] | str]:

@@ -12,8 +12,7 @@ from typing import Annotated
 import typer
 
 from harness.cli.apps import app
-from harness.cli.common import user_errors
-from harness.cli.generate import _engine_for
+from harness.cli.common import engine_for, user_errors
 
 
 @app.command("run")
@@ -51,7 +50,7 @@ def run(
     from harness.cli.run_session import run_command
 
     options = dict(locals())
-    options["engine"] = _engine_for(engine, model)
+    options["engine"] = engine_for(engine, model)
     code = run_command(options)
     raise typer.Exit(code)
 

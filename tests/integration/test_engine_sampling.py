@@ -15,6 +15,7 @@ import torch
 from engines.base import EngineRequest, SamplingParams
 from engines.hf import HFEngine, HFEngineConfig
 from engines.moe import MoEEngine, MoEEngineConfig
+from harness.offline import run_offline
 from tiny_models import CPU32, build_hf_model
 
 NEW = 24
@@ -42,22 +43,19 @@ def greedy_reference(model, prompt, n: int) -> list[int]:
 
 
 def drive(engine, requests: list[EngineRequest], on_step=None) -> tuple[dict, dict, int]:
-    """Submit all, step until done. Returns tokens and finish reasons per request, preemptions."""
-    tokens = {r.request_id: [] for r in requests}
-    reasons: dict[str, str] = {}
+    """The project's offline driver; returns tokens and finish reasons per request, and
+    preemptions. `on_step(engine, step_output)` runs after each step."""
     preempted = 0
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        out = engine.step()
+
+    def step(out):
+        nonlocal preempted
         preempted += out.num_preempted
-        for o in out.outputs:
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            if o.finished:
-                reasons[o.request_id] = o.finish_reason
         if on_step is not None:
-            on_step(engine)
-    return tokens, reasons, preempted
+            on_step(engine, out)
+
+    done = run_offline(engine, requests, on_step=step)
+    return ({k: c.output_ids for k, c in done.items()}, {k: c.finish_reason for k, c in done.items() if c.finish_reason},
+            preempted)
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -89,7 +87,7 @@ def test_seeded_request_same_alone_in_a_batch_and_across_preemption(arch_model, 
     # with the same draws.
     preempted_after_tokens = []
 
-    def watch(engine):
+    def watch(engine, out):
         for seq in engine.scheduler.waiting:
             if seq.id == "s" and seq.num_generated > 0:
                 preempted_after_tokens.append(seq.num_generated)
@@ -123,21 +121,18 @@ def test_preemption_keeps_prompt_logits_and_sampled_logits(arch, checkpoints):
     reqs = [EngineRequest(str(i), p, 16, ignore_eos=True, return_prompt_logits=True, return_logits=True,
                           sampling=SamplingParams(temperature=1.0, seed=i) if i == 1 else SamplingParams())
             for i, p in enumerate(prompts)]
-    got_prompt, got_logits, tokens = {}, {r.request_id: [] for r in reqs}, {r.request_id: [] for r in reqs}
-    preempted = 0
+    got_prompt, got_logits = {}, {r.request_id: [] for r in reqs}
+
+    def collect(engine, out):
+        for o in out.outputs:
+            got_logits[o.request_id].append(o.logits)
+            if o.prompt_logits is not None:
+                assert o.request_id not in got_prompt  # returned once, with the first token
+                got_prompt[o.request_id] = o.prompt_logits
+
     with MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints(arch)), block_size=4, kv_blocks=24,
                                    max_num_batched_tokens=16)) as engine:
-        for r in reqs:
-            engine.add_request(r)
-        while engine.has_unfinished():
-            out = engine.step()
-            preempted += out.num_preempted
-            for o in out.outputs:
-                tokens[o.request_id] += o.new_token_ids
-                got_logits[o.request_id].append(o.logits)
-                if o.prompt_logits is not None:
-                    assert o.request_id not in got_prompt  # returned once, with the first token
-                    got_prompt[o.request_id] = o.prompt_logits
+        tokens, _, preempted = drive(engine, reqs, on_step=collect)
     assert preempted > 0
     for r in reqs:
         full = list(r.prompt_ids) + tokens[r.request_id]
@@ -171,24 +166,19 @@ def test_abort_a_preempted_request(checkpoints):
     at once, and the others' tokens are untouched."""
     model = build_hf_model("mixtral")
     reqs = [EngineRequest(str(i), p, NEW, ignore_eos=True) for i, p in enumerate([*OTHERS[:2], PROMPT])]
-    tokens = {r.request_id: [] for r in reqs}
-    reasons: dict[str, str] = {}
     victim = None
+
+    def abort_a_preempted_one(engine, out):
+        nonlocal victim
+        if victim is None:
+            waiting = [s for s in engine.scheduler.waiting if s.num_generated > 0]
+            if waiting:
+                victim = waiting[0].id
+                assert victim not in engine.kv.allocator.tables  # preempted: its blocks are free
+                engine.abort(victim)
+
     with MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints("mixtral")), block_size=4, kv_blocks=20)) as engine:
-        for r in reqs:
-            engine.add_request(r)
-        while engine.has_unfinished():
-            out = engine.step()
-            for o in out.outputs:
-                tokens[o.request_id] += o.new_token_ids
-                if o.finished:
-                    reasons[o.request_id] = o.finish_reason
-            if victim is None:
-                waiting = [s for s in engine.scheduler.waiting if s.num_generated > 0]
-                if waiting:
-                    victim = waiting[0].id
-                    assert victim not in engine.kv.allocator.tables  # preempted: its blocks are free
-                    engine.abort(victim)
+        tokens, reasons, _ = drive(engine, reqs, on_step=abort_a_preempted_one)
         assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
     assert victim is not None, "the KV budget no longer forces a preemption"
     assert reasons.pop(victim) == "abort" and 0 < len(tokens[victim]) < NEW

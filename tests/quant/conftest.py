@@ -16,6 +16,18 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (its subprocesses get OMP_NUM_THREADS=1 too). Calibration
+    and the folder tests are thousands of small tensor ops: with the CPUs busy, a second
+    intra-op thread only adds scheduler waits (measured 198 s instead of 10 s per case on a
+    loaded 2-core box). Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def use_kernels(monkeypatch):
     """use_kernels("triton" | "torch"): make the public ops resolve to that implementation."""

@@ -30,18 +30,10 @@ from engines.runtime.weights import DenseExperts
 from harness.calibration import calibration_prompts
 from tiny_models import build_hf_model, save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 CALIB, HELD_OUT, LENGTH = 32, 16, 256
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Calibration is thousands of small tensor ops: with the CPUs busy, a second intra-op thread
-    only adds scheduler waits (measured 198 s instead of 10 s per case on a loaded 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["random-mixtral", pytest.param("demo", marks=pytest.mark.slow)])

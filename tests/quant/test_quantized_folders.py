@@ -24,6 +24,8 @@ from safetensors.torch import load_file, save_file
 from engines.base import EngineRequest
 from engines.registry import create_engine
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i of a word holds column AWQ_ORDER[i] of its 8
 SHIFTS = torch.arange(8, dtype=torch.int32) * 4
 GROUP = 32
@@ -33,15 +35,6 @@ CASES = {  # method, format, extra flags
     "awq": ("awq", "awq", []),
     "compressed-tensors": ("rtn", "compressed-tensors", []),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread here and in the subprocesses: see test_quantize_quality.one_thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def pwbench(*args: str) -> subprocess.CompletedProcess:

@@ -38,10 +38,7 @@ from engines.quant.qweight import dequantize
 from engines.registry import create_engine
 from tiny_models import build_hf_model, save_checkpoint
 
-try:  # registered in pyproject.toml's markers; until it is, --strict-markers would reject it
-    pytestmark = [pytest.mark.real_tools]
-except pytest.fail.Exception:
-    pytestmark = []
+pytestmark = [pytest.mark.real_tools, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = Path(__file__).parent / "tools"
@@ -52,14 +49,6 @@ NEW_TOKENS = 4
 # What a pwbench folder must say for GPTQModel to keep everything but the routed experts full
 # precision: its `dynamic` negative match, the only exclusion GPTQModel reads when loading.
 ONLY_EXPERTS = {r"-:^(?!(?:.*\.)?mlp\.experts\.\d+\.(?:gate_proj|up_proj|down_proj)$).*": {}}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

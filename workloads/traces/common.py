@@ -173,6 +173,15 @@ def show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+MAX_SHOWN = 12  # keys or columns listed in a message
+
+
+def listing(names: list[str]) -> str:
+    """Names for a message, at most MAX_SHOWN of them."""
+    shown = ", ".join(names[:MAX_SHOWN])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > MAX_SHOWN else "")
+
+
 def _number(value: Any, name: str) -> float | int:
     """An int or float from JSON, or a numeric CSV/JSON string; never a bool."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):

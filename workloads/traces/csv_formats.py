@@ -10,13 +10,13 @@ from __future__ import annotations
 import csv
 import datetime
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from workloads.base import WorkloadError
 from workloads.traces.common import (
-    LineError, LineLog, Trace, TraceRow, as_count, as_seconds, as_session, finish, header_was_skipped, parse_rows,
-    read_lines,
+    LineError, LineLog, Trace, TraceRow, as_count, as_seconds, as_session, finish, header_was_skipped, listing,
+    parse_rows, read_lines,
 )
 
 # "2023-11-16 18:17:03.9799600": 7 fractional digits, more than datetime keeps, so parsed by hand.
@@ -29,29 +29,41 @@ def _read_csv(path: Path, skip_bad_lines: bool, fmt: str, required: tuple[str, .
     """Header first (matched case-insensitively), then `parse` gets each line as {column: text}."""
     log = LineLog(str(path), skip_bad_lines)
     lines = read_lines(path, log)
-    for number, text in lines:
-        header_was_skipped(log)
-        header = [c.strip() for c in _split(text)]
-        missing = [c for c in required if c.lower() not in {h.lower() for h in header}]
-        if missing:
-            raise WorkloadError(
-                f"{path}:{number}: a {fmt} CSV header needs the columns {', '.join(required)}; "
-                f"missing {', '.join(missing)} (the header is {text[:80]!r})"
-            )
-        break
-    else:
-        header_was_skipped(log)
-        raise WorkloadError(f"{path}: the file is empty; give a trace with at least one request")
+    number, text, header = csv_header(path, lines, log)
+    missing = [c for c in required if c.lower() not in {h.lower() for h in header}]
+    if missing:
+        raise WorkloadError(
+            f"{path}:{number}: a {fmt} CSV header needs the columns {', '.join(required)}; "
+            f"missing {', '.join(missing)} (the header is {text[:80]!r})"
+        )
     canonical = {h.lower(): h for h in required}
     names = [canonical.get(h.lower(), h) for h in header]
 
     def parse_line(number: int, text: str) -> TraceRow | None:
-        values = _split(text)
-        if len(values) != len(names):
-            raise LineError(f"expected {len(names)} comma-separated fields ({', '.join(names)}), got {len(values)}")
-        return parse(number, dict(zip(names, values)))
+        return parse(number, dict(zip(names, csv_fields(text, names))))
 
     return parse_rows(lines, log, parse_line), log
+
+
+def csv_header(path: Path, lines: Iterator[tuple[int, str]], log: LineLog) -> tuple[int, str, list[str]]:
+    """(line number, text, stripped column names) of the header: the first non-blank line. A
+    header that is not CSV, was skipped as not UTF-8, or missing (empty file) is an error."""
+    for number, text in lines:
+        header_was_skipped(log)
+        try:
+            return number, text, [c.strip() for c in _split(text)]
+        except LineError as exc:
+            raise WorkloadError(f"{path}:{number}: bad CSV header ({exc})") from None
+    header_was_skipped(log)
+    raise WorkloadError(f"{path}: the file is empty; give a trace with at least one request")
+
+
+def csv_fields(text: str, names: list[str]) -> list[str]:
+    """One data line's fields, exactly one per header column."""
+    values = _split(text)
+    if len(values) != len(names):
+        raise LineError(f"expected {len(names)} comma-separated fields ({listing(names)}), got {len(values)}")
+    return values
 
 
 def _split(text: str) -> list[str]:

@@ -62,7 +62,7 @@ def _unknown(what: str, fix: str = f"or any JSONL/CSV file with --format jsonl|c
 
 
 def _keys(names: list[str]) -> str:
-    from workloads.traces.generic import listing
+    from workloads.traces.common import listing
 
     return listing([str(n) for n in names])
 

@@ -28,9 +28,10 @@ from typing import Any
 
 from workloads.base import WorkloadError
 from workloads.traces.common import (
-    BLOCK_TOKENS, LineError, LineLog, Trace, TraceRow, as_count, as_ids, as_session, finish, header_was_skipped,
-    json_object, parse_rows, read_lines, show,
+    BLOCK_TOKENS, LineError, LineLog, Trace, TraceRow, as_count, as_ids, as_session, finish, json_object, listing,
+    parse_rows, read_lines, show,
 )
+from workloads.traces.csv_formats import csv_fields, csv_header
 
 GENERIC_FORMATS = {
     "jsonl": "any JSON-lines trace: name its keys with --map arrival_s=KEY,input_tokens=KEY,output_tokens=KEY[,session_id=KEY]",
@@ -40,7 +41,6 @@ FIELDS = ("arrival_s", "input_tokens", "output_tokens", "session_id", "blocks")
 REQUIRED = ("input_tokens", "output_tokens")
 TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 MAP_EXAMPLE = "arrival_s=COLUMN,input_tokens=COLUMN,output_tokens=COLUMN[,session_id=COLUMN][,time_unit=ms]"
-MAX_SHOWN = 12  # keys or columns listed in a message
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,6 @@ def parse_map(text: str) -> ColumnMap:
         raise _map_error(text, f"block_tokens {block_tokens!r} must be a whole number >= 1")
     columns = tuple((f, given[f]) for f in FIELDS if f in given)
     return ColumnMap(columns, unit, int(block_tokens))
-
-
-def listing(names: list[str]) -> str:
-    shown = ", ".join(names[:MAX_SHOWN])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > MAX_SHOWN else "")
 
 
 # -- values ------------------------------------------------------------------------------------
@@ -241,18 +236,7 @@ def _read_jsonl(path: Path, lines, log: LineLog, mapping: ColumnMap) -> list[_Ro
 
 
 def _read_csv(path: Path, lines, log: LineLog, mapping: ColumnMap) -> list[_Row]:
-    from workloads.traces.csv_formats import _split
-
-    for number, text in lines:
-        header_was_skipped(log)
-        try:
-            header = [c.strip() for c in _split(text)]
-        except LineError as exc:
-            raise WorkloadError(f"{path}:{number}: bad CSV header ({exc})") from None
-        break
-    else:
-        header_was_skipped(log)
-        raise WorkloadError(f"{path}: the file is empty; give a trace with at least one request")
+    number, _, header = csv_header(path, lines, log)
     index: dict[str, int] = {}
     for field, column in mapping.columns:
         exact = [i for i, h in enumerate(header) if h == column]
@@ -263,9 +247,7 @@ def _read_csv(path: Path, lines, log: LineLog, mapping: ColumnMap) -> list[_Row]
     _check_columns(path, number, mapping, header, lambda column: column in index, ("column", "the header has"))
 
     def parse(number: int, text: str) -> _Row:
-        values = _split(text)
-        if len(values) != len(header):
-            raise LineError(f"expected {len(header)} comma-separated fields ({listing(header)}), got {len(values)}")
+        values = csv_fields(text, header)
         return _parse(mapping, number, lambda column: values[index[column]])
 
     return parse_rows(lines, log, parse)
