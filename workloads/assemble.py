@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class Shape:
     """What a workload's shape step hands to assemble()."""
 
     sessions: Callable[[int], Iterator[list[RequestSkeleton]]]  # size hint (requests) -> stream
-    mean_turns: float  # requests per session on average (sets the session start rate)
+    mean_turns: float  # requests per session on average (the session start rate's first guess)
     default_arrival: str
     default_rate: float = 1.0  # requests per second
     default_burstiness: float = 1.0
@@ -91,6 +92,12 @@ def make_plan(spec, target, shape: Shape) -> Plan:
     With `requests` N the plan holds the first N requests by arrival (open loop and trace
     replay): sessions whose later turns come after the N-th request are cut short, and the
     notes name them. Closed-loop and offline plans keep the first N in session order.
+
+    Open loop (poisson, gamma), `rate` R is the offered load in requests per second over the
+    run's window T = N / R (`requests` N, default 100), or `duration_s` when that is shorter
+    or given alone: sessions start at the rate from session_start_rate(), so that about
+    R * T requests (first turns and later turns together) arrive in [0, T] and the N-th one
+    near T. Trace replay, closed loop and offline plans have no start process and no rate.
     """
     arrival = spec.arrival or shape.default_arrival
     rate = spec.rate if spec.rate is not None else shape.default_rate
@@ -104,8 +111,13 @@ def make_plan(spec, target, shape: Shape) -> Plan:
     open_loop = arrival in ("poisson", "gamma")
     if arrival == "poisson" and spec.burstiness not in (None, 1.0):
         raise WorkloadError(f"burstiness={spec.burstiness} needs gamma arrivals; use --arrival gamma")
-    session_rate = rate / shape.mean_turns  # so that requests (not sessions) arrive at `rate`
+    session_rate = rate / shape.mean_turns  # requests (not sessions) arrive at `rate` in the long run
     stream = shape.sessions(limit or math.ceil(rate * (spec.duration_s or 0)) or DEFAULT_REQUESTS)
+    window_s = min(limit / rate if limit is not None else math.inf, spec.duration_s or math.inf)
+    if open_loop and math.isfinite(window_s):  # `rate` requests a second from t=0, not after a ramp-up
+        prefix = _Prefix(stream)
+        session_rate = session_start_rate(prefix.first, rate, window_s, spec.time_scale, shape.mean_turns)
+        stream = itertools.chain(prefix.taken, stream)  # the same sessions, in the same order
     if open_loop and limit is None and spec.duration_s is not None:  # as many sessions as start in time
         starts = open_loop_times(session_rate, burstiness, spec.seed, until_s=spec.duration_s)
         sessions = _take(stream, sessions=len(starts))
@@ -132,6 +144,56 @@ def make_plan(spec, target, shape: Shape) -> Plan:
             f"(prompt cut to its first tokens, output to at most {target.max_model_len // 2}); --scale shrinks instead"
         )
     return Plan(arrival, tuple(skeletons), tuple(notes))
+
+
+CALIBRATION_ROUNDS = 8  # fixed-point rounds of session_start_rate (it settles in 2-4)
+
+
+def session_start_rate(
+    first: Callable[[int], list[list[RequestSkeleton]]], rate: float, window_s: float, time_scale: float,
+    mean_turns: float, rounds: int = CALIBRATION_ROUNDS,
+) -> float:
+    """Session starts per second such that `rate` requests per second arrive in [0, window_s].
+
+    Sessions start by a renewal process at rate L, so the expected number of requests in
+    [0, T] is L * T * E[sum over a session's turns of max(0, 1 - offset / T)], where a
+    turn's offset is its time after the session's start (the think times before it, times
+    `time_scale`; 0 for turn 0): a later turn counts only for the part of the window late
+    enough to hold it. Setting that to rate * T gives L = rate / E[...], the mean taken over
+    the sessions that start in the window: first(m), the stream's first m sessions, with
+    m = ceil(L * T), by a few fixed-point rounds from L = rate / mean_turns (the limit for a
+    long window, when every turn counts). The result depends only on the seeded session
+    stream, so it is deterministic for a seed; single-turn sessions give exactly `rate`.
+    Only the start times change: sessions and turns stay those of the stream, in order.
+    The rate averages over the window: it runs below `rate` near t=0 (mostly first turns)
+    and above it near T (later turns of sessions begun earlier join).
+    """
+    session_rate = rate / mean_turns
+    seen: set[int] = set()
+    for _ in range(rounds):
+        m = max(1, math.ceil(session_rate * window_s))
+        if m in seen:  # settled (or cycling between neighbours): keep the last rate
+            break
+        seen.add(m)
+        sample = first(m)
+        if not sample:
+            break
+        counted = math.fsum(
+            max(0.0, 1.0 - clock / window_s) for session in sample for clock, _ in session_times(0.0, session, time_scale)
+        )
+        session_rate = rate / (counted / len(sample))
+    return session_rate
+
+
+class _Prefix:
+    """The first sessions of a stream, drawn on demand and kept (`taken`) to be sent later."""
+
+    def __init__(self, stream: Iterator[list[RequestSkeleton]]) -> None:
+        self.stream, self.taken = stream, []
+
+    def first(self, m: int) -> list[list[RequestSkeleton]]:
+        self.taken.extend(itertools.islice(self.stream, max(0, m - len(self.taken))))
+        return self.taken[:m]
 
 
 def _take(stream: Iterator[list[RequestSkeleton]], requests: int | None = None, sessions: int | None = None):
