@@ -115,6 +115,9 @@ class StepOutput:
     d2h_bytes: int = 0
     h2d_transfers: int = 0
     d2h_transfers: int = 0
+    # Prompt tokens of sequences admitted in this step whose K/V came from the prefix cache
+    # (not computed, so not in num_prefill_tokens).
+    cached_prompt_tokens: int = 0
     extras: Mapping[str, float] = field(default_factory=dict)
 
 

@@ -49,6 +49,9 @@ class MoEEngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
     seed: int = 0  # seeds sampling for requests that give no seed
+    # Automatic prefix caching: full KV blocks are shared between sequences with the same
+    # leading tokens and kept after a request ends while memory allows (vLLM's APC).
+    prefix_caching: bool = True
     # Fake quantization (what `pwbench demo eval --expert-bits` measures): routed experts
     # RTN-rounded to this many bits at start and computed at full precision; None: off.
     expert_bits: int | None = None
@@ -150,7 +153,8 @@ class MoEEngine(Engine):
             state.generator = make_generator(seed, self.device)
         self._num_requests += 1
         prompt = list(request.prompt_ids)
-        self.scheduler.add(Sequence(request, prompt, len(prompt), state=state))
+        self.scheduler.add(Sequence(request, prompt, len(prompt), state=state,
+                                    prefix_caching=self.config.prefix_caching))
 
     def abort(self, request_id: str) -> None:
         self._check_started()
@@ -173,15 +177,19 @@ class MoEEngine(Engine):
 
     def _update(self, plan: Plan, batch: StepBatch | None, result: StepResult | None,
                 outputs: list[RequestOutput]) -> tuple[str, ...]:
-        """Apply an executed batch: collected prompt logits, computed positions, new tokens.
-        Returns the requests whose first prompt token this step computed."""
-        started = tuple(c.seq.id for c in plan.prefills if c.start == 0 and c.seq.num_generated == 0)
+        """Apply an executed batch: collected prompt logits, computed positions (full blocks
+        registered in the prefix cache), new tokens. Returns the requests whose prompt this
+        step began to compute (their first chunk; after a cached prefix it starts later)."""
+        started = tuple(c.seq.id for c in plan.prefills if not c.seq.prompt_started)
+        for c in plan.prefills:
+            c.seq.prompt_started = True
         if batch is None or result is None:
             return started
         for c, lo, hi in batch.prompt_rows:
             c.seq.state.prompt_logits.append(self.ledger.to_host(result.logits[lo:hi], "logits"))
         for c in batch.chunks:
             c.seq.num_computed += c.length
+            self.scheduler.register_computed(c.seq)
         for (c, row), token in zip(batch.sampled, result.tokens):
             outputs.append(self._append_token(c.seq, token, result.logits[row]))
         return started
@@ -195,6 +203,7 @@ class MoEEngine(Engine):
         return StepOutput(
             outputs=tuple(outputs),
             started=started,
+            cached_prompt_tokens=plan.cached_tokens,
             num_prefill_tokens=sum(c.length for c in plan.prefills),
             num_decode_tokens=len(plan.decodes),
             num_running=len(self.scheduler.running),

@@ -130,6 +130,8 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], output_tokens: int) -> d
     decode_time = sum(s["duration_s"] for s in decode_steps)
     h2d = sum(s["h2d_bytes"] for s in steps)
     d2h = sum(s["d2h_bytes"] for s in steps)
+    cached = sum(s.get("cached_prompt_tokens", 0) for s in steps)
+    computed = sum(s["prefill_tokens"] for s in steps)
     return {
         "steps": len(steps),
         "busy_s": sum(s["duration_s"] for s in steps),
@@ -145,6 +147,10 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], output_tokens: int) -> d
         "d2h_bytes_per_output_token": d2h / output_tokens if output_tokens else None,
         "experts_hit_per_step_mean": sum(s["experts_hit"] for s in steps) / len(steps) if steps else None,
         "preemptions": sum(s.get("preempted", 0) for s in steps),
+        # Prompt tokens served from the prefix cache / all prompt tokens the engine had to
+        # provide K/V for (cached + computed, recomputes after preemption included).
+        "cached_prompt_tokens": cached,
+        "prefix_cache_hit_rate": cached / (cached + computed) if cached + computed else None,
     }
 
 

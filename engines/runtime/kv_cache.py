@@ -6,10 +6,17 @@ are head-major, [K, num_blocks, B, hd], so a gather of block tables is already i
 are taken from a free list as a sequence grows and returned when it ends or is preempted,
 so memory follows live tokens, not the longest possible request. The allocator is pure
 Python (no torch), which lets the scheduler plan without touching the device.
+
+Prefix cache (vLLM's automatic prefix caching): a full, computed block is registered under a
+hash of its tokens chained to the hash of the block before it, so a later sequence with the
+same leading tokens shares it (reference counted) instead of recomputing it. A registered
+block nobody holds stays cached until its slot is needed, least recently used first.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -28,12 +35,15 @@ class KVCache(Protocol):
 
 
 class BlockAllocator:
-    """Free-list allocator of block ids with per-sequence block tables.
+    """Block ids for per-sequence block tables, with reference counts and a prefix cache.
 
-    `capacity` (at most the pool's `num_blocks`) is how many blocks may be in use; it can be
-    lowered and raised between steps (`set_capacity`), so memory can move between the KV cache
-    and other tenants of a device budget. Lowered below what is in use, nothing is taken
-    away here: the scheduler preempts until `over_capacity` is 0.
+    A block is free (holds nothing), in use (in one or more tables: a block registered under
+    its hash can be attached to another table), or cached (registered, in no table: its K/V
+    kept for a later sequence with the same prefix).
+    `capacity` (at most the pool's `num_blocks`) bounds the blocks held, in use + cached; it
+    can be lowered and raised between steps (`set_capacity`), so memory can move between the
+    KV cache and other tenants of a device budget. Lowered, cached blocks are dropped first;
+    in-use blocks are never taken away here: the scheduler preempts until `over_capacity` is 0.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -45,15 +55,33 @@ class BlockAllocator:
         # Pop from the end: recently freed blocks are reused first (warm in cache).
         self._free = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
+        self._refs = [0] * num_blocks  # tables holding each block
+        self._hash_of: dict[int, int] = {}  # registered block -> its hash
+        self._by_hash: dict[int, int] = {}  # hash -> the one block registered under it
+        # Cached blocks (registered, in no table), least recently used first: taken, in that
+        # order, once the free list is spent or the capacity reached.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     def set_capacity(self, blocks: int) -> None:
         if not 0 <= blocks <= self.num_blocks:
             raise ValueError(f"KV capacity must be within [0, {self.num_blocks}] blocks, got {blocks}")
         self.capacity = blocks
+        self._evict_over_capacity()
 
     @property
     def num_used(self) -> int:
+        """Blocks in at least one table."""
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def num_held(self) -> int:
+        """Blocks holding K/V now, in use or cached (what device_kv_bytes counts)."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Cached blocks: registered, in no table, evicted least recently used first."""
+        return len(self._evictable)
 
     @property
     def over_capacity(self) -> int:
@@ -62,7 +90,7 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        """Blocks that may still be taken: within the capacity, not in use."""
+        """Blocks that may still be taken, free or cached, within the capacity."""
         return max(0, self.capacity - self.num_used)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -81,10 +109,20 @@ class BlockAllocator:
             raise MemoryError(f"KV cache full: {seq_id} needs {need} blocks, {self.num_free} free")
         table = self.tables.setdefault(seq_id, [])
         for _ in range(need):
-            table.append(self._free.pop())
+            table.append(self._take())
 
     def free(self, seq_id: str) -> None:
-        self._free.extend(reversed(self.tables.pop(seq_id, [])))
+        """Drop `seq_id`'s table. A block no other table holds is cached if registered (the
+        table's last block first in eviction order: a chain is useless without its head),
+        else free again."""
+        for block in reversed(self.tables.pop(seq_id, [])):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        self._evict_over_capacity()
 
     def tokens_fitting(self, seq_id: str, start: int) -> int:
         """How many tokens from position `start` on fit with the blocks held plus all free ones."""
@@ -94,6 +132,74 @@ class BlockAllocator:
     def slots(self, seq_id: str, start: int, length: int) -> list[int]:
         table, B = self.tables[seq_id], self.block_size
         return [table[p // B] * B + p % B for p in range(start, start + length)]
+
+    # -- the prefix cache ------------------------------------------------------------------
+    def lookup(self, hashes: Iterable[int]) -> list[int]:
+        """The registered blocks of the longest leading run of `hashes` (up to the first miss)."""
+        blocks = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_evictable(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` are cached in no table (attaching them lowers num_free by this)."""
+        return sum(b in self._evictable for b in blocks)
+
+    def attach(self, seq_id: str, blocks: list[int]) -> None:
+        """Start `seq_id`'s table with registered `blocks` (from lookup), shared, not copied."""
+        if seq_id in self.tables:
+            raise ValueError(f"{seq_id} already has blocks; a cached prefix starts a table")
+        unregistered = [b for b in blocks if b not in self._hash_of]
+        if unregistered:
+            raise ValueError(f"blocks {unregistered} are not in the prefix cache")
+        if self.num_evictable(blocks) > self.num_free:
+            raise MemoryError(f"KV cache full: {seq_id} cannot take back {len(blocks)} cached blocks")
+        for block in blocks:
+            self._evictable.pop(block, None)
+            self._refs[block] += 1
+        self.tables[seq_id] = list(blocks)
+
+    def register(self, seq_id: str, index: int, block_hash: int) -> None:
+        """Register block `index` of `seq_id`'s table (full, every position computed) under
+        `block_hash`. A hash already registered keeps its block; this one stays private."""
+        block = self.tables[seq_id][index]
+        if block not in self._hash_of and block_hash not in self._by_hash:
+            self._hash_of[block] = block_hash
+            self._by_hash[block_hash] = block
+
+    def ref_count(self, block: int) -> int:
+        """Tables holding `block`."""
+        return self._refs[block]
+
+    def registered_hash(self, block: int) -> int | None:
+        """The hash `block` is registered under; None when it is not in the prefix cache."""
+        return self._hash_of.get(block)
+
+    def _take(self) -> int:
+        if self.num_held < self.capacity:  # then the free list is not empty (capacity <= num_blocks)
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+        self._refs[block] = 1
+        return block
+
+    def _evict_over_capacity(self) -> None:
+        while self.num_held > self.capacity and self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            self._free.append(block)
+
+
+def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """The prefix-cache key of a full block: its tokens and the key of the block before it
+    (None for a sequence's first), so equal keys mean equal prefixes up to the block's end.
+    Python's hash of a tuple of ints is the same in every process (only str/bytes hashes are
+    salted); -1 stands for "no parent" because hash() never returns -1."""
+    return hash((-1 if parent is None else parent, tuple(token_ids)))
 
 
 class PagedKVCache:
@@ -116,6 +222,7 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
+        self.block_bytes = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -9,6 +9,11 @@ Policy (first come, first served), each step:
      then new ones from the waiting queue while `max_num_seqs` and the KV cache allow.
 A sequence's pending tokens are everything after `num_computed`, so a prompt chunk, a decode
 and the recompute of a preempted sequence are the same operation. Pure Python, no torch.
+
+Prefix caching (per sequence, `prefix_caching`): on admission a sequence starts from the
+longest run of its leading full blocks already in the allocator's prefix cache (always
+leaving one token to compute, whose logits give the next token), and after each step the
+engine calls `register_computed` so that blocks it filled can serve later sequences.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engines.base import EngineRequest
-from engines.runtime.kv_cache import BlockAllocator
+from engines.runtime.kv_cache import BlockAllocator, block_hash
 
 
 @dataclass(eq=False)
@@ -28,6 +33,15 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the cache
     state: object = None  # engine-owned per-sequence state (sampling generator, logits, ...)
     finish_reason: str | None = None
+    # Share full blocks through the prefix cache: register them, and start from cached ones on
+    # admission (unless the request wants prompt logits, which need every position computed).
+    prefix_caching: bool = False
+    prompt_started: bool = False  # a prompt chunk of it has run (the engine's `started`, once)
+    # Prefix-cache keys of its leading full blocks, hashed as needed (token ids never change,
+    # so they survive preemption), and how many leading blocks of its table were registered
+    # or attached from the cache.
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered: int = 0
 
     @property
     def id(self) -> str:
@@ -59,6 +73,7 @@ class Plan:
     decodes: list[Chunk] = field(default_factory=list)
     prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    cached_tokens: int = 0  # tokens of admitted sequences whose K/V came from the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +109,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: Plan) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.id)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_registered = 0
         plan.preempted.append(seq)
 
     def schedule(self) -> Plan:
@@ -121,13 +136,47 @@ class Scheduler:
             if seq.num_pending > 1 and budget > 0:
                 budget -= self._prefill(seq, budget, plan)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if alloc.tokens_fitting(seq.id, 0) < min(seq.num_pending, budget):
+            seq = self.waiting[0]  # no blocks, nothing computed (new, or preempted)
+            hit = self._cached_prefix(seq)
+            # Cached blocks nobody holds count as free until they are attached.
+            fitting = (alloc.num_free - alloc.num_evictable(hit)) * alloc.block_size
+            if fitting < min(seq.num_pending - len(hit) * alloc.block_size, budget):
                 break  # wait for blocks rather than admit a sliver of a prompt
             self.waiting.popleft()
             self.running.append(seq)
+            if hit:
+                alloc.attach(seq.id, hit)
+                seq.num_registered = len(hit)
+                seq.num_computed = len(hit) * alloc.block_size
+                plan.cached_tokens += seq.num_computed
             budget -= self._prefill(seq, budget, plan)
         return plan
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for `seq`'s leading full blocks, short of its last token (which is
+        computed for its logits); none when it does not read the prefix cache."""
+        if not seq.prefix_caching or seq.request.return_prompt_logits:
+            return []
+        return self.allocator.lookup(self._block_hashes(seq, (len(seq.token_ids) - 1) // self.allocator.block_size))
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The keys of `seq`'s first `num_blocks` full blocks, each hashed once."""
+        B, hashes = self.allocator.block_size, seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None, seq.token_ids[i * B : (i + 1) * B]))
+        return hashes[:num_blocks]
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are now full of computed tokens (prompt or
+        generated) in the prefix cache. Call after `num_computed` advanced."""
+        full = seq.num_computed // self.allocator.block_size
+        if not seq.prefix_caching or full <= seq.num_registered or seq.id not in self.allocator.tables:
+            return
+        hashes = self._block_hashes(seq, full)
+        for i in range(seq.num_registered, full):
+            self.allocator.register(seq.id, i, hashes[i])
+        seq.num_registered = full
 
     def _prefill(self, seq: Sequence, budget: int, plan: Plan) -> int:
         length = min(seq.num_pending, budget, self.allocator.tokens_fitting(seq.id, seq.num_computed))

@@ -113,6 +113,10 @@ def expected_summary(req: pd.DataFrame, steps: pd.DataFrame, slo: dict, model: d
         "experts_hit_per_step_mean": float(steps["experts_hit"].mean()) if len(steps) else None,
         "preemptions": int(steps["preempted"].sum()) if len(steps) else 0,
     }
+    cached = int(steps["cached_prompt_tokens"].sum()) if len(steps) else 0
+    computed = int(steps["prefill_tokens"].sum()) if len(steps) else 0
+    out["engine"]["cached_prompt_tokens"] = cached
+    out["engine"]["prefix_cache_hit_rate"] = cached / (cached + computed) if cached + computed else None
     # Efficiency of decode-only steps: bytes read = the weights the step says it read
     # (weight_bytes_read; without it, dense weights + experts hit x bytes per expert) + K/V of
     # every attended token; FLOPs = 2 x active parameters x decode tokens.
