@@ -118,6 +118,14 @@ class StepOutput:
     # Prompt tokens of sequences admitted in this step whose K/V came from the prefix cache
     # (not computed, so not in num_prefill_tokens).
     cached_prompt_tokens: int = 0
+    # Device memory in use after the step: dense + routed expert weights, and KV blocks held
+    # (by sequences and by the prefix cache). 0 when the engine cannot say.
+    device_weight_bytes: int = 0
+    device_kv_bytes: int = 0
+    # Engines with a host tier: seconds the host<->device link spent copying during the step,
+    # and seconds compute waited for copies; the rest of the link time overlapped compute.
+    copy_busy_s: float = 0.0
+    copy_stall_s: float = 0.0
     extras: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -136,6 +144,9 @@ class EngineInfo:
     weight_bytes: int = 0
     kv_cache_bytes: int = 0
     kv_capacity_tokens: int = 0
+    # The --budget the engine keeps dense weights + expert weights + KV blocks within; None
+    # when it was given none (it then uses what it needs, as before budgets existed).
+    device_budget_bytes: int | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
     # For efficiency metrics: dense_weight_bytes, bytes_per_expert, active_params_per_token,
     # kv_bytes_per_token (engines that know their model fill it).

@@ -24,11 +24,13 @@ from engines.base import (
 )
 from engines.device import dtype_name, resolve_device, resolve_dtype
 from engines.runtime.batch import SeqState, StepBatch, build_batch
+from engines.runtime.copies import CopyEngine, CopyStats
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
 from engines.runtime.executor import Executor, StepResult
 from engines.runtime.experts import ExpertBackend, ResidentBackend
 from engines.runtime.kv_cache import PagedKVCache
-from engines.runtime.memory import KVSizing, kv_cache_blocks
+from engines.runtime.memory import KVSizing, kv_blocks_in_budget, kv_cache_blocks
+from engines.sizes import format_size
 from engines.runtime.model import MoEModel
 from engines.runtime.sampling import make_generator
 from engines.runtime.scheduler import Plan, Scheduler, Sequence
@@ -49,6 +51,9 @@ class MoEEngineConfig:
     max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
     seed: int = 0  # seeds sampling for requests that give no seed
+    # Device memory for dense + expert weights + KV blocks together (--budget); None: no bound
+    # (the KV cache is sized by kv_cache_gb / kv_blocks / gpu_memory_utilization as before).
+    budget_bytes: int | None = None
     # Automatic prefix caching: full KV blocks are shared between sequences with the same
     # leading tokens and kept after a request ends while memory allows (vLLM's APC).
     prefix_caching: bool = True
@@ -78,6 +83,9 @@ class MoEEngine(Engine):
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.ledger = TransferLedger(self.device)
+        self.copies: CopyEngine | None = None  # engines with a host tier set it in build_experts
+        if cfg.budget_bytes is not None and (cfg.kv_cache_gb is not None or cfg.kv_blocks is not None):
+            raise EngineError("--budget sizes the KV cache from what the weights leave; drop kv_cache_gb / kv_blocks")
         self.checkpoint, self.weights, self.experts = self._load()
         mc = self.checkpoint.config
         self.kv = self._build_kv_cache()
@@ -94,6 +102,8 @@ class MoEEngine(Engine):
         self._started = True
 
     def stop(self) -> None:
+        if getattr(self, "copies", None) is not None:
+            self.copies.close()
         if self._started:
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
@@ -103,12 +113,13 @@ class MoEEngine(Engine):
     # -- hooks for engines that store or compute experts differently --------------------------
     def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
         """Open the folder and load its weights (the device, dtype and ledger are set)."""
-        checkpoint = open_checkpoint(self.config.model)
-        weights, dense_experts = load_weights(checkpoint, self.device, self.dtype, self.ledger)
-        return checkpoint, weights, self.build_experts(dense_experts)
+        self.checkpoint = open_checkpoint(self.config.model)
+        self.weights, dense_experts = load_weights(self.checkpoint, self.device, self.dtype, self.ledger)
+        return self.checkpoint, self.weights, self.build_experts(dense_experts)
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
-        """The ExpertBackend over the loaded full-precision experts (MoE layer -> DenseExperts)."""
+        """The ExpertBackend over the loaded full-precision experts (MoE layer -> DenseExperts).
+        self.checkpoint and self.weights (the dense weights) are set when it is called."""
         cfg = self.config
         if cfg.expert_bits is not None and cfg.expert_bits < 16:
             from engines.quant.rtn import fake_quantized  # noqa: PLC0415  (quantization only when asked)
@@ -116,15 +127,41 @@ class MoEEngine(Engine):
             return ResidentBackend(fake_quantized(dense, cfg.expert_bits, cfg.expert_group))
         return ResidentBackend(dense)
 
+    def _kv_block_bytes(self) -> int:
+        cfg, mc = self.config, self.checkpoint.config
+        return PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+
     def _build_kv_cache(self) -> PagedKVCache:
         cfg, mc = self.config, self.checkpoint.config
-        block_bytes = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        block_bytes = self._kv_block_bytes()
         sizing = KVSizing(cfg.block_size, cfg.kv_cache_gb, cfg.kv_blocks, cfg.gpu_memory_utilization,
                           cfg.max_num_seqs, cfg.max_model_len or mc.max_position_embeddings)
-        num_blocks = kv_cache_blocks(sizing, block_bytes, self.device)
+        if cfg.budget_bytes is None:
+            num_blocks = kv_cache_blocks(sizing, block_bytes, self.device)
+        else:
+            used = self.weights.nbytes() + self.experts.device_bytes()
+            self._check_budget(used + block_bytes)
+            num_blocks = kv_blocks_in_budget(sizing, block_bytes, cfg.budget_bytes - used)
         return PagedKVCache(
             mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
+
+    def budget_minimum(self) -> list[tuple[str, int]]:
+        """What the smallest --budget must hold for this engine and model, part by part."""
+        return [("dense weights", self.weights.nbytes()), ("every routed expert", self.experts.device_bytes()),
+                ("one KV block", self._kv_block_bytes())]
+
+    def _check_budget(self, needed: int) -> None:
+        budget = self.config.budget_bytes
+        if budget is not None and budget < needed:
+            parts = self.budget_minimum()
+            minimum = sum(n for _, n in parts)
+            raise EngineError(
+                f"--budget {format_size(budget)} is too small for engine {self.name} on this model: it needs at "
+                f"least {format_size(minimum)} ({minimum} bytes) = "
+                + " + ".join(f"{what} {format_size(n)}" for what, n in parts)
+                + (" (engine offload keeps experts on the host and needs less)" if self.name != "offload" else "")
+            )
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -142,6 +179,7 @@ class MoEEngine(Engine):
                 f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
                 f"({request.max_new_tokens}) = {total} tokens exceeds the limit of {limit} "
                 f"(max_model_len {self.max_model_len}, KV cache {self.kv_capacity_tokens} tokens)"
+                + ("; a larger --budget leaves more for the KV cache" if self.config.budget_bytes is not None else "")
             )
         if any(s.id == request.request_id for s in self.scheduler.running + list(self.scheduler.waiting)):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
@@ -198,8 +236,10 @@ class MoEEngine(Engine):
                      outputs: list[RequestOutput], started: tuple[str, ...]) -> StepOutput:
         counts = result.expert_counts if result is not None else {}
         chunks = batch.chunks if batch is not None else []
+        copied = self.copies.take_step() if self.copies is not None else CopyStats()
         moved = self.ledger.take_step()
         expert_stats = self.experts.step_stats()
+        bytes_read = expert_stats.pop("expert_bytes_read")
         return StepOutput(
             outputs=tuple(outputs),
             started=started,
@@ -211,11 +251,16 @@ class MoEEngine(Engine):
             num_preempted=len(plan.preempted),
             experts_hit=sum(n > 0 for layer_counts in counts.values() for n in layer_counts),
             context_tokens=sum(c.start + c.length for c in chunks),
-            weight_bytes_read=(self._dense_bytes_read + expert_stats["expert_bytes_read"]) if batch is not None else 0,
+            weight_bytes_read=(self._dense_bytes_read + bytes_read) if batch is not None else 0,
             h2d_bytes=moved.h2d_bytes,
             d2h_bytes=moved.d2h_bytes,
             h2d_transfers=moved.h2d_transfers,
             d2h_transfers=moved.d2h_transfers,
+            device_weight_bytes=self.weights.nbytes() + self.experts.device_bytes(),
+            device_kv_bytes=self.kv.allocator.num_held * self.kv.block_bytes,
+            copy_busy_s=copied.busy_s,
+            copy_stall_s=copied.stall_s,
+            extras=expert_stats,
         )
 
     def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> RequestOutput:
@@ -254,6 +299,7 @@ class MoEEngine(Engine):
             weight_bytes=self.weights.nbytes() + self.experts.device_bytes(),
             kv_cache_bytes=self.kv.nbytes(),
             kv_capacity_tokens=self.kv_capacity_tokens,
+            device_budget_bytes=self.config.budget_bytes,
             config=dataclasses.asdict(self.config),
             model_stats=self._model_stats(),
         )
@@ -277,6 +323,7 @@ class MoEEngine(Engine):
             "bytes_per_expert": self.experts.device_bytes() / max(1, sum(mc.moe_layers) * mc.num_experts),
             "active_params_per_token": dense_params + sum(mc.moe_layers) * mc.top_k * per_expert,
             "kv_bytes_per_token": PagedKVCache.bytes_per_block(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype),
+            **({"device_budget_bytes": self.config.budget_bytes} if self.config.budget_bytes is not None else {}),
         }
 
     def _check_started(self) -> None:

@@ -38,6 +38,10 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "engines.static_quant:StaticRTNEngine",
         "moe runtime, every routed expert round-to-nearest quantized (a quantized folder, or --set bits=N)",
     ),
+    "offload": (
+        "engines.offload:OffloadEngine",
+        "moe runtime, experts in host memory and a per-layer device cache sized from --budget (lru/lfu, prefetch)",
+    ),
     "dummy": (
         "engines.dummy:DummyEngine",
         "no model: deterministic tokens and a parametric latency model, for harness tests",
@@ -79,7 +83,18 @@ def engine_class(name: str) -> type[Engine]:
 def create_engine(name: str, options: Mapping[str, Any]) -> Engine:
     """Build (not start) engine `name` with options checked against its config dataclass."""
     cls = engine_class(name)
+    if options.get("budget_bytes") is not None and "budget_bytes" not in {f.name for f in dataclasses.fields(cls.config_cls)}:
+        takes = [n for n in _ENGINES if n != name and _takes_budget(n)]
+        raise EngineError(f"engine {name} does not manage device memory, so --budget does not apply to it; "
+                          f"engines that take a budget: {', '.join(takes)}")
     return cls(build_config(cls.config_cls, options, owner=f"engine {name!r}"))
+
+
+def _takes_budget(name: str) -> bool:
+    try:
+        return any(f.name == "budget_bytes" for f in dataclasses.fields(engine_class(name).config_cls))
+    except ImportError:
+        return False
 
 
 def build_config(config_cls: type, options: Mapping[str, Any], owner: str = "config") -> Any:
@@ -124,6 +139,10 @@ def _coerce(raw: Any, hint: Any, what: str) -> Any:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
+        if hint is int and what.endswith("_bytes'"):
+            from engines.sizes import parse_size  # noqa: PLC0415
+
+            return parse_size(raw, what)
         if hint in (int, float, str):
             return hint(raw)
     except ValueError:

@@ -201,6 +201,43 @@ def efficiency(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], pea
     return out
 
 
+def memory(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: Mapping[str, Any]) -> dict[str, Any]:
+    """Device memory against the budget, the expert cache, and the host<->device link.
+
+    Peak device memory is the largest device_weight_bytes + device_kv_bytes after any step.
+    The expert cache hit rate counts (layer, expert) uses found resident (x_expert_cache_hits)
+    against those copied in at need (x_expert_cache_misses). Achieved link bandwidth is the
+    bytes that crossed divided by the time the link spent copying (copy_busy_s); its peak is
+    the link model's (CPU) or `pwbench hw`'s measured host->device bandwidth (CUDA).
+    """
+    out: dict[str, Any] = {"budget_bytes": model.get("device_budget_bytes")}
+    if steps:
+        peak = max(steps, key=lambda s: s.get("device_weight_bytes", 0) + s.get("device_kv_bytes", 0))
+        out["peak_device_bytes"] = peak.get("device_weight_bytes", 0) + peak.get("device_kv_bytes", 0)
+        out["peak_kv_bytes"] = max(s.get("device_kv_bytes", 0) for s in steps)
+        if out["budget_bytes"]:
+            out["peak_share_of_budget"] = out["peak_device_bytes"] / out["budget_bytes"]
+    hits = sum(s.get("x_expert_cache_hits", 0) for s in steps)
+    misses = sum(s.get("x_expert_cache_misses", 0) for s in steps)
+    if hits + misses:
+        out.update(expert_cache_hits=hits, expert_cache_misses=misses, expert_cache_hit_rate=hits / (hits + misses))
+    issued = sum(s.get("x_prefetch_issued", 0) for s in steps)
+    if issued:
+        used = sum(s.get("x_prefetch_used", 0) for s in steps)
+        out.update(prefetch_issued=issued, prefetch_used=used, prefetch_accuracy=used / issued)
+    busy = sum(s.get("copy_busy_s", 0.0) for s in steps)
+    if busy:
+        stall = sum(s.get("copy_stall_s", 0.0) for s in steps)
+        moved = sum(s["h2d_bytes"] + s["d2h_bytes"] for s in steps)
+        out.update(copy_busy_s=busy, copy_stall_s=stall, copy_overlap_share=max(0.0, 1 - stall / busy),
+                   link_bytes_per_s=moved / busy)
+        link_peak = model.get("link_peak_bytes_per_s") or peaks.get("h2d_bytes_per_s")
+        if link_peak:
+            out["link_peak_bytes_per_s"] = link_peak
+            out["link_utilization"] = out["link_bytes_per_s"] / link_peak
+    return out
+
+
 def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Exact match per task over requests that carry one (answer vs output_text up to EOS)."""
     from workloads.demo.tasks import score  # noqa: PLC0415
@@ -223,5 +260,6 @@ def summarize(requests: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str
     out = summarize_requests(requests, slo)
     out["engine"] = summarize_steps(steps, out["output_tokens"])
     out["efficiency"] = efficiency(steps, model, peaks)
+    out["memory"] = memory(steps, model, peaks)
     out["accuracy"] = task_accuracy(requests)
     return out

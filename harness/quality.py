@@ -70,7 +70,9 @@ def compare(test: list[torch.Tensor], reference: list[torch.Tensor], prompts: li
 
 
 def measure_quality(engine: Engine, reference: Engine, count: int = 16, length: int = 256) -> Quality:
-    """Both engines started; the prompts fit both engines' max_model_len."""
+    """Both engines started; the prompts fit both engines' max_model_len and KV capacity."""
     info = engine.info()
-    prompts, source = quality_prompts(info.vocab_size, count, min(length, info.max_model_len - 1))
+    # Prompts fit the engine's model length and its KV cache (a small --budget leaves little).
+    fits = min(info.max_model_len, info.kv_capacity_tokens or info.max_model_len) - 1
+    prompts, source = quality_prompts(info.vocab_size, count, min(length, fits))
     return compare(prompt_logits(engine, prompts), prompt_logits(reference, prompts), prompts, source)

@@ -147,8 +147,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         # measured against the CPU, not the GPU NVML sees.
         peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
         summary = summarize(requests, records.steps, args.slo, info.model_stats, peaks)
-        summary["memory"] = {"weight_bytes": info.weight_bytes, "kv_cache_bytes": info.kv_cache_bytes,
-                             "kv_capacity_tokens": info.kv_capacity_tokens}
+        summary["memory"].update(weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes,
+                                 kv_capacity_tokens=info.kv_capacity_tokens)
         quality = _quality(args, engine, model, info) if records.status == "complete" else None
     finally:
         engine.stop()

@@ -45,8 +45,23 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     elif q:
         out.append(("quality vs fp32", q.get("skipped", "-")))
     m = s.get("memory", {})
-    if m:
-        out.append(("memory", f"weights {_fmt(m['weight_bytes'] / 2**20)} MiB, KV cache {_fmt(m['kv_cache_bytes'] / 2**20)} MiB"))
+    if "weight_bytes" in m:
+        out.append(("memory", f"weights {_fmt(m['weight_bytes'] / 2**20)} MiB, KV cache {_fmt(m['kv_cache_bytes'] / 2**20)} MiB "
+                              f"({_fmt(m.get('kv_capacity_tokens'))} tokens)"))
+    if m.get("budget_bytes") and "peak_device_bytes" in m:
+        out.append(("device budget", f"{_fmt(m['budget_bytes'] / 2**20, 2)} MiB, peak use {_fmt(m['peak_device_bytes'] / 2**20, 2)} MiB "
+                                     f"({_fmt(m['peak_share_of_budget'] * 100)}%)"))
+    if "expert_cache_hit_rate" in m:
+        prefetch = f", prefetch {m['prefetch_used']}/{m['prefetch_issued']} used" if "prefetch_issued" in m else ""
+        out.append(("expert cache", f"hit rate {_fmt(m['expert_cache_hit_rate'] * 100)}% "
+                                    f"({m['expert_cache_hits']:,} hits, {m['expert_cache_misses']:,} misses){prefetch}"))
+    if "link_bytes_per_s" in m:
+        peak = f" of {_fmt(m['link_peak_bytes_per_s'] / 1e9, 2)} GB/s peak" if m.get("link_peak_bytes_per_s") else ""
+        out.append(("link", f"{_fmt(m['link_bytes_per_s'] / 1e9, 2)} GB/s achieved{peak}, {_fmt(m['copy_busy_s'], 3)} s copying, "
+                            f"{_fmt(m['copy_overlap_share'] * 100)}% overlapped compute"))
+    if e.get("prefix_cache_hit_rate") is not None and e.get("cached_prompt_tokens"):
+        out.append(("prefix cache", f"{_fmt(e['prefix_cache_hit_rate'] * 100)}% of prompt tokens from cache "
+                                    f"({e['cached_prompt_tokens']:,} tokens)"))
     return out
 
 

@@ -64,19 +64,31 @@ def dense_mlp(x: Tensor, w: MLPWeights) -> Tensor:
     return swiglu(x, w.gate_up, w.down)
 
 
+def segments(d: Dispatch) -> dict[int, slice]:
+    """Expert -> its rows in the sorted assignments (experts with tokens only)."""
+    out, start = {}, 0
+    for e, n in enumerate(d.counts):
+        if n:
+            out[e] = slice(start, start + n)
+            start += n
+    return out
+
+
+def combine(x: Tensor, d: Dispatch, out: Tensor) -> Tensor:
+    """Per-assignment expert outputs [T*A, D] -> each token's routing-weighted sum [T, D].
+    Assignments are in ascending expert order, so each token's sum runs in the same order as
+    transformers' per-expert loop: identical float results, whatever order experts ran in."""
+    out *= d.weights[:, None]
+    return torch.zeros_like(x).index_add_(0, d.token_index, out)
+
+
 def grouped_swiglu(x: Tensor, d: Dispatch, experts: DenseExperts) -> Tensor:
     """Reference expert compute: x [T, D] -> sum over each token's experts of weight * expert(x)."""
     xs = x[d.token_index]
     out = torch.empty_like(xs)
-    start = 0
-    for e, n in enumerate(d.counts):
-        if n:
-            out[start : start + n] = swiglu(xs[start : start + n], experts.gate_up[e], experts.down[e])
-            start += n
-    out *= d.weights[:, None]
-    # Assignments are in ascending expert order, so each token's sum runs in the same order as
-    # transformers' per-expert loop: identical float results, not just close ones.
-    return torch.zeros_like(x).index_add_(0, d.token_index, out)
+    for e, rows in segments(d).items():
+        out[rows] = swiglu(xs[rows], experts.gate_up[e], experts.down[e])
+    return combine(x, d, out)
 
 
 class ExpertBackend(ABC):

@@ -30,6 +30,13 @@ class KVSizing:
     max_model_len: int  # the model's positions, capped by the engine's max_model_len option
 
 
+def kv_blocks_in_budget(sizing: KVSizing, block_bytes: int, kv_bytes: int) -> int:
+    """Blocks for the KV cache when a device budget leaves it `kv_bytes` (the caller checked
+    that one block fits); never more than max_num_seqs full-length sequences can use."""
+    most = sizing.max_num_seqs * -(-sizing.max_model_len // sizing.block_size)
+    return max(1, min(kv_bytes // block_bytes, most))
+
+
 def kv_cache_blocks(sizing: KVSizing, block_bytes: int, device: torch.device) -> int:
     """Blocks of `block_bytes` the KV cache gets on `device` (raises when not even one fits)."""
     if sizing.kv_cache_gb is not None:

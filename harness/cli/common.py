@@ -17,6 +17,10 @@ from workloads.base import WorkloadError
 USER_ERRORS: tuple[type[BaseException], ...] = (EngineError, WorkloadError, HarnessError)
 
 
+BUDGET_HELP = ("Device memory for dense weights + expert weights + KV blocks together, e.g. 6MiB, 40GB "
+               "(engines moe, static-*, offload; default: no bound).")
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)

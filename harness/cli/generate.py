@@ -10,7 +10,7 @@ import typer
 
 from engines.base import EngineError
 from harness.cli.apps import app
-from harness.cli.common import engine_for, user_errors
+from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 
 
 @app.command()
@@ -32,6 +32,7 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate exactly --max-new-tokens.")] = False,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16 (default: float32 on cpu, bf16 on cuda).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N (default: cuda if present).")] = None,
+    budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")
     ] = None,
@@ -54,7 +55,7 @@ def generate(
         top_k=top_k,
         seed=seed,
         ignore_eos=ignore_eos,
-        options={"device": device, "dtype": dtype, **parse_set_options(set_ or [])},
+        options={"device": device, "dtype": dtype, "budget_bytes": budget, **parse_set_options(set_ or [])},
     )
     results = run_generate(args)
     if as_json:

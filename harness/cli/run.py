@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from harness.cli.apps import app
-from harness.cli.common import engine_for, user_errors
+from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 
 
 @app.command("run")
@@ -23,7 +23,7 @@ def run(
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
     requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
     duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,
-    rate: Annotated[float | None, typer.Option(help="Open loop: mean requests per second.")] = None,
+    rate: Annotated[float | None, typer.Option(help="Open loop: mean requests per second; the first --requests N arrive over about N / rate seconds (session workloads: sessions start at the rate that makes their turns add up to it).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Closed loop: this many users.")] = None,
     time_scale: Annotated[float | None, typer.Option(help="Multiply trace times and think times (0.1 = 10x faster; default 1).")] = None,
     arrival: Annotated[str | None, typer.Option(help="trace | poisson | gamma | closed | offline (default: the workload's).")] = None,
@@ -42,6 +42,7 @@ def run(
     quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement against the float32 reference.")] = True,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
+    budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,

@@ -62,7 +62,8 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
     spec_options["trace_map"] = o.get("trace_map")
     spec_options = {k: v for k, v in spec_options.items() if v is not None}
     spec = WorkloadSpec(o["workload"], **spec_options)  # validates before the engine loads
-    engine_options = {"device": o["device"], "dtype": o["dtype"], **parse_set_options(o["set_"] or [])}
+    engine_options = {"device": o["device"], "dtype": o["dtype"], "budget_bytes": o.get("budget"),
+                      **parse_set_options(o["set_"] or [])}
     return RunArgs(
         workload=spec, given=frozenset(spec_options), engine=o["engine"], model=o["model"],
         engine_options={k: v for k, v in engine_options.items() if v is not None},

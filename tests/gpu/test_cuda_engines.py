@@ -89,3 +89,37 @@ def test_bytes_moved_are_the_weights_and_the_step_tensors(checkpoints):
         # Back to the host: one int64 id per sampled row, plus b's float32 logits row.
         assert s.d2h_bytes == 8 * rows + 4 * vocab * with_logits
         assert s.h2d_bytes > 0 and s.h2d_transfers >= 4  # token ids, positions, slots, logit rows
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_offload_on_cuda_copies_from_pinned_memory_and_matches_moe(arch, checkpoints):
+    """Experts in pinned host memory, copied on the copy stream: the same greedy tokens as `moe`
+    on the GPU in float32, and the expert bytes the ledger counts are misses x expert bytes."""
+    from engines.offload import OffloadConfig, OffloadEngine
+
+    folder = str(checkpoints(arch))
+    reqs = [EngineRequest(str(i), tuple(p), NEW, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    with MoEEngine(MoEEngineConfig(model=folder, device="cuda", dtype="float32")) as engine:
+        expected = run(engine, reqs)
+    for prefetch in (False, True):
+        engine = OffloadEngine(OffloadConfig(model=folder, device="cuda", dtype="float32", experts_per_layer=2,
+                                             prefetch=prefetch))
+        engine.start()
+        try:
+            backend = engine.experts
+            assert all(w.gate_up.is_pinned() for w in backend.host.values())
+            misses = issued = 0
+            for r in reqs:
+                engine.add_request(r)
+            got = {r.request_id: [] for r in reqs}
+            while engine.has_unfinished():
+                out = engine.step()
+                misses += out.extras["expert_cache_misses"]
+                issued += out.extras["prefetch_issued"]
+                for o in out.outputs:
+                    got[o.request_id] += o.new_token_ids
+            per_expert = engine.info().model_stats["bytes_per_expert"]
+            assert engine.ledger.total["h2d:experts"] == (misses + issued) * per_expert
+        finally:
+            engine.stop()
+        assert got == {k: v["tokens"] for k, v in expected.items()}

@@ -136,6 +136,29 @@ def expected_summary(req: pd.DataFrame, steps: pd.DataFrame, slo: dict, model: d
         if peaks.get("h2d_bytes_per_s") and steps["duration_s"].sum():
             eff["h2d_link_utilization"] = h2d / steps["duration_s"].sum() / peaks["h2d_bytes_per_s"]
     out["efficiency"] = eff
+    # Memory: the peak of weights + KV after a step against the budget; expert cache and link
+    # figures only where the engine reported them (x_ columns, copy time).
+    mem: dict = {"budget_bytes": model.get("device_budget_bytes")}
+    if len(steps):
+        used = steps["device_weight_bytes"] + steps["device_kv_bytes"]
+        mem["peak_device_bytes"] = int(used.max())
+        mem["peak_kv_bytes"] = int(steps["device_kv_bytes"].max())
+        if mem["budget_bytes"]:
+            mem["peak_share_of_budget"] = used.max() / mem["budget_bytes"]
+    if "x_expert_cache_hits" in steps:
+        hits, misses = int(steps["x_expert_cache_hits"].sum()), int(steps["x_expert_cache_misses"].sum())
+        mem.update(expert_cache_hits=hits, expert_cache_misses=misses, expert_cache_hit_rate=hits / (hits + misses))
+    if "x_prefetch_issued" in steps and steps["x_prefetch_issued"].sum():
+        issued, used_ = int(steps["x_prefetch_issued"].sum()), int(steps["x_prefetch_used"].sum())
+        mem.update(prefetch_issued=issued, prefetch_used=used_, prefetch_accuracy=used_ / issued)
+    if len(steps) and steps["copy_busy_s"].sum():
+        busy, stall = steps["copy_busy_s"].sum(), steps["copy_stall_s"].sum()
+        mem.update(copy_busy_s=busy, copy_stall_s=stall, copy_overlap_share=max(0.0, 1 - stall / busy),
+                   link_bytes_per_s=(h2d + d2h) / busy)
+        peak = model.get("link_peak_bytes_per_s") or peaks.get("h2d_bytes_per_s")
+        if peak:
+            mem.update(link_peak_bytes_per_s=peak, link_utilization=(h2d + d2h) / busy / peak)
+    out["memory"] = mem
     # Accuracy: the output decoded up to its first EOS, words compared with the answer.
     acc: dict = {}
     scored = req[req["task"].notna() & req["answer"].notna() & ~has_error] if "task" in req else req.iloc[:0]
@@ -178,7 +201,7 @@ def check_summary(folder: Path, tokenizer=None, eos: set[int] | None = None) -> 
     steps = pd.read_parquet(folder / "steps.parquet")
     expected = expected_summary(req, steps, run["config"]["slo"], run["engine"]["model_stats"],
                                 run["environment"]["peaks"], eos, tokenizer)
-    expected["memory"] = {k: run["engine"][k] for k in ("weight_bytes", "kv_cache_bytes", "kv_capacity_tokens")}
+    expected["memory"].update({k: run["engine"][k] for k in ("weight_bytes", "kv_cache_bytes", "kv_capacity_tokens")})
     assert_same(run["summary"], expected)
     return run, expected
 
@@ -270,6 +293,32 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
         "active_params_per_token": dense + L * k * per_expert,
         "kv_bytes_per_token": L * 2 * cfg["num_key_value_heads"] * head_dim * 4,
     })
+
+
+def test_offload_run_under_a_budget_summary_recomputes(tmp_path):
+    """`--engine offload --budget` with the link model on: the memory section (peak against the
+    budget, expert cache, link) recomputes from steps.parquet, and no step exceeded the budget."""
+    out = tmp_path / "run"
+    budget = 2_300_000
+    proc = pwbench("run", "--workload", "rag_long", "--requests", "4", "--rate", "20", "--engine", "offload",
+                   "--budget", str(budget), "--set", "experts_per_layer=2", "--set", "prefetch=true",
+                   "--set", "link_gbps=1", "--warmup", "0", "--no-quality", "--output", str(out), "--quiet",
+                   env=cli_env(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    from tokenizers import Tokenizer
+
+    from engines.demo import demo_model_path
+
+    model = demo_model_path()
+    eos = {json.loads((model / "config.json").read_text())["eos_token_id"]}
+    run, _ = check_summary(out, tokenizer=Tokenizer.from_file(str(model / "tokenizer.json")), eos=eos)
+    m = run["summary"]["memory"]
+    assert run["engine"]["device_budget_bytes"] == budget == m["budget_bytes"]
+    assert 0 < m["peak_device_bytes"] <= budget
+    assert m["expert_cache_misses"] > 0 and m["link_peak_bytes_per_s"] == 1e9
+    assert m["link_bytes_per_s"] == pytest.approx(1e9)  # the modelled link moves at its bandwidth
+    steps = pd.read_parquet(out / "steps.parquet")
+    assert ((steps["device_weight_bytes"] + steps["device_kv_bytes"]) <= budget).all()
 
 
 def test_output_text_is_cut_at_the_first_eos():

@@ -104,7 +104,7 @@ def test_token_ids_outside_vocabulary(engine, checkpoints):
     "args, fragment",
     [
         (["--prompt-ids", "1,x"], "comma-separated integers"),
-        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, hf, moe, static-awq"),
+        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, hf, moe, offload, static-awq"),
         (["--prompt-ids", "1", "--set", "block_size"], "key=value"),
         (["--prompt-ids", "1", "--set", "blocksize=4"], "valid options:"),
         (["--prompt-ids", "1", "--set", "block_size=four"], "expects int"),
@@ -117,3 +117,21 @@ def test_token_ids_outside_vocabulary(engine, checkpoints):
 )
 def test_bad_options(args, fragment, checkpoints):
     assert_user_error(pwbench("generate", "--model", str(checkpoints("mixtral")), *args), fragment)
+
+
+DEMO = "engines/demo_model"
+
+
+@pytest.mark.parametrize("engine, budget, fragments", [
+    ("offload", "1MiB", ("too small for engine offload", "at least 1.13 MiB (1180672 bytes)", "one expert per MoE layer",
+                         "one KV block")),
+    ("moe", "1.5MiB", ("too small for engine moe", "every routed expert", "engine offload keeps experts on the host")),
+    ("hf", "1GiB", ("engine hf does not manage device memory", "offload")),
+    ("moe", "6Mx", ("cannot read '6Mx' as a size", "6MiB")),
+    ("offload", None, ("engine offload needs a device budget (--budget SIZE)",)),
+])
+def test_bad_budgets(engine, budget, fragments):
+    """Too small (the minimum stated, part by part), not a size, an engine that has no budget,
+    offload without one: one line each. 1180672 = dense 967,680 + 2 x 98,304 + 16,384 bytes."""
+    args = ["generate", "--model", DEMO, "--prompt-ids", "5,6,7", "--engine", engine]
+    assert_user_error(pwbench(*args, *(["--budget", budget] if budget else [])), *fragments)

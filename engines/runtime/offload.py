@@ -1,0 +1,209 @@
+"""Routed experts in the host tier, a device cache of expert slots per layer: `OffloadBackend`.
+
+Every expert's full-precision master lives in the host tier (pinned on CUDA). Each MoE layer
+has `slots` device buffers, each able to hold one expert; `ExpertCache` maps experts to slots
+and picks victims by policy (`lru`: least recently used; `lfu`: fewest uses, ties to the
+least recent). A layer's forward:
+
+1. issues a copy for every expert the router picked that is not resident, into a free slot or
+   a victim's (never a slot whose expert this layer still has to run);
+2. with `prefetch`, predicts the next MoE layer's experts by running that layer's router on
+   this layer's normalized hidden states and issues their copies too (the copy runs while
+   this layer computes);
+3. runs resident experts first, then each missing one as its copy lands; when slots ran out,
+   the slot of an expert already run takes the next missing one.
+
+Every decision (hit, miss, victim, prefetch) is made on the calling thread from the routing
+alone, so the bytes and transfers are deterministic for a schedule; only the copies' timing
+is the link's. Results are bit-identical to the resident backend: each expert runs the same
+SwiGLU on the same rows and `combine` sums them in expert order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engines.runtime.copies import CopyEngine, CopyHandle
+from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+from engines.runtime.weights import DenseExperts
+
+POLICIES = ("lru", "lfu")
+
+# (layer, hidden states [T, D] at that layer's MoE input) -> the next MoE layer and the
+# experts predicted for it, most likely first; None when there is no next MoE layer.
+Predictor = Callable[[int, Tensor], "tuple[int, list[int]] | None"]
+
+
+class ExpertCache:
+    """Which expert holds which of one layer's device slots, and who leaves next."""
+
+    def __init__(self, num_slots: int, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.slot_of: dict[int, int] = {}
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.last_use: dict[int, int] = {}
+        self.uses: Counter[int] = Counter()
+        self.loading: dict[int, CopyHandle] = {}  # copies issued, not yet waited for
+        self.prefetched: set[int] = set()  # loaded by the previous layer's prediction
+
+    def touch(self, expert: int, tick: int) -> None:
+        self.last_use[expert] = tick
+        self.uses[expert] += 1
+
+    def victim(self, keep: set[int]) -> int | None:
+        """The resident expert to evict (none of `keep`), or None when every one is kept."""
+        candidates = [e for e in self.slot_of if e not in keep]
+        if not candidates:
+            return None
+        if self.policy == "lfu":
+            return min(candidates, key=lambda e: (self.uses[e], self.last_use.get(e, -1), e))
+        return min(candidates, key=lambda e: (self.last_use.get(e, -1), e))
+
+    def place(self, expert: int, keep: set[int]) -> tuple[int, int | None] | None:
+        """A slot for `expert`: (slot, evicted expert or None), or None when none can be freed."""
+        if self.free:
+            slot, evicted = self.free.pop(), None
+        else:
+            evicted = self.victim(keep)
+            if evicted is None:
+                return None
+            slot = self.slot_of.pop(evicted)
+            self.loading.pop(evicted, None)
+            self.prefetched.discard(evicted)
+        self.slot_of[expert] = slot
+        return slot, evicted
+
+
+class OffloadBackend(ExpertBackend):
+    """Experts in the host tier, `slots` device slots per MoE layer (see the module docstring)."""
+
+    def __init__(self, experts: dict[int, DenseExperts], slots: int, copies: CopyEngine, device: torch.device,
+                 policy: str = "lru", predictor: Predictor | None = None) -> None:
+        super().__init__()
+        if slots < 1:
+            raise ValueError(f"need at least one expert slot per layer, got {slots}")
+        self.copies, self.predictor = copies, predictor
+        self.host: dict[int, DenseExperts] = {}
+        self.gate_up: dict[int, Tensor] = {}
+        self.down: dict[int, Tensor] = {}
+        self.caches: dict[int, ExpertCache] = {}
+        for i, w in experts.items():
+            k = min(slots, w.num_experts)
+            self.host[i] = DenseExperts(copies.host(w.gate_up), copies.host(w.down))
+            self.gate_up[i] = torch.zeros((k, *w.gate_up.shape[1:]), dtype=w.gate_up.dtype, device=device)
+            self.down[i] = torch.zeros((k, *w.down.shape[1:]), dtype=w.down.dtype, device=device)
+            self.caches[i] = ExpertCache(k, policy)
+        self._bytes = {i: w.expert_nbytes(0) for i, w in experts.items()}
+        self._tick = 0
+
+    # -- ExpertBackend ---------------------------------------------------------------------------
+    def layers(self) -> list[int]:
+        return sorted(self.host)
+
+    def num_experts(self, layer: int) -> int:
+        return self.host[layer].num_experts
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return self._bytes[layer]
+
+    def device_bytes(self) -> int:
+        """The slots' buffers (allocated once, full or not)."""
+        return sum(t.numel() * t.element_size() for t in (*self.gate_up.values(), *self.down.values()))
+
+    def slots(self, layer: int) -> int:
+        return self.gate_up[layer].shape[0]
+
+    def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
+        self._count(layer, d)
+        self._tick += 1
+        cache, rows = self.caches[layer], segments(d)
+        needed = list(rows)
+        self._stats["prefetch_used"] += len(cache.prefetched.intersection(needed))
+        cache.prefetched.clear()
+        self._stats["expert_cache_hits"] += sum(e in cache.slot_of for e in needed)
+        missing = [e for e in needed if e not in cache.slot_of]
+        self._stats["expert_cache_misses"] += len(missing)
+        pending = set(needed)
+        queue = self._fetch(layer, missing, pending)
+        if self.predictor is not None:
+            self._prefetch(layer, x)
+        xs = x[d.token_index]
+        out = torch.empty_like(xs)
+        order = [e for e in needed if e not in missing] + missing
+        for e in order:
+            if e not in cache.slot_of:  # slots ran out at issue: one has been freed since
+                queue = self._fetch(layer, queue, pending)
+            handle = cache.loading.pop(e, None)
+            if handle is not None:
+                handle.wait()
+            slot = cache.slot_of[e]
+            out[rows[e]] = swiglu(xs[rows[e]], self.gate_up[layer][slot], self.down[layer][slot])
+            cache.touch(e, self._tick)
+            pending.discard(e)
+        return combine(x, d, out)
+
+    def step_stats(self) -> dict[str, int]:
+        stats = dict(self._stats)
+        out = super().step_stats()
+        for key in ("expert_cache_hits", "expert_cache_misses", "prefetch_issued", "prefetch_used"):
+            out[key] = stats.get(key, 0)
+        return out
+
+    # -- copies ----------------------------------------------------------------------------------
+    def _fetch(self, layer: int, experts: list[int], keep: set[int]) -> list[int]:
+        """Issue copies for `experts` in order while slots can be had; returns the rest."""
+        for n, e in enumerate(experts):
+            if not self._load(layer, e, keep):
+                return experts[n:]
+        return []
+
+    def _load(self, layer: int, expert: int, keep: set[int]) -> bool:
+        cache = self.caches[layer]
+        placed = cache.place(expert, keep)
+        if placed is None:
+            return False
+        slot, _ = placed
+        host = self.host[layer]
+        cache.loading[expert] = self.copies.h2d(
+            [(self.gate_up[layer][slot], host.gate_up[expert]), (self.down[layer][slot], host.down[expert])],
+            tag="experts",
+        )
+        return True
+
+    def _prefetch(self, layer: int, x: Tensor) -> None:
+        guess = self.predictor(layer, x)
+        if guess is None:
+            return
+        nxt, experts = guess
+        cache = self.caches[nxt]
+        want = experts[: self.slots(nxt)]
+        keep = set(want)
+        for e in want:
+            if e not in cache.slot_of and self._load(nxt, e, keep):
+                self._stats["prefetch_issued"] += 1
+                cache.prefetched.add(e)
+
+
+def next_layer_router(routers: dict[int, Tensor], top_k: int) -> Predictor:
+    """Predict the next MoE layer's experts by applying its router to this layer's normalized
+    hidden states (the residual stream changes little between adjacent layers): experts ranked
+    by how many tokens would pick them in their top-k, most first."""
+    layers = sorted(routers)
+    following = dict(zip(layers, layers[1:]))
+
+    def predict(layer: int, h: Tensor) -> tuple[int, list[int]] | None:
+        nxt = following.get(layer)
+        if nxt is None:
+            return None
+        ids = torch.topk(F.linear(h, routers[nxt]), top_k, dim=-1).indices
+        counts = torch.bincount(ids.flatten(), minlength=routers[nxt].shape[0]).tolist()
+        return nxt, [e for e in sorted(range(len(counts)), key=lambda e: (-counts[e], e)) if counts[e]]
+
+    return predict
