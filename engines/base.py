@@ -169,6 +169,10 @@ class Engine(ABC):
     prompt_logits: ClassVar[bool] = False  # returns teacher-forced prompt logits (quality, lm-eval)
     # Run on the CPU in float32 with no other option, this engine *is* the quality reference.
     float32_reference: ClassVar[bool] = False
+    # Calibrates at start on prompts of the tasks the model serves (its config's `calib_file`,
+    # a JSON list of token-id lists). Engines do not read workloads, so the harness writes the
+    # file (harness/calibration.py: create_calibrated) when the option is not given.
+    needs_calibration: ClassVar[bool] = False
 
     @abstractmethod
     def start(self) -> None: ...
@@ -192,6 +196,13 @@ class Engine(ABC):
 
     @abstractmethod
     def stop(self) -> None: ...
+
+    def tables(self) -> Mapping[str, list[dict[str, Any]]]:
+        """Engine-specific result tables, written as `<name>.parquet` beside steps.parquet
+        (rows of plain values; e.g. a per-expert series at a lower rate than steps). Asked
+        once, after the measured run; rows may carry an `engine_step` that steps' extras
+        carry too (x_engine_step), so the two join. Default: none."""
+        return {}
 
     def __enter__(self) -> Engine:
         self.start()

@@ -42,6 +42,10 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "engines.offload:OffloadEngine",
         "moe runtime, experts in host memory and a per-layer device cache sized from --budget (lru/lfu, prefetch)",
     ),
+    "pagedweight": (
+        "engines.pagedweight:PagedWeightEngine",
+        "moe runtime, experts paged at bit widths (16/8/4/3/2) chosen per step against KV demand in --budget",
+    ),
     "dummy": (
         "engines.dummy:DummyEngine",
         "no model: deterministic tokens and a parametric latency model, for harness tests",

@@ -2,6 +2,11 @@
 and the quality tests calibrate on): one random window of at most `max_len` tokens from each
 of `samples` full-length, seeded prompts. RAG prompts open with the system prompt and passages
 they share, so their heads repeat; windows at random offsets avoid fitting those few sequences.
+
+`create_calibrated` builds an engine that calibrates at start (Engine.needs_calibration): for
+a demo-language model it writes the task mix (RAG and chat prompts, whose questions include
+closed-book ones) to a cached JSON file and passes it as `calib_file`; for other models the
+engine's own seeded random-token prompts stand.
 """
 
 from __future__ import annotations
@@ -38,3 +43,42 @@ def calibration_prompts(model: str, workload: str, samples: int, seed: int, max_
         start = rng.randrange(len(r.prompt_ids) - length + 1) if len(r.prompt_ids) > length else 0
         windows.append(list(r.prompt_ids[start : start + length]))
     return windows
+
+
+CALIBRATION_MIX = (("rag_long", 12), ("long_chat", 12))  # workload, prompts
+
+
+def create_calibrated(name: str, options: dict):
+    """create_engine(name, options), with `calib_file` filled in for an engine that calibrates
+    at start on a demo-language model when the caller gave none."""
+    import hashlib  # noqa: PLC0415
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from engines.base import EngineInfo  # noqa: PLC0415
+    from engines.registry import create_engine, engine_class  # noqa: PLC0415
+    from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
+    from harness.run import uses_demo_language  # noqa: PLC0415
+
+    cls = engine_class(name)
+    model = options.get("model")
+    if not cls.needs_calibration or options.get("calib_file") or model is None:
+        return create_engine(name, options)
+    cfg = open_checkpoint(model).config
+    info = EngineInfo(name=name, model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
+                      vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
+    if not uses_demo_language(model, info):
+        return create_engine(name, options)
+    seed = int(options.get("seed", 0) or 0)
+    key = hashlib.sha256(json.dumps([str(Path(model).resolve()), CALIBRATION_MIX, seed]).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("PWBENCH_CACHE") or Path.home() / ".cache" / "pwbench") / "calibration"
+    path = root / f"demo-mix-{key}.json"
+    if not path.is_file():
+        prompts = [p for workload, n in CALIBRATION_MIX
+                   for p in calibration_prompts(model, workload, n, seed, cfg.max_position_embeddings)]
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(prompts))
+        tmp.replace(path)
+    return create_engine(name, {**options, "calib_file": str(path)})

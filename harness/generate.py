@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import EngineError, EngineRequest, SamplingParams
-from engines.registry import create_engine
+from harness.calibration import create_calibrated
 from engines.tokenizer import load_tokenizer
 from harness.offline import run_offline
 
@@ -53,7 +53,7 @@ def run_generate(args: GenerateArgs) -> list[dict[str, Any]]:
     if args.max_new_tokens < 1:
         raise EngineError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = {k: v for k, v in args.options.items() if v is not None}
-    engine = create_engine(args.engine, {"model": args.model, **options})
+    engine = create_calibrated(args.engine, {"model": args.model, **options})
     engine.start()
     try:
         done = run_offline(engine, [

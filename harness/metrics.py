@@ -238,6 +238,25 @@ def memory(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: 
     return out
 
 
+def expert_precision(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Bit widths of resident experts over the run (engines that change them, x_ columns):
+    mean bits after each step (its mean, min, max, first and last), promotions, demotions
+    and the bytes their page moves took, quality-feedback checks, the largest relative
+    error they measured, and fallbacks (experts pinned to higher precision)."""
+    series = [s["x_mean_bits"] for s in steps if s.get("x_mean_bits") is not None]
+    if not series:
+        return {}
+    total = (lambda key: sum(s.get(key, 0) for s in steps))
+    errors = [s["x_feedback_error_max"] for s in steps if s.get("x_feedback_error_max")]
+    return {
+        "mean_bits": sum(series) / len(series), "min_bits": min(series), "max_bits": max(series),
+        "first_bits": series[0], "last_bits": series[-1],
+        "promotions": total("x_promotions"), "demotions": total("x_demotions"), "move_bytes": total("x_move_bytes"),
+        "feedback_checks": total("x_feedback_checks"), "feedback_error_max": max(errors) if errors else None,
+        "fallbacks": total("x_fallbacks"),
+    }
+
+
 def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Exact match per task over requests that carry one (answer vs output_text up to EOS)."""
     from workloads.demo.tasks import score  # noqa: PLC0415
@@ -261,5 +280,7 @@ def summarize(requests: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str
     out["engine"] = summarize_steps(steps, out["output_tokens"])
     out["efficiency"] = efficiency(steps, model, peaks)
     out["memory"] = memory(steps, model, peaks)
+    if precision := expert_precision(steps):
+        out["expert_precision"] = precision
     out["accuracy"] = task_accuracy(requests)
     return out

@@ -5,6 +5,7 @@
                      requests.parquet   one row per request: timestamps, lengths, outputs
                      steps.parquet      one row per engine step
                      telemetry.parquet  the sampler series
+                     <name>.parquet     tables the engine adds (Engine.tables(), e.g. expert_bits)
 Everything is written into a hidden sibling folder first and renamed into place at the end,
 run.json last, so a crash never leaves a folder that looks complete.
 """
@@ -35,16 +36,26 @@ def check_output(target: Path) -> None:
         raise HarnessError(f"output folder {target} already exists and is not empty; choose another --output")
 
 
-def write_run(target: Path, run: dict[str, Any], requests: list[dict], steps: list[dict], telemetry: list[dict]) -> Path:
+_TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,40}")
+_OWN_TABLES = ("requests", "steps", "telemetry", "run")
+
+
+def write_run(target: Path, run: dict[str, Any], requests: list[dict], steps: list[dict], telemetry: list[dict],
+              tables: dict[str, list[dict]] | None = None) -> Path:
+    """`tables`: the engine's own result tables (Engine.tables()), one `<name>.parquet` each."""
     import pandas as pd  # noqa: PLC0415
 
+    tables = tables or {}
+    bad = [n for n in tables if not _TABLE_NAME.fullmatch(n) or n in _OWN_TABLES]
+    if bad:
+        raise HarnessError(f"engine table names {bad} are not allowed (lowercase identifiers, not {_OWN_TABLES})")
     check_output(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        for name, rows in (("requests", requests), ("steps", steps), ("telemetry", telemetry)):
+        for name, rows in (("requests", requests), ("steps", steps), ("telemetry", telemetry), *tables.items()):
             pd.DataFrame(rows).to_parquet(tmp / f"{name}.parquet", index=False)
         (tmp / "run.json").write_text(json.dumps(_clean(run), indent=1) + "\n")
         if target.exists():

@@ -17,6 +17,7 @@ from typing import Any
 
 from engines.base import Engine, EngineInfo
 from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class
+from harness.calibration import create_calibrated
 from harness.metrics import DEFAULT_SLO, summarize
 from harness.offline import cut_at_eos
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
@@ -124,7 +125,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
     run_id = new_run_id(args.workload.name, args.engine)
     folder = Path(args.output) if args.output else Path(args.results_dir) / run_id
     check_output(folder)
-    engine = create_engine(args.engine, {"model": model, **args.engine_options})
+    engine = create_calibrated(args.engine, {"model": model, **args.engine_options})
     engine.start()
     try:
         info = engine.info()
@@ -142,6 +143,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
             records = runner.run()
         finally:
             sampler.stop()
+        tables = dict(engine.tables())
         requests = _request_rows(records, model)
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
@@ -171,7 +173,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "summary": summary,
         "quality": quality,
     }
-    write_run(folder, run, requests, records.steps, sampler.samples)
+    write_run(folder, run, requests, records.steps, sampler.samples, tables)
     return folder, run
 
 

@@ -59,6 +59,13 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         peak = f" of {_fmt(m['link_peak_bytes_per_s'] / 1e9, 2)} GB/s peak" if m.get("link_peak_bytes_per_s") else ""
         out.append(("link", f"{_fmt(m['link_bytes_per_s'] / 1e9, 2)} GB/s achieved{peak}, {_fmt(m['copy_busy_s'], 3)} s copying, "
                             f"{_fmt(m['copy_overlap_share'] * 100)}% overlapped compute"))
+    p = s.get("expert_precision")
+    if p:
+        out.append(("expert bits", f"mean {_fmt(p['mean_bits'], 2)} (min {_fmt(p['min_bits'], 2)}, max {_fmt(p['max_bits'], 2)}, "
+                                   f"last {_fmt(p['last_bits'], 2)}), {p['promotions']:,} promotions, {p['demotions']:,} demotions, "
+                                   f"{_fmt(p['move_bytes'] / 2**20, 2)} MiB moved"))
+        out.append(("quality feedback", f"{p['feedback_checks']:,} checks, max relative error "
+                                        f"{_fmt(p['feedback_error_max'], 4)}, {p['fallbacks']} fallbacks"))
     if e.get("prefix_cache_hit_rate") is not None and e.get("cached_prompt_tokens"):
         out.append(("prefix cache", f"{_fmt(e['prefix_cache_hit_rate'] * 100)}% of prompt tokens from cache "
                                     f"({e['cached_prompt_tokens']:,} tokens)"))

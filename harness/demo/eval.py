@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import EngineRequest
-from engines.registry import create_engine
+from harness.calibration import create_calibrated
 from harness.offline import cut_at_eos, run_offline
 from workloads.demo.language import BOS_ID, EOS_ID, demo_language
 from workloads.demo.tasks import Sample, closed_book, copy_task, make_sample, score
@@ -71,7 +71,7 @@ def evaluate(model: str, engine_name: str = "moe", spec: EvalSpec = EvalSpec(), 
     options = dict(options or {})
     if expert_bits is not None:  # RTN-rounded experts: the moe engine's fake-quantization backend
         options.update(expert_bits=expert_bits, expert_group=expert_group or 0)
-    engine = create_engine(engine_name, {"model": model, **options})
+    engine = create_calibrated(engine_name, {"model": model, **options})
     engine.start()
     try:
         accuracy, counts, examples = {}, {}, {}
@@ -88,7 +88,7 @@ def evaluate(model: str, engine_name: str = "moe", spec: EvalSpec = EvalSpec(), 
 def context_curve(model: str, lengths: list[int], spec: EvalSpec = EvalSpec(), engine_name: str = "moe",
                   options: dict | None = None) -> dict[str, dict[int, float]]:
     """Recall accuracy at each context length (±10%), facts scaling with length."""
-    engine = create_engine(engine_name, {"model": model, **(options or {})})
+    engine = create_calibrated(engine_name, {"model": model, **(options or {})})
     engine.start()
     try:
         curve: dict[str, dict[int, float]] = {}

@@ -16,7 +16,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from engines.base import EngineError, EngineRequest, SamplingParams
-from engines.registry import create_engine
+from harness.calibration import create_calibrated
 from engines.tokenizer import load_tokenizer
 from harness.offline import cut_at_eos, run_offline
 
@@ -35,7 +35,7 @@ class PwbenchLM(LM):
         if self.tokenizer is None:
             raise EngineError(f"lm-eval needs text: {model} has no tokenizer.json")
         self.max_gen_toks = int(max_gen_toks)
-        self.engine = create_engine(engine, {"model": model, **options})
+        self.engine = create_calibrated(engine, {"model": model, **options})
         self.engine.start()
         info = self.engine.info()
         self.max_len, self.eos_ids = info.max_model_len, set(info.eos_token_ids)

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # package folder -> module prefixes its files must not import
 RULES = {
-    "engines/runtime": ("engines.quant", "harness", "workloads", "reports"),
+    "engines/runtime": ("engines.quant", "engines.paged", "harness", "workloads", "reports"),
     "engines": ("harness", "workloads", "reports"),
     "workloads": ("engines", "harness", "reports"),
     # reports read result files: harness.results / harness.metrics and nothing that runs engines

@@ -1,0 +1,242 @@
+"""PagedWeightBackend: every routed expert on the device at a bit width that changes while serving.
+
+Each (layer, expert) has a store in the host tier (engines/paged/formats.py) that names the
+parts a version at b bits is made of: for bit-planes the top b planes plus the shared scales
+and zeros, for re-quantize that width's own codes, at 16 bits the full-precision master. The
+device holds one committed `Held` per expert (its parts' device buffers) or nothing (bits 0).
+
+Changing an expert's width is a *move*: the parts the target has and the held version lacks
+are copied host->device into new buffers (through the CopyEngine: counted, asynchronous);
+parts the target does not use are dropped. So a bit-plane demotion copies nothing and frees
+the trailing planes, a promotion copies only the missing planes, and a re-quantize change
+copies the whole new version. A promotion becomes visible only at a step boundary, after
+its copies landed (`commit`): a step never reads buffers a copy is writing, and the held
+version is never written in place. A demotion needs no copy for bit-planes and is applied at
+once; one that copies (re-quantize, or down from the 16-bit master, which shares no part with
+the quantized versions) is waited for before the step: the memory it frees is needed now.
+
+A layer's forward groups the experts that ran by committed width and computes each group in
+one call (`store.group_forward`), writes each assignment's output row, and sums rows with
+routing weights in expert order (`combine`), so a layer held entirely at 16 bits gives
+exactly the resident backend's result. Every few steps the quality feedback recomputes a
+sampled share of quantized rows with the host master and reports relative errors (the
+engine turns them into sensitivity updates and fallbacks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from engines.paged.importance import Importance, Key
+from engines.runtime.copies import CopyEngine, CopyHandle
+from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+
+
+@dataclass
+class Held:
+    """What the device holds for one expert: a version's parts, never written once committed."""
+
+    bits: int
+    parts: dict[str, Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+
+@dataclass
+class Move:
+    key: Key
+    from_bits: int
+    to_bits: int
+    held: Held  # the new version (parts reused from the old one plus new buffers)
+    handle: CopyHandle | None
+    nbytes: int  # bytes copied host->device
+
+
+@dataclass
+class FeedbackSample:
+    """Relative errors measured by one feedback pass (per layer and per expert)."""
+
+    layer_error: dict[int, float] = field(default_factory=dict)
+    expert_error: dict[Key, tuple[int, float]] = field(default_factory=dict)  # key -> (bits, error)
+    rows: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+class PagedWeightBackend(ExpertBackend):
+    def __init__(self, stores: Mapping[Key, object], copies: CopyEngine, device: torch.device,
+                 importance: Importance, feedback_share: float = 0.0, seed: int = 0) -> None:
+        super().__init__()
+        self.stores = dict(stores)
+        self.copies, self.device, self.importance = copies, device, importance
+        self.held: dict[Key, Held] = {}
+        self.pending: list[Move] = []
+        self.feedback_share = feedback_share
+        self.seed = seed
+        self.step_index = 0
+        self.feedback_due = False
+        self.feedback = FeedbackSample()
+        self._layers = sorted({layer for layer, _ in self.stores})
+        self._num = {i: sum(1 for layer, _ in self.stores if layer == i) for i in self._layers}
+
+    # -- ExpertBackend -----------------------------------------------------------------------------
+    def layers(self) -> list[int]:
+        return self._layers
+
+    def num_experts(self, layer: int) -> int:
+        return self._num[layer]
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        held = self.held.get((layer, expert))
+        return held.nbytes if held is not None else 0
+
+    def device_bytes(self) -> int:
+        """Committed versions plus the buffers of moves in flight (what the device holds now)."""
+        held = {id(t): t for h in self.held.values() for t in h.parts.values()}
+        for m in self.pending:
+            held.update({id(t): t for t in m.held.parts.values()})
+        return sum(t.numel() * t.element_size() for t in held.values())
+
+    def bits(self, key: Key) -> int:
+        held = self.held.get(key)
+        return held.bits if held is not None else 0
+
+    # -- moves -------------------------------------------------------------------------------------
+    def move_bytes(self, key: Key, to_bits: int) -> int:
+        """Bytes a move of `key` to `to_bits` copies host->device."""
+        if to_bits == 0:
+            return 0
+        return self.stores[key].transfer_bytes(self.bits(key), to_bits)
+
+    def start_move(self, key: Key, to_bits: int) -> Move:
+        """Issue the copies that make `key`'s version at `to_bits`. Parts held already are
+        reused (not copied); nothing held is written. A move with no copy (a bit-plane
+        demotion, or to 0) is committed at once."""
+        held = self.held.get(key)
+        from_bits = held.bits if held is not None else 0
+        have = held.parts if held is not None else {}
+        if to_bits == 0:
+            move = Move(key, from_bits, 0, Held(0, {}), None, 0)
+            self.held.pop(key, None)
+            return move
+        parts, pairs = self.stores[key].device_tensors(to_bits, self.device, have)
+        new = Held(to_bits, parts)
+        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        handle = self.copies.h2d(pairs, tag="expert_pages") if pairs else None
+        move = Move(key, from_bits, to_bits, new, handle, nbytes)
+        if handle is not None and to_bits < from_bits:
+            # A demotion that copies (re-quantize, or from the 16-bit master) frees memory the
+            # KV cache needs now: finish it before the step (its wait counts as stall).
+            handle.wait()
+            move.handle = None
+        if move.handle is None:
+            self.held[key] = new
+        else:
+            self.pending.append(move)
+        return move
+
+    def commit(self) -> list[Move]:
+        """At a step boundary: wait for the moves issued so far and make their versions the
+        held ones (deterministic: every move issued in a step is committed at the next)."""
+        done, self.pending = self.pending, []
+        for move in done:
+            if move.handle is not None:
+                move.handle.wait()
+            self.held[move.key] = move.held
+        return done
+
+    def cancel(self, keys: list[Key]) -> None:
+        """Drop in-flight moves of `keys` (the arbiter took their room back): the copies still
+        land, in buffers nothing will read, and are freed with the move."""
+        drop = set(keys)
+        for move in self.pending:
+            if move.key in drop and move.handle is not None:
+                move.handle.wait()  # its buffers must not be reused while the link writes them
+        self.pending = [m for m in self.pending if m.key not in drop]
+
+    def _resident(self, key: Key) -> Held:
+        """The held version, or (expert at 0 bits, or its re-quantize demotion in flight) the
+        lowest version fetched on demand now: copied, used for this call, not kept."""
+        held = self.held.get(key)
+        if held is not None:
+            return held
+        for move in self.pending:
+            if move.key == key:
+                move.handle.wait()
+                return move.held
+        store = self.stores[key]
+        lowest = min(b for b in store.bits if b > 0)
+        parts, pairs = store.device_tensors(lowest, self.device)
+        self.copies.h2d(pairs, tag="expert_pages").wait()
+        self._stats["on_demand_fetches"] += 1
+        return Held(lowest, parts)
+
+    # -- compute -----------------------------------------------------------------------------------
+    def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
+        self._count(layer, d)
+        self.importance.observe(layer, d)
+        rows = segments(d)
+        xs = x[d.token_index]
+        out = torch.empty_like(xs)
+        groups: dict[int, list[tuple[int, Held]]] = {}
+        for e in rows:
+            held = self._resident((layer, e))
+            groups.setdefault(held.bits, []).append((e, held))
+        for bits, members in sorted(groups.items()):
+            if bits == 16:  # the master itself: exactly the resident backend's computation
+                for e, held in members:
+                    out[rows[e]] = self.stores[(layer, e)].forward(held.parts, 16, xs[rows[e]])
+                continue
+            store = self.stores[(layer, members[0][0])]
+            ys = store.group_forward([h.parts for _, h in members], bits, [xs[rows[e]] for e, _ in members])
+            for (e, _), y in zip(members, ys):
+                out[rows[e]] = y
+        if self.feedback_due:
+            self._check(layer, xs, out, rows, groups)
+        return combine(x, d, out)
+
+    def _check(self, layer: int, xs: Tensor, out: Tensor, rows: dict[int, slice],
+               groups: dict[int, list[tuple[int, Held]]]) -> None:
+        """Quality feedback: a seeded share of this layer's quantized assignments recomputed
+        with the host master; squared error over squared master output, per layer and expert."""
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step_index * 1_009 + layer)
+        err_sum = ref_sum = 0.0
+        for bits, members in groups.items():
+            if bits >= 16:
+                continue
+            for e, _ in members:
+                n = rows[e].stop - rows[e].start
+                take = max(1, round(n * self.feedback_share))
+                pick = torch.randperm(n, generator=gen)[:take].sort().values + rows[e].start
+                x_host = self.copies.ledger.to_host(xs[pick], "feedback")
+                y_host = self.copies.ledger.to_host(out[pick], "feedback")
+                master = self.stores[(layer, e)].master
+                ref = swiglu(x_host, master.gate_up, master.down)
+                err = float((y_host.float() - ref.float()).pow(2).sum())
+                norm = float(ref.float().pow(2).sum())
+                self.feedback.expert_error[(layer, e)] = (bits, err / max(norm, 1e-30))
+                err_sum += err
+                ref_sum += norm
+                self.feedback.rows += take
+                self.feedback.bytes += (x_host.numel() + y_host.numel()) * x_host.element_size()
+        if ref_sum:
+            self.feedback.layer_error[layer] = err_sum / ref_sum
+        self.feedback.seconds += time.perf_counter() - t0
+
+    def take_feedback(self) -> FeedbackSample:
+        sample, self.feedback = self.feedback, FeedbackSample()
+        return sample
+
+    def step_stats(self) -> dict[str, int]:
+        extra = self._stats.get("on_demand_fetches", 0)
+        out = super().step_stats()
+        out["on_demand_fetches"] = extra
+        return out

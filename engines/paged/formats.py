@@ -1,0 +1,341 @@
+"""One routed expert's versions at several bit widths, as named parts: the PagedWeight host tier.
+
+A store holds one expert (gate_up [2I, D], gate rows first, and down [D, I]) and, for each
+offered width b in {16, 8, 4, 3, 2}, the *parts* a device copy at b bits is made of. A part's
+name means the same bytes in every version that has it, so a move from version A to B copies
+exactly the parts of B that A lacks and frees the parts of A that B lacks (`transfer_bytes`,
+`freed_bytes`). Two representations, chosen by name (`make_store`):
+
+- `requantize`: an independent asymmetric RTN copy per width (engines.quant.qweight's packed
+  codes, scales, zeros). Versions share no part, so any change, a demotion included, copies
+  the whole new version host->device. Re-quantizing on the device from the master instead would
+  need the master on the device, and from a higher version would not give RTN-from-master codes.
+- `bitplanes` (the idea of Any-Precision LLM, Park et al. 2024; written here): one 8-bit
+  asymmetric RTN copy, cut into 8 bit planes, most significant first, plus its 8-bit scales and
+  zeros, shared by every width. The top n planes are the n-bit weights: a demotion m -> n frees
+  planes n+1..m and copies nothing; a promotion copies planes n+1..m only. An n-bit code names
+  a bucket of 2^k 8-bit codes (k = 8 - n) and dequantizes at the bucket's midpoint:
+      w = (code_n * 2^k + (2^k - 1) / 2 - zero_8) * scale_8,   code_n = code_8 >> k,
+  which for n = 8 is (code_8 - zero_8) * scale_8, the 8-bit RTN dequantization bit for bit.
+  2 bits is fine here (Any-Precision's kernels stop at 3; these dequantize in torch).
+
+16 bits is the full-precision master in either representation (parts `gate_up`, `down`): it
+shares nothing with the quantized versions, so moving to or from 16 copies a whole version.
+Compute: `forward` (one expert) and `group_forward` (experts at one width in one call, each
+row's output kept separate: the caller combines with routing weights). Not here: which width
+an expert gets (arbiter.py), the device buffers and copies (backend.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engines.quant.ops import dequant_matmul, fused_moe
+from engines.quant.qweight import (
+    QuantFormatError,
+    QuantizedExperts,
+    QuantizedWeight,
+    check_scheme,
+    dequantize,
+    quantize_rtn,
+    stack,
+    unpack,
+)
+from engines.runtime.experts import Dispatch, swiglu
+from engines.runtime.weights import MLPWeights
+
+PAGED_BITS = (16, 8, 4, 3, 2)
+FULL = 16  # the master's "width", whatever dtype the model runs in
+REPRESENTATIONS = ("bitplanes", "requantize")
+PLANES = 8  # bit planes of the one stored copy
+MATRICES = ("gate_up", "down")
+
+Parts = Mapping[str, Tensor]
+HostFn = Callable[[Tensor], Tensor]
+
+
+def _nbytes(parts: Parts) -> int:
+    return sum(t.numel() * t.element_size() for t in parts.values())
+
+
+# --- bit planes -------------------------------------------------------------------------------
+# Plane j (1 = most significant) holds bit 8 - j of every code, 8 consecutive inputs per byte,
+# input k at bit k % 8: a plane of an [out, in] matrix is out * in / 8 bytes, uint8 [out, in/8].
+
+
+def split_planes(codes: Tensor) -> list[Tensor]:
+    """8-bit codes [..., out, in] (in % 8 == 0) -> the 8 planes [..., out, in/8] uint8, MSB first."""
+    c = codes.to(torch.int32)
+    weight = 1 << torch.arange(8, dtype=torch.int32, device=codes.device)
+    out = []
+    for j in range(1, PLANES + 1):
+        bit = ((c >> (PLANES - j)) & 1).reshape(*c.shape[:-1], c.shape[-1] // 8, 8)
+        out.append((bit * weight).sum(-1).to(torch.uint8))
+    return out
+
+
+def top_codes(planes: Sequence[Tensor]) -> Tensor:
+    """The top n planes [..., out, in/8] -> the n-bit codes code_8 >> (8 - n), int32 [..., out, in]."""
+    shifts = torch.arange(8, dtype=torch.int32, device=planes[0].device)
+    code = None
+    for p in planes:
+        bit = ((p.to(torch.int32).unsqueeze(-1) >> shifts) & 1).flatten(-2)
+        code = bit if code is None else (code << 1) | bit
+    assert code is not None
+    return code
+
+
+def dequantize_planes(planes: Sequence[Tensor], scales: Tensor, zeros: Tensor, group_size: int,
+                      dtype: torch.dtype) -> Tensor:
+    """The top n = len(planes) planes with the 8-bit scales/zeros [..., out, G] -> W [..., out, in].
+
+    Math in float32: code_n * 2^k and (2^k - 1) / 2 are exact, so at n = 8 the level is code_8
+    exactly and the result equals qweight.dequantize of the 8-bit record bit for bit."""
+    if not 1 <= len(planes) <= PLANES:
+        raise QuantFormatError(f"dequantize_planes: needs 1..{PLANES} planes, got {len(planes)}")
+    k = PLANES - len(planes)
+    level = top_codes(planes).float() * float(1 << k) + ((1 << k) - 1) / 2
+    zero = zeros.float().repeat_interleave(group_size, dim=-1)
+    scale = scales.float().repeat_interleave(group_size, dim=-1)
+    return ((level - zero) * scale).to(dtype)
+
+
+# --- versions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertVersion:
+    """One expert at one width, wherever its parts are (host tier or device buffers)."""
+
+    representation: str
+    bits: int
+    parts: Parts  # name -> tensor; read-only once built (a committed version is never written)
+    shape: tuple[int, int]  # (I, D)
+    group_size: int
+
+    def nbytes(self) -> int:
+        return _nbytes(self.parts)
+
+    def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(gate_up [2I, D], down [D, I]) dequantized to `dtype` (the master's tensors at 16)."""
+        if self.bits == FULL:
+            return self.parts["gate_up"].to(dtype), self.parts["down"].to(dtype)
+        if self.representation == "bitplanes":
+            gate_up, down = (_plane_weight(self.parts, m, self.bits, self.group_size, dtype) for m in MATRICES)
+        else:
+            gate_up, down = (dequantize(_record(self.parts, m, self.bits, self.group_size, self.shape), dtype)
+                             for m in MATRICES)
+        return gate_up, down
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [n, D] -> down(silu(gate(x)) * up(x)) [n, D], in x's dtype."""
+        if self.bits == FULL:  # the master itself: exactly the resident backend's computation
+            return swiglu(x, self.parts["gate_up"], self.parts["down"])
+        if self.representation == "requantize":  # the serving op (Triton on CUDA)
+            gate_up, down = (_record(self.parts, m, self.bits, self.group_size, self.shape) for m in MATRICES)
+            gate, up = dequant_matmul(x, gate_up).chunk(2, dim=-1)
+            return dequant_matmul(F.silu(gate) * up, down)
+        return swiglu(x, *self.weights(x.dtype))
+
+
+def _record(parts: Parts, m: str, bits: int, group_size: int, shape: tuple[int, int]) -> QuantizedWeight:
+    inter, hidden = shape
+    out_in = (2 * inter, hidden) if m == "gate_up" else (hidden, inter)
+    return QuantizedWeight(parts[f"{m}.qdata@{bits}"], parts[f"{m}.scales@{bits}"], parts[f"{m}.zeros@{bits}"],
+                           bits, group_size, False, out_in)
+
+
+def _plane_weight(parts: Parts, m: str, bits: int, group_size: int, dtype: torch.dtype) -> Tensor:
+    planes = [parts[f"{m}.plane{j}"] for j in range(1, bits + 1)]
+    return dequantize_planes(planes, parts[f"{m}.scales"], parts[f"{m}.zeros"], group_size, dtype)
+
+
+# --- stores -----------------------------------------------------------------------------------
+
+
+class ExpertStore:
+    """One expert's master and quantized versions in the host tier (see the module docstring).
+
+    `host` places each stored tensor in the host tier (CopyEngine.host: pinned on CUDA); the
+    quantization itself runs where the master is (the device at load, so it is fast)."""
+
+    representation: str
+
+    def __init__(self, gate_up: Tensor, down: Tensor, bits: Sequence[int], group_size: int = 32,
+                 host: HostFn | None = None) -> None:
+        if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[0] % 2 or \
+                tuple(down.shape) != (gate_up.shape[1], gate_up.shape[0] // 2):
+            raise QuantFormatError(f"expert: gate_up must be [2I, D] and down [D, I], got {list(gate_up.shape)} "
+                                   f"and {list(down.shape)}")
+        widths = tuple(sorted(set(bits), reverse=True))
+        bad = [b for b in widths if b not in PAGED_BITS]
+        if not widths or bad or len(widths) != len(bits):
+            raise QuantFormatError(f"expert store: bits must be distinct values among {PAGED_BITS}, got {list(bits)}")
+        self.bits = widths
+        self.group_size = group_size
+        self.shape = (down.shape[1], down.shape[0])  # (I, D)
+        if any(b < FULL for b in widths):
+            check_scheme(8, group_size, gate_up.shape[1], "expert gate_up (D)")
+            check_scheme(8, group_size, down.shape[1], "expert down (I)")
+        self._host = host or (lambda t: t.detach().contiguous())
+        self.master = MLPWeights(self._host(gate_up), self._host(down))
+        self._parts: dict[int, dict[str, Tensor]] = {}
+        if FULL in widths:
+            self._parts[FULL] = {"gate_up": self.master.gate_up, "down": self.master.down}
+        quantized = [b for b in widths if b < FULL]
+        if quantized:
+            self._build(gate_up, down, quantized)
+
+    def _build(self, gate_up: Tensor, down: Tensor, bits: list[int]) -> None:
+        raise NotImplementedError
+
+    # -- what a version is made of -----------------------------------------------------------------
+    def parts(self, bits: int) -> dict[str, Tensor]:
+        """The host-tier parts of the version at `bits` (name -> tensor; do not write them)."""
+        if bits not in self._parts:
+            raise QuantFormatError(f"expert store: no version at {bits} bits; offered: {list(self.bits)}")
+        return self._parts[bits]
+
+    def version(self, bits: int, parts: Parts | None = None) -> ExpertVersion:
+        """The version at `bits`, over `parts` (device buffers) or the host tier's."""
+        return ExpertVersion(self.representation, bits, self.parts(bits) if parts is None else parts,
+                             self.shape, self.group_size)
+
+    def versions(self) -> dict[int, ExpertVersion]:
+        return {b: self.version(b) for b in self.bits}
+
+    def nbytes(self, bits: int) -> int:
+        """Device bytes of the version at `bits` (0: not resident)."""
+        return 0 if bits == 0 else _nbytes(self.parts(bits))
+
+    def host_bytes(self) -> int:
+        """The host tier's bytes for this expert (each part once, the master included)."""
+        seen = {name: t for b in self.bits for name, t in self._parts[b].items()}
+        return _nbytes(seen) + (0 if FULL in self.bits else _nbytes({"gate_up": self.master.gate_up,
+                                                                      "down": self.master.down}))
+
+    def transfer_bytes(self, from_bits: int, to_bits: int) -> int:
+        """Bytes that cross host->device to go from the version at `from_bits` (0: nothing held)
+        to the one at `to_bits` (0: drop it): the parts of the target the held one lacks."""
+        if to_bits == 0:
+            return 0
+        have = self.parts(from_bits) if from_bits else {}
+        return sum(t.numel() * t.element_size() for name, t in self.parts(to_bits).items() if name not in have)
+
+    def freed_bytes(self, from_bits: int, to_bits: int) -> int:
+        """Device bytes released by that move: the held parts the target does not use."""
+        if from_bits == 0:
+            return 0
+        keep = self.parts(to_bits) if to_bits else {}
+        return sum(t.numel() * t.element_size() for name, t in self.parts(from_bits).items() if name not in keep)
+
+    def device_tensors(self, bits: int, device: torch.device | str,
+                       held: Parts | None = None) -> tuple[dict[str, Tensor], list[tuple[Tensor, Tensor]]]:
+        """Parts of the version at `bits` on `device`: those in `held` (this expert's current
+        device parts) reused, the others new empty buffers; and the (dst, src) host->device
+        copies that fill them, for CopyEngine.h2d. Sum of the pairs' src bytes = transfer_bytes."""
+        have = held or {}
+        parts, pairs = {}, []
+        for name, src in self.parts(bits).items():
+            if name in have:
+                parts[name] = have[name]
+            else:
+                parts[name] = torch.empty(src.shape, dtype=src.dtype, device=device)
+                pairs.append((parts[name], src))
+        return parts, pairs
+
+    # -- compute -----------------------------------------------------------------------------------
+    def forward(self, parts: Parts, bits: int, x: Tensor) -> Tensor:
+        """This expert at `bits` over `parts` (as device_tensors built them): x [n, D] -> [n, D]."""
+        return self.version(bits, parts).forward(x)
+
+    def group_forward(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
+        """Several experts of this shape and representation, all at `bits`, in one call: expert
+        g's rows xs[g] [n_g, D] -> its outputs [n_g, D] (not combined across experts)."""
+        if len(parts_list) != len(xs):
+            raise QuantFormatError(f"group_forward: {len(parts_list)} experts but {len(xs)} row blocks")
+        if not xs:
+            return []
+        if bits == FULL:
+            return [swiglu(x, p["gate_up"], p["down"]) for p, x in zip(parts_list, xs)]
+        return self._group(parts_list, bits, xs)
+
+    def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class RequantizeStore(ExpertStore):
+    """An independent RTN copy per width: parts `{gate_up,down}.{qdata,scales,zeros}@{bits}`."""
+
+    representation = "requantize"
+
+    def _build(self, gate_up: Tensor, down: Tensor, bits: list[int]) -> None:
+        for b in bits:
+            parts = {}
+            for m, w in zip(MATRICES, (gate_up, down)):
+                qw = quantize_rtn(w, b, self.group_size)
+                parts.update({f"{m}.qdata@{b}": self._host(qw.qdata), f"{m}.scales@{b}": self._host(qw.scales),
+                              f"{m}.zeros@{b}": self._host(qw.zeros)})  # type: ignore[arg-type]
+            self._parts[b] = parts
+
+    def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
+        """The fused-MoE op over the group stacked as one layer, with a dispatch whose
+        assignments are the rows themselves (token_index = arange, weights 1): its combine then
+        returns each row's own output, since 1 * y added to 0 is y exactly. Stacking copies the
+        group's (small, packed) parts once per call: the price of one launch for the group."""
+        experts = QuantizedExperts(*(stack([_record(p, m, bits, self.group_size, self.shape) for p in parts_list])
+                                     for m in MATRICES))
+        x = torch.cat(list(xs))
+        n = x.shape[0]
+        d = Dispatch(torch.arange(n, device=x.device), torch.ones(n, dtype=x.dtype, device=x.device),
+                     [t.shape[0] for t in xs])
+        return list(fused_moe(x, d, experts).split(d.counts))
+
+
+class BitPlaneStore(ExpertStore):
+    """One 8-bit copy in planes: parts `{m}.plane1..{m}.plane{max bits}` (MSB first) and the
+    8-bit `{m}.scales` (the master's dtype) and `{m}.zeros` (uint8 [out, G]), shared by every
+    width. Only as many planes as the widest quantized version offered are kept."""
+
+    representation = "bitplanes"
+
+    def _build(self, gate_up: Tensor, down: Tensor, bits: list[int]) -> None:
+        shared: dict[str, Tensor] = {}
+        planes: dict[str, list[Tensor]] = {}
+        for m, w in zip(MATRICES, (gate_up, down)):
+            qw = quantize_rtn(w, 8, self.group_size)
+            codes, zeros = unpack(qw)
+            shared[f"{m}.scales"], shared[f"{m}.zeros"] = self._host(qw.scales), self._host(zeros)
+            planes[m] = [self._host(p) for p in split_planes(codes)[: max(bits)]]
+        for b in bits:
+            self._parts[b] = {**{f"{m}.plane{j}": planes[m][j - 1] for m in MATRICES for j in range(1, b + 1)},
+                              **shared}
+
+    def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
+        """One stacked dequantize of the group's planes per matrix, then each expert's SwiGLU
+        on its own rows (the same elementwise math as `forward`, so the same results)."""
+        dtype = xs[0].dtype
+        w = {}
+        for m in MATRICES:
+            planes = [torch.stack([p[f"{m}.plane{j}"] for p in parts_list]) for j in range(1, bits + 1)]
+            scales = torch.stack([p[f"{m}.scales"] for p in parts_list])
+            zeros = torch.stack([p[f"{m}.zeros"] for p in parts_list])
+            w[m] = dequantize_planes(planes, scales, zeros, self.group_size, dtype)
+        return [swiglu(x, w["gate_up"][g], w["down"][g]) for g, x in enumerate(xs)]
+
+
+_STORES: dict[str, type[ExpertStore]] = {"bitplanes": BitPlaneStore, "requantize": RequantizeStore}
+
+
+def make_store(representation: str, gate_up: Tensor, down: Tensor, bits: Sequence[int], group_size: int = 32,
+               host: HostFn | None = None) -> ExpertStore:
+    """The store of one expert in `representation` ("bitplanes" or "requantize")."""
+    cls = _STORES.get(representation)
+    if cls is None:
+        raise QuantFormatError(f"representation must be one of {', '.join(REPRESENTATIONS)}, got {representation!r}")
+    return cls(gate_up, down, bits, group_size, host)

@@ -1,0 +1,138 @@
+"""Engine `pagedweight`: bit widths that change while serving, inside one device budget.
+
+Oracles: `moe`'s greedy tokens (a budget that holds every expert at 16 bits: the paged
+backend must compute exactly what the resident one does); the budget itself, checked after
+every step of whole runs; a second run of the same seed; a corrupted expert that the
+quality feedback has to find.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engines.base import EngineRequest
+from harness.calibration import create_calibrated
+from harness.offline import run_offline
+from harness.run import RunArgs, execute
+from tiny_models import CPU32
+from workloads.registry import WorkloadSpec
+
+DEMO = "engines/demo_model"
+
+
+def requests(vocab: int, n: int = 6, new: int = 12, seed: int = 0) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(10, 120))), new,
+                          ignore_eos=True) for i in range(n)]
+
+
+def generate(name: str, model, reqs, **options):
+    engine = create_calibrated(name, {"model": str(model), **CPU32, **options})
+    engine.start()
+    steps = []
+    try:
+        done = run_offline(engine, reqs, on_step=steps.append)
+    finally:
+        engine.stop()
+    return {k: c.output_ids for k, c in done.items()}, steps, engine
+
+
+@pytest.mark.parametrize("model", ["demo", "mixtral"])
+@pytest.mark.parametrize("representation", ["bitplanes", "requantize"])
+def test_a_budget_for_everything_at_16_bits_gives_moes_tokens(model, representation, checkpoints, tmp_path, monkeypatch):
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    folder = DEMO if model == "demo" else checkpoints("mixtral")
+    reqs = requests(1109 if model == "demo" else 257)
+    expected, _, _ = generate("moe", folder, reqs)
+    got, steps, engine = generate("pagedweight", folder, reqs, budget_bytes=64 << 20, representation=representation)
+    assert got == expected
+    assert all(s.extras["mean_bits"] == 16 and s.extras["demotions"] == 0 for s in steps)
+
+
+def run_rag(tmp_path, engine: str, **options):
+    spec = WorkloadSpec("rag_long", requests=24, rate=8.0, seed=3)
+    folder, run = execute(RunArgs(workload=spec, engine=engine, model=DEMO,
+                                  engine_options={**CPU32, **options}, output=str(tmp_path / f"{engine}-{len(list(tmp_path.iterdir()))}"),
+                                  warmup=0, quality=False))
+    assert run["status"] == "complete", run["error"]
+    import pandas as pd  # noqa: PLC0415
+
+    return run, pd.read_parquet(folder / "steps.parquet")
+
+
+def test_rag_long_under_shrinking_budgets(tmp_path, monkeypatch):
+    """Budgets of 100%, 60%, 40% and 30% of (full-precision expert bytes + the peak KV the
+    same traffic needs without a budget), dense weights on top: never exceeded after any
+    step, no request fails, mean bits fall as the budget shrinks and rise again once the
+    long requests are done."""
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    ref, ref_steps = run_rag(tmp_path, "moe", prefix_caching=False)
+    peak_kv = int(ref_steps["device_kv_bytes"].max())
+    dense = ref["engine"]["model_stats"]["dense_weight_bytes"] + 1109 * 128 * 4  # + the tied embedding table
+    experts = ref["engine"]["weight_bytes"] - dense
+    means = []
+    for share in (1.0, 0.6, 0.4, 0.3):
+        budget = int(dense + share * (experts + peak_kv))
+        run, steps = run_rag(tmp_path, "pagedweight", budget_bytes=budget)
+        s = run["summary"]
+        assert s["completed"] == 24 and s["failed"] == 0, share
+        assert ((steps["device_weight_bytes"] + steps["device_kv_bytes"]) <= budget).all(), share
+        assert s["memory"]["peak_device_bytes"] <= budget
+        means.append(float(steps["x_mean_bits"].mean()))
+        if share < 1.0:
+            assert steps["x_mean_bits"].min() < 16  # the budget made it demote
+            assert steps["x_mean_bits"].iloc[-1] > steps["x_mean_bits"].min()  # and promote again
+    assert means == sorted(means, reverse=True) and means[0] > means[-1], means
+
+
+def test_same_seed_same_bits_bytes_and_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    reqs = requests(1109, n=8, new=16, seed=5)
+    runs = [generate("pagedweight", DEMO, reqs, budget_bytes=1_900_000, feedback_every=4) for _ in range(2)]
+    (t1, s1, e1), (t2, s2, e2) = runs
+    assert t1 == t2
+    keys = ("mean_bits", "promotions", "demotions", "move_bytes", "fallbacks", "feedback_checks")
+    assert [[s.extras[k] for k in keys] for s in s1] == [[s.extras[k] for k in keys] for s in s2]
+    assert [s.h2d_bytes for s in s1] == [s.h2d_bytes for s in s2]
+    assert e1.tables()["expert_bits"] == e2.tables()["expert_bits"]
+    assert sum(s.extras["demotions"] for s in s1) > 0  # the budget is tight enough to matter
+
+
+def test_feedback_finds_a_corrupted_expert_and_pins_it_up(tmp_path, monkeypatch):
+    """Scale one quantized expert's scales by 8 in the host tier: the feedback's measured error
+    for its layer rises above the threshold within `feedback_every` steps and the expert is
+    pinned one width higher (recorded as a fallback)."""
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 1_600_000, "feedback_every": 3,
+                                               "feedback_share": 0.5, "feedback_threshold": 0.2})
+    engine.start()
+    try:
+        backend = engine.experts
+        key = min(backend.held, key=lambda k: (backend.bits(k), k))
+        bits = backend.bits(key)
+        assert bits < 16
+        held = backend.held[key]
+        scale_parts = [n for n in held.parts if "scale" in n]
+        assert scale_parts
+        for name in scale_parts:
+            held.parts[name].mul_(8.0)  # the device copy the steps read
+        for r in requests(1109, n=6, new=20, seed=9):
+            engine.add_request(r)
+        steps = []
+        while engine.has_unfinished() and len(steps) < 12:
+            steps.append(engine.step())
+        events = engine.tables()["fallbacks"]
+        final_bits = backend.bits(key)
+    finally:
+        engine.stop()
+    pinned = [e for e in events if (e["layer"], e["expert"]) == key]
+    assert pinned, events
+    assert pinned[0]["engine_step"] < 3 + 3  # found at the first or second check
+    # (bit-planes share the scales across widths, so the corruption follows demotions too)
+    assert pinned[0]["from_bits"] <= bits and pinned[0]["floor_bits"] > pinned[0]["from_bits"]
+    assert final_bits >= pinned[-1]["floor_bits"]  # moved up at once, not left below its floor
+    assert pinned[0]["expert_error"] > 0.2
+    assert sum(s.extras["fallbacks"] for s in steps) >= 1
