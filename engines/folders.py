@@ -9,6 +9,7 @@ alone) is served as GPTQ-style packed weights by static-gptq.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,14 @@ REPORT_FILE = "quantize_report.json"  # written by `pwbench quantize` beside the
 # llm-compressor saves its recipe beside the weights: the modifier names the method.
 _RECIPE_METHODS = (("GPTQModifier", "gptq"), ("AWQModifier", "awq"), ("QuantizationModifier", "rtn"))
 DEFAULT_ENGINE = "moe"
+CACHE_ENV = "PWBENCH_CACHE"
+
+
+def cache_dir(name: str = "") -> Path:
+    """pwbench's cache folder ($PWBENCH_CACHE, else ~/.cache/pwbench), or its subfolder `name`:
+    quantized folders, sensitivity tables, calibration prompts, hw.json."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pwbench").expanduser()
+    return root / name if name else root
 
 
 def _json(path: Path) -> Any:

@@ -84,6 +84,7 @@ class MoEEngine(Engine):
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.ledger = TransferLedger(self.device)
         self.copies: CopyEngine | None = None  # engines with a host tier set it in build_experts
+        self._dense_bytes: int | None = None
         if cfg.budget_bytes is not None and (cfg.kv_cache_gb is not None or cfg.kv_blocks is not None):
             raise EngineError("--budget sizes the KV cache from what the weights leave; drop kv_cache_gb / kv_blocks")
         self.checkpoint, self.weights, self.experts = self._load()
@@ -139,16 +140,27 @@ class MoEEngine(Engine):
         if cfg.budget_bytes is None:
             num_blocks = kv_cache_blocks(sizing, block_bytes, self.device)
         else:
-            used = self.weights.nbytes() + self.experts.device_bytes()
+            used = self._weights_beside_kv()
             self._check_budget(used + block_bytes)
             num_blocks = kv_blocks_in_budget(sizing, block_bytes, cfg.budget_bytes - used)
         return PagedKVCache(
             mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
 
+    def _dense_device_bytes(self) -> int:
+        """Device bytes of the dense weights (fixed once loaded; walked once, not every step)."""
+        if self._dense_bytes is None:
+            self._dense_bytes = self.weights.nbytes()
+        return self._dense_bytes
+
+    def _weights_beside_kv(self) -> int:
+        """Device bytes of weights the KV pool must leave room for under a budget: all of them
+        here; an engine whose weights shrink under KV pressure says its least."""
+        return self._dense_device_bytes() + self.experts.device_bytes()
+
     def budget_minimum(self) -> list[tuple[str, int]]:
         """What the smallest --budget must hold for this engine and model, part by part."""
-        return [("dense weights", self.weights.nbytes()), ("every routed expert", self.experts.device_bytes()),
+        return [("dense weights", self._dense_device_bytes()), ("every routed expert", self.experts.device_bytes()),
                 ("one KV block", self._kv_block_bytes())]
 
     def _check_budget(self, needed: int) -> None:
@@ -256,7 +268,7 @@ class MoEEngine(Engine):
             d2h_bytes=moved.d2h_bytes,
             h2d_transfers=moved.h2d_transfers,
             d2h_transfers=moved.d2h_transfers,
-            device_weight_bytes=self.weights.nbytes() + self.experts.device_bytes(),
+            device_weight_bytes=self._dense_device_bytes() + self.experts.device_bytes(),
             device_kv_bytes=self.kv.allocator.num_held * self.kv.block_bytes,
             copy_busy_s=copied.busy_s,
             copy_stall_s=copied.stall_s,
@@ -296,7 +308,7 @@ class MoEEngine(Engine):
             vocab_size=mc.vocab_size,
             max_model_len=self.max_model_len,
             eos_token_ids=mc.eos_token_ids,
-            weight_bytes=self.weights.nbytes() + self.experts.device_bytes(),
+            weight_bytes=self._dense_device_bytes() + self.experts.device_bytes(),
             kv_cache_bytes=self.kv.nbytes(),
             kv_capacity_tokens=self.kv_capacity_tokens,
             device_budget_bytes=self.config.budget_bytes,

@@ -71,7 +71,7 @@ class OffloadEngine(MoEEngine):
                                   f"got {cfg.experts_per_layer}")
             return cfg.experts_per_layer
         self._check_budget(self._minimum_bytes())
-        dense = self.weights.nbytes()
+        dense = self._dense_device_bytes()
         reserve = cfg.kv_reserve_bytes
         if reserve is None:
             reserve = int(DEFAULT_KV_RESERVE * (cfg.budget_bytes - dense))
@@ -84,7 +84,7 @@ class OffloadEngine(MoEEngine):
         return sum(n for _, n in self.budget_minimum())
 
     def budget_minimum(self) -> list[tuple[str, int]]:
-        return [("dense weights", self.weights.nbytes()),
+        return [("dense weights", self._dense_device_bytes()),
                 (f"one expert per MoE layer ({self._num_moe} x {format_size(self._per_expert)})",
                  self._num_moe * self._per_expert),
                 ("one KV block", self._kv_block_bytes())]

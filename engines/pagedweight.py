@@ -36,8 +36,6 @@ from engines.paged.backend import PagedWeightBackend
 from engines.paged.importance import Importance, Key
 from engines.runtime.copies import CopyEngine
 from engines.runtime.experts import ExpertBackend
-from engines.runtime.kv_cache import PagedKVCache
-from engines.runtime.memory import KVSizing, kv_blocks_in_budget
 from engines.runtime.weights import DenseExperts
 
 REPRESENTATIONS = ("bitplanes", "requantize")
@@ -134,9 +132,6 @@ class PagedWeightEngine(MoEEngine):
     def _transfer(self, key: Key, from_bits: int, to_bits: int) -> int:
         return self.experts.stores[key].transfer_bytes(from_bits, to_bits)
 
-    def _dense_device_bytes(self) -> int:
-        return self.weights.nbytes()
-
     def _start_plan(self, backend: PagedWeightBackend) -> dict[Key, int]:
         """The widths at load: the best plan for the budget less a KV reserve, copied in now."""
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
@@ -160,18 +155,10 @@ class PagedWeightEngine(MoEEngine):
                 (f"every routed expert at the floor ({cfg.floor_bits} bits)", self._floor_bytes()),
                 ("one KV block", self._kv_block_bytes())]
 
-    def _build_kv_cache(self) -> PagedKVCache:
-        """The pool is as large as the budget allows with every expert at its floor; its
-        capacity follows what the weights leave, step by step."""
-        cfg, mc = self.config, self.checkpoint.config
-        sizing = KVSizing(cfg.block_size, None, None, cfg.gpu_memory_utilization, cfg.max_num_seqs,
-                          cfg.max_model_len or mc.max_position_embeddings)
-        pool = cfg.budget_bytes - self._dense_device_bytes() - self._floor_bytes()
-        num_blocks = kv_blocks_in_budget(sizing, self._kv_block_bytes(), pool)
-        kv = PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        left = cfg.budget_bytes - self._dense_device_bytes() - self.experts.device_bytes()
-        kv.allocator.set_capacity(min(num_blocks, max(0, left // kv.block_bytes)))
-        return kv
+    def _weights_beside_kv(self) -> int:
+        """The KV pool is as large as the budget allows with every expert at its floor; each
+        step sets its capacity to what the weights leave then."""
+        return self._dense_device_bytes() + self._floor_bytes()
 
     # -- the step ----------------------------------------------------------------------------------
     def _options(self) -> dict[Key, list[Choice]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,8 +31,6 @@ from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
 from engines.runtime.experts import ExpertBackend
 from engines.runtime.weights import ModelWeights
-
-CACHE_ENV = "PWBENCH_CACHE"
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,7 @@ class StaticQuantEngine(MoEEngine):
     def _cache_root(self) -> Path:
         if self.config.cache_dir:
             return Path(self.config.cache_dir).expanduser()
-        return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "pwbench")).expanduser() / "quantized"
+        return folders.cache_dir("quantized")
 
     def _cache_key(self, src: Checkpoint, options: QuantizeOptions, fmt: str) -> str:
         """Hash of the source folder (config and weight files by name, size, mtime), the method and

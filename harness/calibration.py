@@ -16,20 +16,28 @@ import random
 FULL_LENGTH = 1 << 20  # a model length no workload prompt reaches
 
 
-def calibration_prompts(model: str, workload: str, samples: int, seed: int, max_len: int) -> list[list[int]]:
-    """A random window of at most `max_len` tokens from each of `samples` prompts of `workload`."""
-    from engines.base import EngineError, EngineInfo  # noqa: PLC0415
+def _model_config(model: str):
+    """(the folder's ModelConfig, whether it speaks the demo language)."""
+    from engines.base import EngineInfo  # noqa: PLC0415
     from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
     from harness.run import uses_demo_language  # noqa: PLC0415
+
+    cfg = open_checkpoint(model).config
+    info = EngineInfo(name="calibration", model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
+                      vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
+    return cfg, uses_demo_language(model, info)
+
+
+def calibration_prompts(model: str, workload: str, samples: int, seed: int, max_len: int) -> list[list[int]]:
+    """A random window of at most `max_len` tokens from each of `samples` prompts of `workload`."""
+    from engines.base import EngineError  # noqa: PLC0415
     from workloads.registry import ModelTarget, WorkloadSpec, build_workload  # noqa: PLC0415
 
     if samples < 1 or max_len < 1:
         raise EngineError(f"--calib-samples and --calib-len must be >= 1, got {samples} and {max_len}")
-    cfg = open_checkpoint(model).config
-    info = EngineInfo(name="quantize", model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
-                      vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
+    cfg, demo = _model_config(model)
     synthesizer = None
-    if workload in ("rag_long", "long_chat") and uses_demo_language(model, info):
+    if workload in ("rag_long", "long_chat") and demo:
         from workloads.demo.synth import DemoTaskSynthesizer  # noqa: PLC0415
 
         synthesizer = DemoTaskSynthesizer(seed, "rag" if workload == "rag_long" else "chat")
@@ -56,23 +64,19 @@ def create_calibrated(name: str, options: dict):
     import os  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from engines.base import EngineInfo  # noqa: PLC0415
+    from engines.folders import cache_dir  # noqa: PLC0415
     from engines.registry import create_engine, engine_class  # noqa: PLC0415
-    from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
-    from harness.run import uses_demo_language  # noqa: PLC0415
 
     cls = engine_class(name)
     model = options.get("model")
     if not cls.needs_calibration or options.get("calib_file") or model is None:
         return create_engine(name, options)
-    cfg = open_checkpoint(model).config
-    info = EngineInfo(name=name, model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
-                      vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
-    if not uses_demo_language(model, info):
+    cfg, demo = _model_config(model)
+    if not demo:
         return create_engine(name, options)
     seed = int(options.get("seed", 0) or 0)
     key = hashlib.sha256(json.dumps([str(Path(model).resolve()), CALIBRATION_MIX, seed]).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("PWBENCH_CACHE") or Path.home() / ".cache" / "pwbench") / "calibration"
+    root = cache_dir("calibration")
     path = root / f"demo-mix-{key}.json"
     if not path.is_file():
         prompts = [p for workload, n in CALIBRATION_MIX

@@ -9,12 +9,13 @@ measured peaks when this machine has them cached, datasheet ones otherwise, and 
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import time
 from pathlib import Path
 from typing import Any
+
+from engines.folders import cache_dir
 
 # NVIDIA datasheets (dense tensor-core rates, no sparsity); PCIe per direction, theoretical.
 # H200/H100/PCIe Gen5 figures as in the pwbench brief; an H200 measures ~790 TFLOP/s bf16.
@@ -29,7 +30,7 @@ DATASHEET: dict[str, dict[str, float]] = {
 
 
 def cache_path() -> Path:
-    return Path(os.environ.get("PWBENCH_CACHE", Path.home() / ".cache" / "pwbench")) / "hw.json"
+    return cache_dir() / "hw.json"
 
 
 def cpu_model() -> str:

@@ -36,6 +36,7 @@ from torch import Tensor
 from engines.base import EngineError
 from engines.demo import DEMO_MODEL_DIR
 from engines.device import dtype_name
+from engines.folders import cache_dir as pwbench_cache
 from engines.paged.formats import FULL, PAGED_BITS, make_store
 from engines.quant.calibrate import random_prompts
 from engines.runtime.attention import AttentionBatch, PrefillSegment
@@ -52,7 +53,6 @@ from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import DenseExperts, ModelWeights
-from engines.static_quant import CACHE_ENV
 
 SCHEMA = 1  # bump when the measurement changes: old tables then miss the cache
 MAX_ROWS = 512
@@ -233,7 +233,7 @@ def _fill(table: Table, dense: Mapping[int, DenseExperts], widths: tuple[int, ..
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "pwbench")).expanduser() / "sensitivity"
+    return pwbench_cache("sensitivity")
 
 
 def cache_key(checkpoint: Checkpoint, representation: str, bits: Sequence[int], group_size: int,
