@@ -47,6 +47,10 @@ class PagedWeightConfig(MoEEngineConfig):
     representation: str = "bitplanes"  # bitplanes | requantize
     bits: str = "16,8,4,3,2"  # widths an expert may hold on the device (16 = full precision)
     floor_bits: int = 2  # no expert below this (0: experts may leave the device)
+    # Quality floors: no expert at a width whose measured relative output error (its
+    # sensitivity, squared error over squared output on calibration activations) exceeds this;
+    # 0.01 is about 20 dB SNR, ~4-bit RTN on the demo model. None: any width down to floor_bits.
+    max_expert_error: float | None = 0.01
     group_size: int = 32  # inputs per quantization group
     importance_decay: float = 0.9  # EMA of each expert's routing-mass share, per step
     hysteresis: float = 0.02  # an optional re-plan must lower the expected cost by this share
@@ -81,6 +85,10 @@ class PagedWeightEngine(MoEEngine):
             raise EngineError(f"engine pagedweight: representation must be one of {', '.join(REPRESENTATIONS)}, "
                               f"got {cfg.representation!r}")
         self.bit_widths = self._parse_bits(cfg.bits, cfg.floor_bits)
+        bound = cfg.max_expert_error
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0):
+            raise EngineError(f"engine pagedweight: max_expert_error must be a number > 0 (e.g. 0.01) or none, "
+                              f"got {bound!r}")
         self.copies = CopyEngine(self.ledger, self.device, cfg.link_gbps)
         stores = {(i, e): make_store(cfg.representation, w.gate_up[e], w.down[e], self.bit_widths, cfg.group_size,
                                      self.copies.host)
@@ -89,8 +97,12 @@ class PagedWeightEngine(MoEEngine):
             self.checkpoint, dense, self.weights, cfg.representation, self.bit_widths, cfg.group_size,
             prompts=self._calibration_prompts(), device=self.device, dtype=self.dtype).items()}
         self.importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay)
-        self.floors: dict[Key, int] = dict.fromkeys(stores, cfg.floor_bits)
+        quality = {key: self._quality_floor(key) for key in stores}
+        self.floors: dict[Key, int] = {key: max(cfg.floor_bits, q) if cfg.floor_bits else 0 for key, q in quality.items()}
         backend = PagedWeightBackend(stores, self.copies, self.device, self.importance, cfg.feedback_share, cfg.seed)
+        backend.fetch_bits = quality  # an expert that left the device comes back at its quality floor
+        if 0 in self.floors.values():
+            backend.staging_bytes = backend.lowest_bytes()
         self.experts = backend
         self._engine_step = 0
         self._events: list[dict[str, Any]] = []
@@ -101,6 +113,12 @@ class PagedWeightEngine(MoEEngine):
                                transfer=lambda key, a, b: self._transfer(key, a, b), floors=self.floors,
                                initial=initial)
         return backend
+
+    def _quality_floor(self, key: Key) -> int:
+        """The lowest width whose measured error is within max_expert_error (16 always is)."""
+        bound = self.config.max_expert_error  # type: ignore[attr-defined]
+        widths = [b for b in self.bit_widths if bound is None or b == 16 or self.sensitivity[key][b] <= bound]
+        return min(widths)
 
     def _calibration_prompts(self) -> int | list[list[int]]:
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
@@ -147,12 +165,18 @@ class PagedWeightEngine(MoEEngine):
         return dict(plan.bits)
 
     def _floor_bytes(self) -> int:
-        return sum(store.nbytes(self.floors[k]) if self.floors[k] else 0 for k, store in self.experts.stores.items())
+        """Every expert at its floor, plus the on-demand staging slot when a floor is 0."""
+        backend: PagedWeightBackend = self.experts  # type: ignore[assignment]
+        return backend.staging_bytes + sum(store.nbytes(self.floors[k]) if self.floors[k] else 0
+                                           for k, store in backend.stores.items())
 
     def budget_minimum(self) -> list[tuple[str, int]]:
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
-        return [("dense weights", self._dense_device_bytes()),
-                (f"every routed expert at the floor ({cfg.floor_bits} bits)", self._floor_bytes()),
+        widths = sorted(set(self.floors.values()))
+        floor = (f"every routed expert at its floor ({'/'.join(map(str, widths))} bits: floor_bits {cfg.floor_bits}, "
+                 f"max_expert_error {cfg.max_expert_error})" if cfg.floor_bits else
+                 "a staging slot for one expert fetched on demand at its quality floor")
+        return [("dense weights", self._dense_device_bytes()), (floor, self._floor_bytes()),
                 ("one KV block", self._kv_block_bytes())]
 
     def _weights_beside_kv(self) -> int:
@@ -173,12 +197,18 @@ class PagedWeightEngine(MoEEngine):
         return out
 
     def _kv_demand_blocks(self) -> int:
-        """Blocks the running requests need to finish, plus what the queue would take next."""
+        """Blocks the running requests need to finish, plus what the queue would take next:
+        waiting requests in admission order (the scheduler admits first come, first served)
+        while they fit the pool as it is with every expert at its floor. A request that would
+        not fit even then waits either way, so no expert is demoted for it."""
         alloc, sched = self.kv.allocator, self.scheduler
         need = sum(alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens) for s in sched.running)
         room = max(0, sched.max_num_seqs - len(sched.running))
-        need += sum(alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens)
-                    for s in list(sched.waiting)[:room])
+        for s in list(sched.waiting)[:room]:
+            more = alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens)
+            if need + more > alloc.num_blocks:
+                break
+            need += more
         return need
 
     def step(self) -> StepOutput:
@@ -225,7 +255,7 @@ class PagedWeightEngine(MoEEngine):
         extras.update(feedback_checks=0, fallbacks=0)
         if feedback is not None and feedback.layer_error:
             extras.update(feedback_checks=1, feedback_error_max=max(feedback.layer_error.values()),
-                          feedback_rows=feedback.rows, feedback_s=feedback.seconds)
+                          feedback_rows=feedback.rows, feedback_s=feedback.seconds, feedback_bytes=feedback.bytes)
             extras["fallbacks"] = self._apply_feedback(feedback)
         if self._engine_step % max(1, cfg.matrix_every) == 0:
             self._matrix += [{"engine_step": self._engine_step, "layer": k[0], "expert": k[1], "bits": b,

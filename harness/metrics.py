@@ -242,7 +242,8 @@ def expert_precision(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Bit widths of resident experts over the run (engines that change them, x_ columns):
     mean bits after each step (its mean, min, max, first and last), promotions, demotions
     and the bytes their page moves took, quality-feedback checks, the largest relative
-    error they measured, and fallbacks (experts pinned to higher precision)."""
+    error they measured, fallbacks (experts pinned to higher precision) and what the checks
+    cost: rows recomputed, seconds (and their share of the steps' busy time), bytes copied."""
     series = [s["x_mean_bits"] for s in steps if s.get("x_mean_bits") is not None]
     if not series:
         return {}
@@ -253,7 +254,9 @@ def expert_precision(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "first_bits": series[0], "last_bits": series[-1],
         "promotions": total("x_promotions"), "demotions": total("x_demotions"), "move_bytes": total("x_move_bytes"),
         "feedback_checks": total("x_feedback_checks"), "feedback_error_max": max(errors) if errors else None,
-        "fallbacks": total("x_fallbacks"),
+        "fallbacks": total("x_fallbacks"), "feedback_rows": total("x_feedback_rows"),
+        "feedback_s": total("x_feedback_s"), "feedback_bytes": total("x_feedback_bytes"),
+        "feedback_share_of_busy": total("x_feedback_s") / busy if (busy := total("duration_s")) else None,
     }
 
 

@@ -64,11 +64,43 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
         out.append(("expert bits", f"mean {_fmt(p['mean_bits'], 2)} (min {_fmt(p['min_bits'], 2)}, max {_fmt(p['max_bits'], 2)}, "
                                    f"last {_fmt(p['last_bits'], 2)}), {p['promotions']:,} promotions, {p['demotions']:,} demotions, "
                                    f"{_fmt(p['move_bytes'] / 2**20, 2)} MiB moved"))
+        cost = (f"; cost {p['feedback_rows']:,} rows, {_fmt(p['feedback_s'], 3)} s "
+                f"({_fmt((p['feedback_share_of_busy'] or 0) * 100, 2)}% of busy), {_fmt(p['feedback_bytes'] / 2**10)} KiB"
+                if "feedback_s" in p else "")
         out.append(("quality feedback", f"{p['feedback_checks']:,} checks, max relative error "
-                                        f"{_fmt(p['feedback_error_max'], 4)}, {p['fallbacks']} fallbacks"))
+                                        f"{_fmt(p['feedback_error_max'], 4)}, {p['fallbacks']} fallbacks{cost}"))
     if e.get("prefix_cache_hit_rate") is not None and e.get("cached_prompt_tokens"):
         out.append(("prefix cache", f"{_fmt(e['prefix_cache_hit_rate'] * 100)}% of prompt tokens from cache "
                                     f"({e['cached_prompt_tokens']:,} tokens)"))
+    return out
+
+
+def table_rows(folder: Path) -> list[tuple[str, str]]:
+    """Lines for the engine's own tables in a result folder, when it wrote them (pagedweight:
+    expert_usage, expert_bits, fallbacks)."""
+    import pandas as pd  # noqa: PLC0415
+
+    out: list[tuple[str, str]] = []
+    if (path := folder / "expert_usage.parquet").exists():
+        usage = pd.read_parquet(path)
+        for layer, part in usage.groupby("layer"):
+            shares = part.sort_values("expert")["tokens"] / max(1, part["tokens"].sum())
+            out.append((f"experts layer {layer}", "selected " + " / ".join(f"{v:.0%}" for v in shares)
+                        + f" of {int(part['tokens'].sum()):,} token choices (expert 0, 1, ...)"))
+    if (path := folder / "expert_bits.parquet").exists():
+        bits = pd.read_parquet(path)
+        if len(bits):
+            per = bits.groupby(["engine_step", "layer"])["bits"].mean().unstack("layer")
+            steps = per.index
+            text = "; ".join(f"layer {layer} mean {col.mean():.1f} (min {col.min():.1f} at step {int(col.idxmin())})"
+                             for layer, col in per.items())
+            out.append(("bits matrix", f"{len(steps)} snapshots, steps {int(steps.min())}-{int(steps.max())}: {text}"))
+    if (path := folder / "fallbacks.parquet").exists():
+        events = pd.read_parquet(path)
+        if len(events):
+            first = "; ".join(f"step {int(r.engine_step)} layer {int(r.layer)} expert {int(r.expert)} "
+                              f"{int(r.from_bits)} -> floor {int(r.floor_bits)} bits" for r in events.head(3).itertuples())
+            out.append(("fallbacks", f"{len(events)} events: {first}{' ...' if len(events) > 3 else ''}"))
     return out
 
 
@@ -79,7 +111,7 @@ def print_summary(run: dict[str, Any], folder: Path) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
-    for name, text in rows(run):
+    for name, text in rows(run) + table_rows(folder):
         table.add_row(name, text)
     console = Console()
     console.print(table)

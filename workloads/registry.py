@@ -76,6 +76,9 @@ class WorkloadSpec:
     duration_s: float | None = None  # only requests arriving before this (open loop)
     scale: float = 1.0  # multiplies every token length (context included); < 1 for CPU models
     context: int | None = None  # rag_long: prompts of about this many tokens (0.85-1.0 x)
+    # rag_long: this share of the requests are direct questions outside the RAG pipeline (no
+    # system prompt, passages or history; RAGPulse's user-input lengths), one per session
+    direct_share: float | None = None
     arrival: str | None = None  # trace | poisson | gamma | closed | offline
     rate: float | None = None  # poisson/gamma: mean requests per second
     burstiness: float | None = None  # gamma: squared CV of the gaps (1 = Poisson)
@@ -108,7 +111,9 @@ class WorkloadSpec:
             ok = span is None or (isinstance(span, tuple) and len(span) == 2 and _whole(span[0], 1) and _whole(span[1], span[0]))
             _check(ok, name, span, "use two integers lo-hi with 1 <= lo <= hi, e.g. 128-1024")
         _check(self.arrival is None or self.arrival in ARRIVALS, "arrival", self.arrival, "use one of " + ", ".join(ARRIVALS))
-        _only(self, "rag_long", "context")
+        _check(self.direct_share is None or (_number(self.direct_share) and 0 <= self.direct_share < 1),
+               "direct_share", self.direct_share, "use a share in [0, 1), e.g. 0.5")
+        _only(self, "rag_long", "context", "direct_share")
         _only(self, "offline_batch", "input_tokens", "output_tokens", "input_range", "output_range")
         if not is_trace:
             _check(self.arrival != "trace", "arrival", self.arrival,
@@ -128,8 +133,12 @@ def _whole(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return _number(value) and value > 0
 
 
 def _check(ok: bool, field: str, value: object, fix: str) -> None:

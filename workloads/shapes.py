@@ -31,10 +31,24 @@ CONTEXT_LOW = 0.85  # with `context`, a prompt's target is uniform in [0.85, 1.0
 OFFLINE_INPUT_TOKENS = 512  # MoE-Gen's headline setup: 512 in / 256 out
 OFFLINE_OUTPUT_TOKENS = 256
 _BATCH = 256  # single-request lengths are drawn this many at a time
+STREAM_DIRECT = 3  # rag_long's direct questions (--direct-share): their own random stream
+DIRECT_BLOCK_IDS = 1 << 40  # ... and their own block ids
 
 
 def rag_long_shape(spec) -> Shape:
-    return Shape(lambda hint: _rag_sessions(spec, hint), pmf_mean(RAG_TURNS_PMF), "poisson", DEFAULT_RATE)
+    return Shape(lambda hint: _rag_sessions(spec, hint), _rag_mean_turns(spec.direct_share), "poisson", DEFAULT_RATE)
+
+
+def _direct_session_share(direct_share: float | None) -> float:
+    """The share of sessions that are one direct question, so that `direct_share` of the
+    requests are (a RAG session has pmf_mean(RAG_TURNS_PMF) requests on average)."""
+    q, turns = direct_share or 0.0, pmf_mean(RAG_TURNS_PMF)
+    return q * turns / (q * turns + 1.0 - q)  # p / (p + (1 - p) * turns) = q
+
+
+def _rag_mean_turns(direct_share: float | None) -> float:
+    p = _direct_session_share(direct_share)
+    return p + (1.0 - p) * pmf_mean(RAG_TURNS_PMF)
 
 
 def zipf_weights(size: int, exponent: float):
@@ -100,8 +114,21 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
     passage_p = zipf_weights(pool, RAG_PASSAGE_ZIPF)
     lengths_array = np.asarray(passage_len, dtype=np.int64)
     empty_history = next(ids)
+    # Direct questions draw from their own stream and id space, so the RAG sessions are the
+    # same with and without them (interleaved, not replaced).
+    direct_p = _direct_session_share(spec.direct_share)
+    gd = rng(spec.seed, STREAM_DIRECT) if direct_p else None
+    direct_ids = itertools.count(DIRECT_BLOCK_IDS)
 
     for number in itertools.count():
+        if gd is not None and gd.random() < direct_p:
+            question = int(sample_quantiles(gd, RAG_QUESTION_Q, 1, scale)[0])
+            yield [RequestSkeleton(
+                index=-1, input_tokens=question, output_tokens=int(sample_quantiles(gd, RAG_OUTPUT_Q, 1, scale)[0]),
+                session_id=f"rag_long-d{number}", blocks=(next(direct_ids),), block_lengths=(question,),
+                block_tokens=sys_tokens, block_kinds=("question",),
+            )]
+            continue
         history_ids: list[int] = []  # chunk j of a session's history keeps its id as it grows
         history_tokens = 0
         session = []

@@ -83,6 +83,10 @@ class PagedWeightBackend(ExpertBackend):
         self.step_index = 0
         self.feedback_due = False
         self.feedback = FeedbackSample()
+        # Room for one expert fetched on demand at its lowest width (set when a floor is 0 bits):
+        # counted in device_bytes, and such experts run one at a time, so it is never exceeded.
+        self.staging_bytes = 0
+        self.fetch_bits: dict[Key, int] = {}  # width of an on-demand fetch (default: the lowest)
         self._layers = sorted({layer for layer, _ in self.stores})
         self._num = {i: sum(1 for layer, _ in self.stores if layer == i) for i in self._layers}
 
@@ -98,11 +102,19 @@ class PagedWeightBackend(ExpertBackend):
         return held.nbytes if held is not None else 0
 
     def device_bytes(self) -> int:
-        """Committed versions plus the buffers of moves in flight (what the device holds now)."""
+        """Committed versions, the buffers of moves in flight and the on-demand staging slot
+        (what the device holds now, at most)."""
         held = {id(t): t for h in self.held.values() for t in h.parts.values()}
         for m in self.pending:
             held.update({id(t): t for t in m.held.parts.values()})
-        return sum(t.numel() * t.element_size() for t in held.values())
+        return sum(t.numel() * t.element_size() for t in held.values()) + self.staging_bytes
+
+    def _fetch_width(self, key: Key) -> int:
+        return self.fetch_bits.get(key) or min(b for b in self.stores[key].bits if b > 0)
+
+    def lowest_bytes(self) -> int:
+        """The largest expert at its fetch width: the staging slot an on-demand fetch needs."""
+        return max(store.nbytes(self._fetch_width(key)) for key, store in self.stores.items())
 
     def bits(self, key: Key) -> int:
         held = self.held.get(key)
@@ -161,9 +173,9 @@ class PagedWeightBackend(ExpertBackend):
                 move.handle.wait()  # its buffers must not be reused while the link writes them
         self.pending = [m for m in self.pending if m.key not in drop]
 
-    def _resident(self, key: Key) -> Held:
-        """The held version, or (expert at 0 bits, or its re-quantize demotion in flight) the
-        lowest version fetched on demand now: copied, used for this call, not kept."""
+    def _resident(self, key: Key) -> Held | None:
+        """The held version, or the one a move in flight is making (waited for); None for an
+        expert at 0 bits."""
         held = self.held.get(key)
         if held is not None:
             return held
@@ -171,8 +183,13 @@ class PagedWeightBackend(ExpertBackend):
             if move.key == key:
                 move.handle.wait()
                 return move.held
+        return None
+
+    def _fetch(self, key: Key) -> Held:
+        """An expert at 0 bits, fetched on demand into the staging slot at its fetch width (the
+        engine's quality floor; else the lowest): copied, used for one call, not kept."""
         store = self.stores[key]
-        lowest = min(b for b in store.bits if b > 0)
+        lowest = self._fetch_width(key)
         parts, pairs = store.device_tensors(lowest, self.device)
         self.copies.h2d(pairs, tag="expert_pages").wait()
         self._stats["on_demand_fetches"] += 1
@@ -188,6 +205,10 @@ class PagedWeightBackend(ExpertBackend):
         groups: dict[int, list[tuple[int, Held]]] = {}
         for e in rows:
             held = self._resident((layer, e))
+            if held is None:  # one at a time through the staging slot
+                fetched = self._fetch((layer, e))
+                out[rows[e]] = self.stores[(layer, e)].forward(fetched.parts, fetched.bits, xs[rows[e]])
+                continue
             groups.setdefault(held.bits, []).append((e, held))
         for bits, members in sorted(groups.items()):
             if bits == 16:  # the master itself: exactly the resident backend's computation

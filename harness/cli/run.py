@@ -30,6 +30,7 @@ def run(
     burstiness: Annotated[float | None, typer.Option(help="Gamma arrivals: CV^2 of the gaps (1 = Poisson).")] = None,
     scale: Annotated[float | None, typer.Option(help="Multiply every token length (default 1; smaller for the demo model).")] = None,
     context: Annotated[int | None, typer.Option(help="rag_long: target prompt length in tokens (e.g. 16000).")] = None,
+    direct_share: Annotated[float | None, typer.Option(help="rag_long: this share of the requests are direct questions outside the RAG pipeline (no system prompt, passages or history; short prompts, on the demo model closed-book questions). Default 0.")] = None,
     input_len: Annotated[str | None, typer.Option(help="offline_batch: prompt length N or range A-B.")] = None,
     output_len: Annotated[str | None, typer.Option(help="offline_batch: output length N or range A-B.")] = None,
     trace_format: Annotated[str | None, typer.Option("--format", help="trace:PATH: the trace format (default: detected).")] = None,

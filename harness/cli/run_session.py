@@ -55,7 +55,8 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
     spec_options = dict(
         seed=o["seed"], requests=o["requests"], duration_s=o["duration"], rate=o["rate"],
         concurrency=o["concurrency"], time_scale=o["time_scale"], arrival=o["arrival"],
-        burstiness=o["burstiness"], context=o["context"], trace_format=o["trace_format"],
+        burstiness=o["burstiness"], context=o["context"], direct_share=o.get("direct_share"),
+        trace_format=o["trace_format"],
         **_lengths(o["input_len"], "input"), **_lengths(o["output_len"], "output"),
     )
     spec_options["scale"] = o["scale"]

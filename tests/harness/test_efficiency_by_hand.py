@@ -132,3 +132,25 @@ def test_goodput_by_hand():
     # Each target alone: TTFT keeps a, b, d, e; TPOT keeps a, b, c, e; E2E keeps a, b, c, d.
     for target in ({"ttft_ms": 125}, {"tpot_ms": 31.25}, {"e2e_ms": 375}):
         assert summarize_requests([a, b, c, d, e, f], target)["slo_attainment"] == pytest.approx(4 / 5), target
+
+
+def test_expert_precision_by_hand():
+    from harness.metrics import expert_precision  # noqa: PLC0415
+
+    rows = [
+        {"duration_s": 1.0, "x_mean_bits": 16.0, "x_promotions": 0, "x_demotions": 0, "x_move_bytes": 0,
+         "x_feedback_checks": 0, "x_fallbacks": 0},
+        {"duration_s": 2.0, "x_mean_bits": 7.0, "x_promotions": 0, "x_demotions": 3, "x_move_bytes": 300,
+         "x_feedback_checks": 1, "x_feedback_error_max": 0.02, "x_feedback_rows": 10, "x_feedback_s": 0.1,
+         "x_feedback_bytes": 5120, "x_fallbacks": 0},
+        {"duration_s": 1.0, "x_mean_bits": 10.0, "x_promotions": 2, "x_demotions": 0, "x_move_bytes": 700,
+         "x_feedback_checks": 1, "x_feedback_error_max": 0.3, "x_feedback_rows": 6, "x_feedback_s": 0.3,
+         "x_feedback_bytes": 3072, "x_fallbacks": 1},
+    ]
+    got = expert_precision(rows)
+    # mean bits (16 + 7 + 10) / 3 = 11; feedback 0.4 s of 4 s busy = 10%
+    assert got == {"mean_bits": 11.0, "min_bits": 7.0, "max_bits": 16.0, "first_bits": 16.0, "last_bits": 10.0,
+                   "promotions": 2, "demotions": 3, "move_bytes": 1000, "feedback_checks": 2,
+                   "feedback_error_max": 0.3, "fallbacks": 1, "feedback_rows": 16,
+                   "feedback_s": pytest.approx(0.4), "feedback_bytes": 8192, "feedback_share_of_busy": pytest.approx(0.1)}
+    assert expert_precision([{"duration_s": 1.0}]) == {}  # engines that keep no bit widths

@@ -52,7 +52,8 @@ def test_a_budget_for_everything_at_16_bits_gives_moes_tokens(model, representat
 
 
 def run_rag(tmp_path, engine: str, **options):
-    spec = WorkloadSpec("rag_long", requests=24, rate=8.0, seed=3)
+    # all at t=0: the steps do not depend on this machine's speed, so the bits do not either
+    spec = WorkloadSpec("rag_long", requests=24, arrival="offline", seed=3)
     folder, run = execute(RunArgs(workload=spec, engine=engine, model=DEMO,
                                   engine_options={**CPU32, **options}, output=str(tmp_path / f"{engine}-{len(list(tmp_path.iterdir()))}"),
                                   warmup=0, quality=False))
@@ -136,3 +137,89 @@ def test_feedback_finds_a_corrupted_expert_and_pins_it_up(tmp_path, monkeypatch)
     assert final_bits >= pinned[-1]["floor_bits"]  # moved up at once, not left below its floor
     assert pinned[0]["expert_error"] > 0.2
     assert sum(s.extras["fallbacks"] for s in steps) >= 1
+
+
+def test_an_expert_at_0_bits_runs_through_the_staging_slot_at_its_quality_floor(tmp_path, monkeypatch):
+    """floor_bits=0: an expert that left the device is fetched on demand at its quality floor
+    into one staging slot (counted in the device bytes and the budget minimum) and gives
+    exactly what the same expert held at that width gives; the fetch's bytes are counted."""
+    import torch  # noqa: PLC0415
+
+    from engines.runtime.experts import dispatch  # noqa: PLC0415
+
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 2_000_000, "floor_bits": 0})
+    engine.start()
+    try:
+        backend = engine.experts
+        key = (1, 2)
+        store = backend.stores[key]
+        lowest = backend.fetch_bits[key]  # its quality floor (max_expert_error)
+        assert lowest == min(b for b in store.bits if b == 16 or engine.sensitivity[key][b] <= 0.01)
+        assert backend.staging_bytes == max(s.nbytes(backend.fetch_bits[k]) for k, s in backend.stores.items())
+        minimum = dict(engine.budget_minimum())
+        assert minimum["a staging slot for one expert fetched on demand at its quality floor"] == backend.staging_bytes
+        held_bytes = backend.device_bytes()
+        x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+        ids = torch.tensor([[2, 0], [2, 1], [3, 2], [2, 3], [0, 1]])
+        weights = torch.full((5, 2), 0.5)
+        d = dispatch(ids, weights, torch.bincount(ids.flatten(), minlength=4).tolist())
+        backend.start_move(key, lowest)
+        backend.commit()
+        at_lowest = backend.forward(1, x, d)
+        backend.start_move(key, 0)
+        assert backend.bits(key) == 0
+        h2d_before = engine.ledger.total["h2d:expert_pages"]
+        on_demand = backend.forward(1, x, d)
+        h2d_after = engine.ledger.total["h2d:expert_pages"]
+    finally:
+        engine.stop()
+    assert torch.equal(on_demand, at_lowest)
+    assert h2d_after - h2d_before == store.transfer_bytes(0, lowest)
+    assert backend.step_stats()["on_demand_fetches"] >= 1
+    assert backend.device_bytes() < held_bytes + store.nbytes(lowest)  # the fetched copy was not kept
+
+
+def test_kv_demand_counts_only_queued_requests_that_could_be_admitted(tmp_path, monkeypatch):
+    """The arbiter demotes experts only for KV a request can use: waiting requests count in
+    admission order while they fit the pool as it is with every expert at its floor; the
+    first that does not fit (and every one after it) waits either way."""
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 1_900_000})
+    engine.start()
+    try:
+        alloc = engine.kv.allocator
+        pool = alloc.num_blocks * alloc.block_size  # tokens with every expert at its floor
+        size = int(pool * 0.4)  # two fit the pool, three do not
+        new = 8
+        for i in range(4):
+            engine.add_request(EngineRequest(f"w{i}", (3,) * (size - new), new, ignore_eos=True))
+        per = alloc.blocks_for(size)
+        assert 2 * per <= alloc.num_blocks < 3 * per
+        assert engine._kv_demand_blocks() == 2 * per  # w0 and w1; w2 would not fit even at the floors
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("bound", [0.01, 0.05, None])
+def test_quality_floors_keep_every_expert_within_max_expert_error(bound, tmp_path, monkeypatch):
+    """An expert's floor is the lowest width whose measured sensitivity is within
+    max_expert_error (None: floor_bits); a budget far too small for the KV demand never pushes
+    an expert below it, and the pool is sized with every expert at that floor."""
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 1_500_000,
+                                               "max_expert_error": bound, "feedback_every": 0})
+    engine.start()  # feedback off: the floors stay the ones the measured sensitivities give
+    try:
+        expected = {k: 2 if bound is None else min(b for b in (16, 8, 4, 3, 2) if b == 16 or s[b] <= bound)
+                    for k, s in engine.sensitivity.items()}
+        assert engine.floors == expected
+        steps = []
+        run_offline(engine, requests(1109, n=10, new=24, seed=2), on_step=steps.append)
+    finally:
+        engine.stop()
+    below = [(row["engine_step"], row["layer"], row["expert"]) for row in engine.tables()["expert_bits"]
+             if row["bits"] < expected[(row["layer"], row["expert"])]]
+    assert not below
+    assert min(s.extras["mean_bits"] for s in steps) >= sum(expected.values()) / len(expected)
+    assert any(s.extras["mean_bits"] < 16 for s in steps)  # the budget did make it demote

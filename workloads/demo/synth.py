@@ -6,7 +6,8 @@ fact and filler sentences for RAG, "remember that ..." and small-talk turns for 
 last 6 tokens are overwritten with a question about one fact stated exactly once in the
 prompt (task rag_recall / chat_recall); a prompt with no complete fact asks a closed-book
 question instead (RAG traffic where retrieval found nothing; 7 tokens, the names have two
-words). Token 0 is BOS.
+words), and so does a direct question (a request whose only block is its question): then the
+prompt is that question alone. Token 0 is BOS.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class DemoTaskSynthesizer:
         usable = [f for a, b, f in facts if b <= keep]
         counts = Counter((e, a) for e, a, _ in usable)
         unique = [f for f in usable if counts[(f[0], f[1])] == 1]
+        if tuple(kinds) == ("question",):  # a direct question (rag_long --direct-share): no context
+            words, unique = ["<s>"], []
         if unique and keep > 0:
             entity, attr, value = rng.choice(unique)
             task = "rag_recall" if self.style == "rag" else "chat_recall"
