@@ -80,6 +80,11 @@ class RequestOutput:
     "abort"; None while the request is still running. `logits` holds one float32 row per new
     token when the request asked for them (a torch tensor [n, vocab]); `prompt_logits` comes
     with the request's first token ([prompt_len, vocab]) when asked for.
+
+    `token_times` is for engines whose tokens arrive outside `step()` (a remote server's
+    stream): one receive time per new token, on `time.perf_counter()`'s clock; the harness
+    records these instead of the step's end. Empty (every in-process engine): the caller
+    timestamps the tokens when `step()` returns.
     """
 
     request_id: str
@@ -88,6 +93,7 @@ class RequestOutput:
     finish_reason: str | None = None
     logits: Any = None
     prompt_logits: Any = None
+    token_times: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,9 @@ class EngineInfo:
     # For efficiency metrics: dense_weight_bytes, bytes_per_expert, active_params_per_token,
     # kv_bytes_per_token (engines that know their model fill it).
     model_stats: Mapping[str, float] = field(default_factory=dict)
+    # Metrics this engine cannot measure -> why (a remote server: transfers, memory, experts);
+    # written into run.json so a zero is never read as a measurement.
+    unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
 class Engine(ABC):
@@ -203,6 +212,11 @@ class Engine(ABC):
         once, after the measured run; rows may carry an `engine_step` that steps' extras
         carry too (x_engine_step), so the two join. Default: none."""
         return {}
+
+    def warnings(self) -> list[str]:
+        """What the user must know about the measured run (e.g. a server that ignored
+        `ignore_eos`), one line each; asked once after the run, shown with the summary."""
+        return []
 
     def __enter__(self) -> Engine:
         self.start()
