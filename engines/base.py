@@ -84,7 +84,9 @@ class RequestOutput:
     `token_times` is for engines whose tokens arrive outside `step()` (a remote server's
     stream): one receive time per new token, on `time.perf_counter()`'s clock; the harness
     records these instead of the step's end. Empty (every in-process engine): the caller
-    timestamps the tokens when `step()` returns.
+    timestamps the tokens when `step()` returns. `error` says why a request failed after it
+    was accepted (a remote server's HTTP error, a lost connection); finish_reason is then
+    "error".
     """
 
     request_id: str
@@ -94,6 +96,7 @@ class RequestOutput:
     logits: Any = None
     prompt_logits: Any = None
     token_times: tuple[float, ...] = ()
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -213,9 +216,10 @@ class Engine(ABC):
         carry too (x_engine_step), so the two join. Default: none."""
         return {}
 
-    def warnings(self) -> list[str]:
+    def notes(self) -> list[str]:
         """What the user must know about the measured run (e.g. a server that ignored
-        `ignore_eos`), one line each; asked once after the run, shown with the summary."""
+        `ignore_eos`, the client's own overhead), one line each; asked once after the run,
+        written into run.json (`engine_notes`) and shown with the summary. Default: none."""
         return []
 
     def __enter__(self) -> Engine:

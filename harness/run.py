@@ -35,6 +35,21 @@ DEMO_DEFAULTS: dict[str, dict[str, float]] = {
 }
 
 
+# What the summary's latency numbers mean, written into every run.json: tools differ here, and a
+# TPOT compared across tools must be compared by definition.
+DEFINITIONS = {
+    "token_time": "in-process engines: the end of the step that produced the token; engine openai: when its "
+                  "streamed chunk arrived",
+    "ttft_ms": "first token time - arrival time (includes queueing)",
+    "tpot_ms": "pwbench: (last token time - first token time) / (output tokens - 1), per request; vLLM bench "
+               "serve's TPOT is (end-to-end latency - TTFT) / (output tokens - 1), the same when the stream "
+               "ends with its last token",
+    "itl_ms": "gaps between consecutive tokens (several tokens in one chunk have gaps of 0); vLLM's ITL is "
+              "the gap between chunks",
+    "e2e_ms": "finish time - arrival time",
+}
+
+
 @dataclass(frozen=True)
 class RunArgs:
     workload: WorkloadSpec
@@ -144,6 +159,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         finally:
             sampler.stop()
         tables = dict(engine.tables())
+        notes = list(engine.notes())
         requests = _request_rows(records, model)
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
@@ -171,6 +187,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "environment": environment(info, peaks, sampler.describe()),
         "telemetry": sampler.describe(),
         "summary": summary,
+        "definitions": dict(DEFINITIONS),
+        "engine_notes": notes,
         "quality": quality,
     }
     write_run(folder, run, requests, records.steps, sampler.samples, tables)

@@ -221,7 +221,11 @@ class Runner:
                 rec.token_times_s.extend(end for _ in o.new_token_ids)
             if rec.first_token_s is None and rec.token_times_s:
                 rec.first_token_s = rec.token_times_s[0]
-            if o.finished:
+            if o.error is not None:  # failed after it was accepted (a remote server's error)
+                rec.error = o.error
+                self._in_flight.discard(o.request_id)
+                self._on_finish(o.request_id, end)
+            elif o.finished:
                 # A remote engine's request ends when its last token arrived, not when the
                 # step that reported it returned.
                 rec.finish_s = rec.token_times_s[-1] if o.token_times else end
