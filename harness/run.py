@@ -18,7 +18,7 @@ from typing import Any
 from engines.base import Engine, EngineInfo
 from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class
 from harness.calibration import create_calibrated
-from harness.metrics import DEFAULT_SLO, summarize
+from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
 from harness.runner import RunLimits, Runner, RunRecords
@@ -32,21 +32,6 @@ DEMO_DEFAULTS: dict[str, dict[str, float]] = {
     "rag_long": {"scale": 0.25, "time_scale": 0.1},
     "long_chat": {"scale": 0.1, "time_scale": 0.1},
     "burst": {"scale": 0.25},
-}
-
-
-# What the summary's latency numbers mean, written into every run.json: tools differ here, and a
-# TPOT compared across tools must be compared by definition.
-DEFINITIONS = {
-    "token_time": "in-process engines: the end of the step that produced the token; engine openai: when its "
-                  "streamed chunk arrived",
-    "ttft_ms": "first token time - arrival time (includes queueing)",
-    "tpot_ms": "pwbench: (last token time - first token time) / (output tokens - 1), per request; vLLM bench "
-               "serve's TPOT is (end-to-end latency - TTFT) / (output tokens - 1), the same when the stream "
-               "ends with its last token",
-    "itl_ms": "gaps between consecutive tokens (several tokens in one chunk have gaps of 0); vLLM's ITL is "
-              "the gap between chunks",
-    "e2e_ms": "finish time - arrival time",
 }
 
 
