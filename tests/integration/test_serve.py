@@ -80,6 +80,22 @@ def test_openai_client_completions_and_chat(server, reference, tok):
     assert [m.id for m in client.models.list().data] == ["demo_model"]
 
 
+def test_engine_openai_over_chat_completions(server, reference, tok, monkeypatch):
+    """endpoint=chat: the prompt goes as decoded text in one user message; ids come back."""
+    from engines.remote import OpenAIEngine, OpenAIEngineConfig
+
+    monkeypatch.setenv("PWBENCH_TEST_KEY", KEY)
+    ids = tok.encode(PROMPT).ids
+    engine = OpenAIEngine(OpenAIEngineConfig(base_url=server.url + "/v1", model=DEMO, endpoint="chat",
+                                             api_key_env="PWBENCH_TEST_KEY"))
+    engine.start()
+    try:
+        done = run_offline(engine, [EngineRequest("c", tuple(ids), 10)])
+    finally:
+        engine.stop()
+    assert done["c"].output_ids == reference(ids, 10) and engine.info().config["served_model"] == "demo_model"
+
+
 def _pwbench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
