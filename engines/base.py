@@ -166,6 +166,19 @@ class EngineInfo:
     unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
+def unseen_metrics(source: str) -> dict[str, str]:
+    """EngineInfo.unavailable for tokens measured outside this process (a remote server, an
+    imported result file): what such a source cannot show, with `source` as the reason."""
+    return {
+        "transfers": f"{source}: host<->device bytes are not visible",
+        "memory": f"{source}: device memory and KV blocks are not visible",
+        "experts": f"{source}: expert selection and bit widths are not visible",
+        "efficiency": f"{source}: per-step FLOPs and bytes read are unknown",
+        "prefill_decode_tokens_per_s": f"{source}: the server's steps are not visible; use output_tokens_per_s",
+        "queue_ms": f"{source}: when a request started computing is not visible; TTFT includes it",
+    }
+
+
 class Engine(ABC):
     """Step-driven generation engine.
 

@@ -31,17 +31,10 @@ from engines.base import (
     InvalidRequestError,
     RequestOutput,
     StepOutput,
+    unseen_metrics,
 )
 
 FIXED_LENGTH = ("ignore_eos", "min_tokens", "both", "none")
-UNAVAILABLE = {
-    "transfers": "remote server: host<->device bytes are not visible to an HTTP client",
-    "memory": "remote server: device memory and KV blocks are not visible to an HTTP client (see its /metrics)",
-    "experts": "remote server: expert selection and bit widths are not visible to an HTTP client",
-    "efficiency": "remote server: per-step FLOPs and bytes read are unknown",
-    "prefill_decode_tokens_per_s": "remote server: its steps are not visible; use output_tokens_per_s",
-    "queue_ms": "remote server: when a request started computing is not visible; TTFT includes it",
-}
 
 
 @dataclass(frozen=True)
@@ -364,7 +357,7 @@ class OpenAIEngine(Engine):
             name=self.name, model=self.config.model or self._served, architecture=None, device="remote",
             dtype="unknown", vocab_size=self._vocab, max_model_len=self._max_len, eos_token_ids=self._eos,
             config={**dataclasses.asdict(self.config), "served_model": self._served},
-            unavailable=dict(UNAVAILABLE),
+            unavailable=unseen_metrics("remote server (see its own /metrics)"),
         )
 
 

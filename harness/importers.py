@@ -19,21 +19,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from engines.base import EngineInfo
+from engines.base import EngineInfo, unseen_metrics
 from harness.errors import HarnessError
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
 
 VLLM_DETAIL = ("input_lens", "output_lens", "ttfts", "itls")
-VLLM_UNAVAILABLE = {
-    "transfers": "imported from vllm bench serve: host<->device bytes were not recorded",
-    "memory": "imported from vllm bench serve: device memory was not recorded",
-    "experts": "imported from vllm bench serve: expert selection was not recorded",
-    "efficiency": "imported from vllm bench serve: the server's steps were not recorded",
-    "prefill_decode_tokens_per_s": "imported from vllm bench serve: the server's steps were not recorded",
-    "queue_ms": "imported from vllm bench serve: when a request started computing was not recorded",
-    "accuracy": "imported from vllm bench serve: no task answers",
-}
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -115,7 +106,8 @@ def import_vllm(path: str | Path, output: str | None = None, results_dir: str = 
     summary = _with_duration(summarize(rows, [], slo, {}, {}), float(duration))
     if not timed:
         summary["peak_concurrency"] = None  # every request was placed at t=0
-    unavailable = dict(VLLM_UNAVAILABLE)
+    unavailable = unseen_metrics("imported from vllm bench serve")
+    unavailable["accuracy"] = "imported from vllm bench serve: no task answers"
     notes = ["imported from vllm bench serve: token times are per streamed chunk (vLLM's ITL); TPOT uses the "
              "server's usage token counts"]
     if not timed:

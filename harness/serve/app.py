@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any

@@ -240,3 +240,31 @@ def test_200_concurrent_streams_against_max_queue_64(server):
     assert m["process_resident_memory_bytes"] < idle + 64 * 2**20
     code, _, _ = server.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})
     assert code == 200
+
+
+def test_serve_bad_options_are_one_line_errors():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        for args, fragment in (([], f"cannot listen on 127.0.0.1:{port}"), (["--set", "nope=1"], "has no option 'nope'"),
+                               (["--max-queue", "0"], "--max-queue must be >= 1")):
+            proc = _pwbench("serve", "--engine", "dummy", "--port", str(port), *args, timeout=60)
+            assert proc.returncode == 2 and proc.stderr.startswith("error: ") and fragment in proc.stderr, proc.stderr
+            assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_engine_crash_fails_its_requests_and_health_says_so():
+    s = Server("--engine", "dummy", "--set", "fail_after_steps=3", "--set", "vocab_size=100")
+    try:
+        body = {"prompt": [1, 2, 3], "max_tokens": 10, "temperature": 0, "return_token_ids": True}
+        code, err, _ = s.post("/v1/completions", body)
+        assert code == 500 and "injected failure in step 4" in err["error"]["message"]
+        code, err, _ = s.post("/v1/completions", body)
+        assert code == 503 and "the engine failed" in err["error"]["message"]
+        with pytest.raises(Exception, match="503"):
+            import urllib.request
+
+            urllib.request.urlopen(s.url + "/health", timeout=10)
+    finally:
+        s.stop()
