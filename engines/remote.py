@@ -48,7 +48,7 @@ class OpenAIEngineConfig:
     fixed_length: str = "ignore_eos"  # how fixed output lengths are asked for: ignore_eos | min_tokens | both | none
     max_connections: int = 2048
     timeout_s: float = 600.0
-    vocab_size: int | None = None  # without a folder: the vocabulary workloads draw prompt ids from
+    vocab_size: int | None = None  # None: the folder's, else the server's (pwbench serve), else 32000
     max_model_len: int | None = None  # None: the folder's, else the server's max_model_len, else 4096
     poll_ms: float = 2.0  # longest a step waits for chunks
 
@@ -122,7 +122,9 @@ class OpenAIEngine(Engine):
         entry = next((m for m in served if m.get("id") == model_name), {})
         eos = folder.get("eos_token_id")
         self._eos = tuple(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-        self._vocab = cfg.vocab_size or folder.get("vocab_size") or (self._tokenizer.get_vocab_size() if self._tokenizer else 32000)
+        # pwbench serve lists its vocabulary beside max_model_len (vLLM lists max_model_len only).
+        self._vocab = (cfg.vocab_size or folder.get("vocab_size") or entry.get("vocab_size")
+                       or (self._tokenizer.get_vocab_size() if self._tokenizer else 32000))
         self._max_len = (cfg.max_model_len or folder.get("max_position_embeddings") or entry.get("max_model_len") or 4096)
         if entry.get("max_model_len"):
             self._max_len = min(self._max_len, int(entry["max_model_len"]))

@@ -79,7 +79,7 @@ class _Server:
         self._check_key(request)
         return JSONResponse({"object": "list", "data": [{
             "id": self.options.model_name, "object": "model", "created": 0, "owned_by": "pwbench",
-            "max_model_len": self.limits.max_model_len}]})
+            "max_model_len": self.limits.max_model_len, "vocab_size": self.limits.vocab_size}]})
 
     async def prometheus(self, request: Request) -> Response:
         self._check_key(request)
