@@ -10,6 +10,15 @@ chunk, finish at the last chunk (vLLM's latency); output_tokens from output_lens
 harness.metrics from those rows; the duration-based rates use the file's own `duration`
 (vLLM's clock for the whole benchmark). What the file cannot say is recorded as unavailable;
 its own aggregates are kept verbatim under `imported.source_summary`.
+
+GuideLLM (`guidellm benchmark --output-path report.json`): `benchmarks[i].requests` holds
+`successful` / `errored` / `incomplete` request records; the importer reads their serialized
+computed fields, which every GuideLLM version writes: start (`request_start_time`, older
+`start_time`), `time_to_first_token_ms`, `inter_token_latency_ms` ((last - first token) /
+(output tokens - 1): pwbench's TPOT), `request_latency`, `prompt_tokens`, `output_tokens`.
+GuideLLM's own `time_per_output_token_ms` ((last token - start) / output tokens, TTFT
+included) has no pwbench twin and stays in the source; only first and last token times
+exist, so ITL is unavailable.
 """
 
 from __future__ import annotations
@@ -43,6 +52,18 @@ def _load_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _row(request_id: str, arrival: float, prompt_tokens: int, output_tokens: int, times: list[float],
+         finish: float | None, error: str | None) -> dict[str, Any]:
+    """One requests.parquet row, with the columns pwbench's own runs write."""
+    return {
+        "request_id": request_id, "session_id": None, "turn": 0, "arrival_s": arrival, "prompt_tokens": prompt_tokens,
+        "max_new_tokens": output_tokens, "sent_s": arrival, "started_s": None,
+        "first_token_s": times[0] if times else None, "finish_s": None if error else finish,
+        "finish_reason": None if error else "length", "error": error, "token_times_s": times, "output_ids": [],
+        "task": None, "answer": None, "output_tokens": 0 if error else output_tokens, "output_text": None,
+    }
+
+
 def vllm_rows(data: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], bool]:
     """requests.parquet rows from the per-request lists; also whether start times were known."""
     missing = [k for k in VLLM_DETAIL if not isinstance(data.get(k), list)]
@@ -69,15 +90,8 @@ def vllm_rows(data: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], b
             for gap in data["itls"][i] or ():
                 t += float(gap)
                 times.append(t)
-        rows.append({
-            "request_id": f"vllm-{i}", "session_id": None, "turn": 0, "arrival_s": arrival,
-            "prompt_tokens": int(data["input_lens"][i]), "max_new_tokens": int(data["output_lens"][i]),
-            "sent_s": arrival, "started_s": None, "first_token_s": times[0] if times else None,
-            "finish_s": times[-1] if times else None, "finish_reason": None if failed else "length",
-            "error": str(errors[i]) if failed else None, "token_times_s": times, "output_ids": [],
-            "task": None, "answer": None, "output_tokens": 0 if failed else int(data["output_lens"][i]),
-            "output_text": None,
-        })
+        rows.append(_row(f"vllm-{i}", arrival, int(data["input_lens"][i]), int(data["output_lens"][i]), times,
+                         times[-1] if times else None, str(errors[i]) if failed else None))
     return rows, bool(starts)
 
 
@@ -128,6 +142,89 @@ def import_vllm(path: str | Path, output: str | None = None, results_dir: str = 
         "environment": {}, "telemetry": {}, "summary": summary, "definitions": dict(DEFINITIONS),
         "engine_notes": [], "quality": None,
         "imported": {"tool": "vllm bench serve", "file": str(path), "duration_from_source": True,
+                     "source_summary": source},
+    }
+    write_run(folder, run, rows, [], [])
+    return folder, run
+
+
+def _dig(value: Any, *keys: str) -> Any:
+    """value[k1][k2]... or None where a level is missing or not an object."""
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _guidellm_rows(records: list[dict[str, Any]], error: str | None) -> list[dict[str, Any]]:
+    rows = []
+    for r in records:
+        start = r.get("request_start_time", r.get("start_time"))
+        ttft, latency = r.get("time_to_first_token_ms"), r.get("request_latency")
+        n = int(r.get("output_tokens") or 0)
+        times: list[float] = []
+        if error is None and None not in (start, ttft, latency):
+            times.append(ttft / 1e3)
+            if n > 1 and r.get("inter_token_latency_ms") is not None:
+                times.append(times[0] + r["inter_token_latency_ms"] / 1e3 * (n - 1))  # the last token
+        rows.append({"start": start, "request_id": str(r.get("request_id")), "prompt_tokens": int(r.get("prompt_tokens") or 0),
+                     "output_tokens": n, "times": times, "latency": latency, "error": error})
+    return rows
+
+
+def import_guidellm(path: str | Path, output: str | None = None, results_dir: str = "results",
+                    slo: dict[str, float] | None = None, index: int | None = None) -> tuple[Path, dict[str, Any]]:
+    path = Path(path)
+    data = _load_json(path)
+    benchmarks = data.get("benchmarks")
+    if not isinstance(benchmarks, list) or not benchmarks:
+        raise HarnessError(f"{path} has no 'benchmarks' list: is it a GuideLLM report (--output-path report.json)?")
+    if index is None and len(benchmarks) > 1:
+        raise HarnessError(f"{path} holds {len(benchmarks)} benchmarks (a sweep); choose one with --index 0..{len(benchmarks) - 1}")
+    i = index or 0
+    if not 0 <= i < len(benchmarks):
+        raise HarnessError(f"--index {i} is out of range: {path} holds {len(benchmarks)} benchmarks")
+    bench = benchmarks[i]
+    requests = bench.get("requests") if isinstance(bench, dict) else None
+    if not isinstance(requests, dict) or not isinstance(requests.get("successful"), list):
+        raise HarnessError(f"{path}: benchmark {i} has no per-request records (requests.successful)")
+    raw = (_guidellm_rows(requests.get("successful") or [], None)
+           + _guidellm_rows(requests.get("errored") or [], "errored (GuideLLM)")
+           + _guidellm_rows(requests.get("incomplete") or [], "incomplete (GuideLLM)"))
+    starts = [r["start"] for r in raw if r["start"] is not None]
+    t0 = min(starts, default=0.0)
+    rows = []
+    for k, r in enumerate(raw):
+        arrival = (r["start"] - t0) if r["start"] is not None else 0.0
+        times = [arrival + t for t in r["times"]]
+        ok = r["error"] is None and bool(times)
+        rows.append(_row(r["request_id"] or f"guidellm-{k}", arrival, r["prompt_tokens"], r["output_tokens"], times,
+                         arrival + r["latency"] if ok else None,
+                         None if ok else (r["error"] or "no timings in the GuideLLM record")))
+    slo = dict(slo or DEFAULT_SLO)
+    summary = summarize(rows, [], slo, {}, {})
+    summary["itl_ms"] = {key: None for key in summary["itl_ms"]}  # only first and last token times exist
+    unavailable = unseen_metrics("imported from GuideLLM")
+    unavailable["itl_ms"] = "imported from GuideLLM: only first and last token times are recorded per request"
+    unavailable["accuracy"] = "imported from GuideLLM: no task answers"
+    model = _dig(bench, "benchmarker", "backend", "model")
+    kind = _dig(bench, "scheduler", "strategy", "type_") or _dig(bench, "args", "strategy", "type_")
+    folder = Path(output) if output else Path(results_dir) / new_run_id(f"guidellm-{kind or i}", "guidellm")
+    check_output(folder)
+    info = EngineInfo(name="guidellm", model=model, architecture=None, device="remote", dtype="unknown", vocab_size=0,
+                      max_model_len=0, unavailable=unavailable)
+    source = {k: v for k, v in bench.items() if k not in ("requests",)}
+    run = {
+        "schema_version": SCHEMA_VERSION, "run_id": folder.name, "status": "complete", "error": None,
+        "started_at_unix": t0 if starts else None, "seed": None,
+        "config": {"workload": {"name": f"guidellm:{kind or i}"}, "engine": "guidellm", "model": model,
+                   "engine_options": {}, "slo": slo, "source_file": str(path)},
+        "engine": asdict(info),
+        "workload": {"name": f"guidellm:{kind or i}", "arrival": str(kind), "requests": len(rows), "concurrency": None,
+                     "notes": ["imported from GuideLLM: TPOT is GuideLLM's inter_token_latency_ms; GuideLLM's "
+                               "time_per_output_token_ms includes TTFT and stays in the source"], "demo_tasks": False},
+        "environment": {}, "telemetry": {}, "summary": summary, "definitions": dict(DEFINITIONS),
+        "engine_notes": [], "quality": None,
+        "imported": {"tool": "guidellm", "file": str(path), "benchmark_index": i, "duration_from_source": False,
                      "source_summary": source},
     }
     write_run(folder, run, rows, [], [])
