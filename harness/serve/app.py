@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -195,7 +196,7 @@ class _SSEResponse:
                     first = False
             except ApiError as exc:  # the engine failed mid-stream: say so in the stream
                 await send({"type": "http.response.body", "more_body": True,
-                            "body": b"data: " + _json(exc.body()) + b"\n\n"})
+                            "body": b"data: " + json.dumps(exc.body()).encode() + b"\n\n"})
             if ex.params.include_usage:
                 await send({"type": "http.response.body", "more_body": True,
                             "body": usage_chunk(ex.rid, ex.params, model, len(ex.ids))})
@@ -232,12 +233,6 @@ class _WholeResponse:
             if ex.finish is None:
                 ex.abort()
             ex.close()
-
-
-def _json(payload: dict) -> bytes:
-    import json  # noqa: PLC0415
-
-    return json.dumps(payload).encode()
 
 
 def _error_response(exc: ApiError) -> JSONResponse:

@@ -163,7 +163,7 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_up(server, referenc
         assert server.metrics()["pwbench_prompt_tokens_total"] == before  # nothing ran
 
 
-def _raw_stream(server: Server, body: dict, chunks: int) -> list[bytes]:
+def _raw_stream(server: Server, body: dict, chunks: int, before_hangup=lambda: None) -> list[bytes]:
     """Open a streaming request with a plain socket, read `chunks` SSE events, then hang up."""
     data = json.dumps(body).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -175,6 +175,7 @@ def _raw_stream(server: Server, body: dict, chunks: int) -> list[bytes]:
         part = sock.recv(65536)
         assert part, "server closed the stream early"
         got += part
+    before_hangup()
     sock.close()
     return got.split(b"data: ")[1:]
 
@@ -193,8 +194,10 @@ def _wait_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
 def test_client_disconnect_aborts_and_frees_kv(server, tok):
     before = server.metrics().get('pwbench_requests_total{outcome="abort"}', 0.0)
     body = {"prompt": tok.encode(PROMPT).ids, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
-    events = _raw_stream(server, body, chunks=3)
+    during = {}
+    events = _raw_stream(server, body, chunks=3, before_hangup=lambda: during.update(server.metrics()))
     assert len(events) >= 3
+    assert during["pwbench_kv_blocks_in_use"] > 0 and during["pwbench_running_requests"] == 1
     m = _wait_idle(server)
     assert m['pwbench_requests_total{outcome="abort"}'] == before + 1
     assert m["pwbench_kv_blocks_in_use"] == 0 and m["pwbench_queue_length"] == 0
