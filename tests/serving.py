@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +32,7 @@ class Server:
         if api_key:
             cmd += ["--api-key", api_key]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"pwbench-serve-{self.port}.log", "w+")
+        self.log = tempfile.TemporaryFile("w+")  # the server's output, read by tests (the key must not be in it)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
