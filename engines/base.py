@@ -85,9 +85,8 @@ class RequestOutput:
     stream): one receive time per new token, on `time.perf_counter()`'s clock; the harness
     records these instead of the step's end, and such a request's finish time is its last
     token's. Empty (every in-process engine): the caller timestamps the tokens when `step()`
-    returns. `error` says why a request failed after it
-    was accepted (a remote server's HTTP error, a lost connection); finish_reason is then
-    "error".
+    returns. `error` says why a request failed after it was accepted (a remote server's HTTP
+    error, a lost connection); finish_reason is then "error".
     """
 
     request_id: str
