@@ -80,6 +80,13 @@ class RequestOutput:
     "abort"; None while the request is still running. `logits` holds one float32 row per new
     token when the request asked for them (a torch tensor [n, vocab]); `prompt_logits` comes
     with the request's first token ([prompt_len, vocab]) when asked for.
+
+    `token_times` is for engines whose tokens arrive outside `step()` (a remote server's
+    stream): one receive time per new token, on `time.perf_counter()`'s clock; the harness
+    records these instead of the step's end, and such a request's finish time is its last
+    token's. Empty (every in-process engine): the caller timestamps the tokens when `step()`
+    returns. `error` says why a request failed after it was accepted (a remote server's HTTP
+    error, a lost connection); finish_reason is then "error".
     """
 
     request_id: str
@@ -88,6 +95,8 @@ class RequestOutput:
     finish_reason: str | None = None
     logits: Any = None
     prompt_logits: Any = None
+    token_times: tuple[float, ...] = ()
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,22 @@ class EngineInfo:
     # For efficiency metrics: dense_weight_bytes, bytes_per_expert, active_params_per_token,
     # kv_bytes_per_token (engines that know their model fill it).
     model_stats: Mapping[str, float] = field(default_factory=dict)
+    # Metrics this engine cannot measure -> why (a remote server: transfers, memory, experts);
+    # written into run.json so a zero is never read as a measurement.
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+
+
+def unseen_metrics(source: str) -> dict[str, str]:
+    """EngineInfo.unavailable for tokens measured outside this process (a remote server, an
+    imported result file): what such a source cannot show, with `source` as the reason."""
+    return {
+        "transfers": f"{source}: host<->device bytes are not visible",
+        "memory": f"{source}: device memory and KV blocks are not visible",
+        "experts": f"{source}: expert selection and bit widths are not visible",
+        "efficiency": f"{source}: per-step FLOPs and bytes read are unknown",
+        "prefill_decode_tokens_per_s": f"{source}: the server's steps are not visible; use output_tokens_per_s",
+        "queue_ms": f"{source}: when a request started computing is not visible; TTFT includes it",
+    }
 
 
 class Engine(ABC):
@@ -203,6 +228,12 @@ class Engine(ABC):
         once, after the measured run; rows may carry an `engine_step` that steps' extras
         carry too (x_engine_step), so the two join. Default: none."""
         return {}
+
+    def notes(self) -> list[str]:
+        """What the user must know about the measured run (e.g. a server that ignored
+        `ignore_eos`, the client's own overhead), one line each; asked once after the run,
+        written into run.json (`engine_notes`) and shown with the summary. Default: none."""
+        return []
 
     def __enter__(self) -> Engine:
         self.start()

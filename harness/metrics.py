@@ -16,6 +16,20 @@ PERCENTILES = (50, 90, 95, 99)
 # MLPerf Inference server targets for Mixtral-8x7B: p99 TTFT 2 s, p99 TPOT 200 ms.
 DEFAULT_SLO = {"ttft_ms": 2000.0, "tpot_ms": 200.0}
 
+# What the summary's latency numbers mean, written into every run.json: tools differ here, and a
+# TPOT compared across tools must be compared by definition.
+DEFINITIONS = {
+    "token_time": "in-process engines: the end of the step that produced the token; engine openai: when its "
+                  "streamed chunk arrived",
+    "ttft_ms": "first token time - arrival time (includes queueing)",
+    "tpot_ms": "pwbench: (last token time - first token time) / (output tokens - 1), per request; vLLM bench "
+               "serve's TPOT is (end-to-end latency - TTFT) / (output tokens - 1), the same when the stream "
+               "ends with its last token",
+    "itl_ms": "gaps between consecutive tokens (several tokens in one chunk have gaps of 0); vLLM's ITL is "
+              "the gap between chunks",
+    "e2e_ms": "finish time - arrival time",
+}
+
 
 @dataclass(frozen=True)
 class RequestTimes:
@@ -27,13 +41,18 @@ class RequestTimes:
 
 
 def request_times(row: Mapping[str, Any]) -> RequestTimes:
-    """Per-request latencies from arrival_s, started_s, token_times_s and finish_s."""
+    """Per-request latencies from arrival_s, started_s, token_times_s and finish_s.
+
+    TPOT divides by output_tokens - 1 when the row gives output_tokens: the same as the token
+    times' count for pwbench's own runs, and right for imported rows whose times are per
+    streamed chunk (a chunk may carry several tokens), as vLLM counts them."""
     arrival = row["arrival_s"]
     tokens = list(row.get("token_times_s") or [])
     started = row.get("started_s")
     ttft = tokens[0] - arrival if tokens else None
     itl = tuple(b - a for a, b in zip(tokens, tokens[1:]))
-    tpot = (tokens[-1] - tokens[0]) / (len(tokens) - 1) if len(tokens) > 1 else None
+    n = row.get("output_tokens") or len(tokens)
+    tpot = (tokens[-1] - tokens[0]) / (n - 1) if tokens and n > 1 else None
     finish = row.get("finish_s")
     e2e = finish - arrival if finish is not None and not _nan(finish) else None
     queue = started - arrival if started is not None and not _nan(started) else None

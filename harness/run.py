@@ -18,7 +18,7 @@ from typing import Any
 from engines.base import Engine, EngineInfo
 from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class
 from harness.calibration import create_calibrated
-from harness.metrics import DEFAULT_SLO, summarize
+from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
 from harness.runner import RunLimits, Runner, RunRecords
@@ -144,6 +144,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         finally:
             sampler.stop()
         tables = dict(engine.tables())
+        notes = list(engine.notes())
         requests = _request_rows(records, model)
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
@@ -171,6 +172,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "environment": environment(info, peaks, sampler.describe()),
         "telemetry": sampler.describe(),
         "summary": summary,
+        "definitions": dict(DEFINITIONS),
+        "engine_notes": notes,
         "quality": quality,
     }
     write_run(folder, run, requests, records.steps, sampler.samples, tables)

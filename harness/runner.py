@@ -106,6 +106,10 @@ class Runner:
 
     def run(self) -> RunRecords:
         self.t0 = self.clock()
+        # Engines that time their own tokens (RequestOutput.token_times) use perf_counter's
+        # clock; this maps those times onto the run's clock.
+        self._perf_t0 = time.perf_counter()
+        self._self_timed: set[str] = set()
         result = RunRecords("complete", [], [], time.time())
         self._records: dict[str, RequestRecord] = {}
         if self._warmup_error is not None:
@@ -211,13 +215,24 @@ class Runner:
             rec = self._records.get(o.request_id)
             if rec is None:
                 continue
-            for token in o.new_token_ids:
-                rec.output_ids.append(token)
-                rec.token_times_s.append(end)
+            rec.output_ids.extend(o.new_token_ids)
+            if o.token_times:
+                rec.token_times_s.extend(t - self._perf_t0 for t in o.token_times)
+                self._self_timed.add(o.request_id)
+            else:
+                rec.token_times_s.extend(end for _ in o.new_token_ids)
             if rec.first_token_s is None and rec.token_times_s:
                 rec.first_token_s = rec.token_times_s[0]
-            if o.finished:
-                rec.finish_s, rec.finish_reason = end, o.finish_reason
+            if o.error is not None:  # failed after it was accepted (a remote server's error)
+                rec.error = o.error
+                self._in_flight.discard(o.request_id)
+                self._on_finish(o.request_id, end)
+            elif o.finished:
+                # A request whose engine timed its tokens (remote) ends when its last token
+                # arrived, not when the step that reported the end returned.
+                timed = o.request_id in self._self_timed and rec.token_times_s
+                rec.finish_s = rec.token_times_s[-1] if timed else end
+                rec.finish_reason = o.finish_reason
                 self._in_flight.discard(o.request_id)
                 self._on_finish(o.request_id, end)
         result.steps.append({"t_s": start, "duration_s": end - start, **step_row(out)})

@@ -30,9 +30,11 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     slo = ", ".join(f"{k}<={v:g}" for k, v in s["slo"].items())
     out.append(("goodput", f"{_fmt(s['goodput_requests_per_s'], 2)} req/s meet {slo} ({_fmt((s['slo_attainment'] or 0) * 100)}%)"))
     e = s["engine"]
-    out.append(("host<->device", f"h2d {_fmt(e['h2d_bytes'])} B, d2h {_fmt(e['d2h_bytes'])} B, "
-                                 f"{_fmt(e['h2d_bytes_per_output_token'])} h2d B/token"))
-    out.append(("experts hit", f"{_fmt(e['experts_hit_per_step_mean'])} per step, {e['preemptions']} preemptions"))
+    gone = (run.get("engine") or {}).get("unavailable") or {}  # metrics the engine cannot see (remote)
+    out.append(("host<->device", "unavailable" if "transfers" in gone else f"h2d {_fmt(e['h2d_bytes'])} B, d2h "
+                f"{_fmt(e['d2h_bytes'])} B, {_fmt(e['h2d_bytes_per_output_token'])} h2d B/token"))
+    out.append(("experts hit", "unavailable" if "experts" in gone else
+                f"{_fmt(e['experts_hit_per_step_mean'])} per step, {e['preemptions']} preemptions"))
     eff = s.get("efficiency", {})
     if "mbu" in eff or "mfu" in eff:
         out.append(("efficiency", f"MBU {_fmt(eff.get('mbu', 0) * 100)}%, MFU {_fmt(eff.get('mfu', 0) * 100)}% ({eff['peaks_source']})"))
@@ -45,7 +47,7 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     elif q:
         out.append(("quality vs fp32", q.get("skipped", "-")))
     m = s.get("memory", {})
-    if "weight_bytes" in m:
+    if "weight_bytes" in m and "memory" not in gone:
         out.append(("memory", f"weights {_fmt(m['weight_bytes'] / 2**20)} MiB, KV cache {_fmt(m['kv_cache_bytes'] / 2**20)} MiB "
                               f"({_fmt(m.get('kv_capacity_tokens'))} tokens)"))
     if m.get("budget_bytes") and "peak_device_bytes" in m:
@@ -117,4 +119,9 @@ def print_summary(run: dict[str, Any], folder: Path) -> None:
     console.print(table)
     for note in run["workload"].get("notes", []):
         console.print(f"note: {note}", style="dim")
+    for note in run.get("engine_notes") or []:
+        console.print(f"engine: {note}")
+    unavailable = (run.get("engine") or {}).get("unavailable") or {}
+    if unavailable:
+        console.print("unavailable: " + "; ".join(f"{k} ({v})" for k, v in unavailable.items()), style="dim")
     console.print(f"results: {folder}")

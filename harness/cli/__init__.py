@@ -8,14 +8,16 @@ line on stderr and exit code 2; Ctrl-C exits with 130.
 
 from __future__ import annotations
 
-from harness.cli import run, generate, evals, hw, ls, demo  # noqa: F401, I001  (each registers its commands, in help order)
+from harness.cli import run, generate, serve, evals, hw, ls, demo  # noqa: F401, I001  (each registers its commands, in help order)
 from harness.cli.apps import app, demo_app, ls_app
+from harness.cli.imports import import_app
 from harness.cli.quantize import quantize
 from harness.cli.trace import trace_app
 
 app.add_typer(ls_app, name="ls")
 app.add_typer(trace_app, name="trace")
 app.add_typer(demo_app, name="demo")
+app.add_typer(import_app, name="import")
 app.command("quantize")(quantize)
 
 

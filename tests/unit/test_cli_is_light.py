@@ -17,7 +17,8 @@ def imported_after(code: str) -> set[str]:
     return set(proc.stdout.split("\n")[-2].split())
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["ls", "engines"], ["ls", "--help"], ["generate", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["ls", "engines"], ["ls", "--help"], ["generate", "--help"],
+                                  ["serve", "--help"], ["import", "vllm", "--help"]])
 def test_cli_paths_import_nothing_heavy(argv):
     code = f"from harness.cli import app\ntry:\n    app({argv!r})\nexcept SystemExit:\n    pass"
     mods = imported_after(code)
@@ -27,7 +28,7 @@ def test_cli_paths_import_nothing_heavy(argv):
 def test_ls_engines_lists_every_engine():
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "ls", "engines"], capture_output=True, text=True)
     names = [line.split()[0] for line in proc.stdout.splitlines()]
-    assert names == ["dummy", "hf", "moe", "offload", "pagedweight", "static-awq", "static-gptq", "static-rtn"]
+    assert names == ["dummy", "hf", "moe", "offload", "openai", "pagedweight", "static-awq", "static-gptq", "static-rtn"]
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,7 @@ def test_ls_engines_lists_every_engine():
         ("engines.registry", HEAVY + ("harness", "workloads", "reports")),
         ("engines.base", HEAVY),
         ("engines.dummy", HEAVY + ("harness", "workloads", "reports")),
+        ("engines.remote", HEAVY + ("harness", "workloads", "reports", "aiohttp")),  # aiohttp only at start()
         ("engines.moe", ("harness", "workloads", "reports", "triton")),
         ("engines.hf", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
         ("reports", HEAVY + ("engines", "harness", "workloads")),
