@@ -9,13 +9,14 @@ measured peaks when this machine has them cached, datasheet ones otherwise, and 
 from __future__ import annotations
 
 import json
-import platform
 import re
 import time
-from pathlib import Path
 from typing import Any
 
-from engines.folders import cache_dir
+# Where measurements are cached and how they are read live beside the engines' cost model,
+# which reads them too (engines import no harness).
+from engines.modbatch.hardware import cache_path, cpu_model
+from engines.modbatch.hardware import cached_peaks as load_cached
 
 # NVIDIA datasheets (dense tensor-core rates, no sparsity); PCIe per direction, theoretical.
 # H200/H100/PCIe Gen5 figures as in the pwbench brief; an H200 measures ~790 TFLOP/s bf16.
@@ -27,20 +28,6 @@ DATASHEET: dict[str, dict[str, float]] = {
     "A10G": {"memory_bandwidth_bytes_per_s": 600e9, "matmul_flops_per_s": 125e12, "h2d_bytes_per_s": 31.5e9},
     "RTX 6000 Ada": {"memory_bandwidth_bytes_per_s": 960e9, "matmul_flops_per_s": 364e12, "h2d_bytes_per_s": 31.5e9},
 }
-
-
-def cache_path() -> Path:
-    return cache_dir() / "hw.json"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | None:
@@ -109,13 +96,6 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     else:
         out["device_name"] = cpu_model()
     return out
-
-
-def load_cached() -> dict[str, Any]:
-    try:
-        return json.loads(cache_path().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def save_cached(entry: dict[str, Any]) -> None:
