@@ -48,6 +48,43 @@ class MoEGenConfig(MoEEngineConfig):
     op_overhead_us: float = 0.0  # dispatch cost of one torch call, for the cost model
 
 
+def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware) -> Plan:
+    """The cost model's plan for `cfg` (its budget, batch and placement options), with the
+    options that fix a part of it (expert_slots, resident_experts, micro_batch) applied and
+    the prediction redone; an impossible combination is an EngineError naming the options."""
+    if cfg.kv_placement not in ("auto", *PLACEMENTS):
+        raise EngineError(f"engine moegen: kv_placement must be one of auto, {', '.join(PLACEMENTS)}, "
+                          f"got {cfg.kv_placement!r}")
+    if cfg.budget_bytes is None:
+        raise EngineError("engine moegen needs a device budget (--budget SIZE): its plan streams what the "
+                          "budget cannot hold")
+    work = Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
+    placements = PLACEMENTS if cfg.kv_placement == "auto" else (cfg.kv_placement,)
+    kv_block = cfg.block_size * shape.kv_bytes_per_token
+    try:
+        plan = choose_plan(shape, hw, cfg.budget_bytes, work, kv_block, cfg.host_scratch_mb << 20, placements)
+    except ValueError as exc:
+        raise EngineError(f"engine moegen: {exc}; raise --budget or use --set kv_placement=host") from None
+    fixed = {k: getattr(cfg, k) for k in ("expert_slots", "resident_experts", "micro_batch") if getattr(cfg, k) is not None}
+    if not fixed:
+        return plan
+    total = shape.total_experts
+    resident = fixed.get("resident_experts", plan.resident_experts)
+    if not 0 <= resident <= total:
+        raise EngineError(f"engine moegen: resident_experts must be within [0, {total}], got {resident}")
+    if fixed.get("expert_slots", 1) < 1 or fixed.get("micro_batch", 1) < 1:
+        raise EngineError("engine moegen: expert_slots and micro_batch must be >= 1")
+    slots = fixed.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
+    weights = shape.dense_bytes + (slots + resident) * shape.expert_bytes
+    if weights + (kv_block if plan.kv_placement == "device" else 0) > cfg.budget_bytes:
+        raise EngineError(f"engine moegen: {slots} ring slots + {resident} resident experts "
+                          f"({format_size((slots + resident) * shape.expert_bytes)}) do not fit --budget "
+                          f"{format_size(cfg.budget_bytes)} beside the dense weights")
+    plan = dataclasses.replace(plan, resident_experts=resident, expert_slots=slots,
+                               micro_batch=fixed.get("micro_batch", plan.micro_batch))
+    return dataclasses.replace(plan, predicted=decode_cost(shape, hw, plan, plan.batch_seqs, work.context))
+
+
 class MoEGenEngine(MoEEngine):
     name = "moegen"
     config_cls = MoEGenConfig
@@ -55,15 +92,9 @@ class MoEGenEngine(MoEEngine):
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
         cfg: MoEGenConfig = self.config  # type: ignore[assignment]
-        if cfg.kv_placement not in ("auto", *PLACEMENTS):
-            raise EngineError(f"engine moegen: kv_placement must be one of auto, {', '.join(PLACEMENTS)}, "
-                              f"got {cfg.kv_placement!r}")
         if cfg.link_gbps is not None and (cfg.link_gbps <= 0 or self.device.type != "cpu"):
             raise EngineError("engine moegen: link_gbps must be > 0 and models the link on the CPU only "
                               "(on CUDA copies take the real link's time)")
-        if cfg.budget_bytes is None:
-            raise EngineError("engine moegen needs a device budget (--budget SIZE): its plan streams what the "
-                              "budget cannot hold")
         self._per_expert = next(iter(dense.values())).expert_nbytes(0) if dense else 0
         self.plan = self._plan()
         self.copies = CopyEngine(self.ledger, self.device, cfg.link_gbps)
@@ -74,37 +105,9 @@ class MoEGenEngine(MoEEngine):
 
     # -- the plan ------------------------------------------------------------------------------------
     def _plan(self) -> Plan:
-        cfg: MoEGenConfig = self.config  # type: ignore[assignment]
         self.shape, self.hardware = self._shape(), self._hardware()
-        minimum = sum(n for _, n in self.budget_minimum())
-        self._check_budget(minimum)
-        work = Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
-        placements = PLACEMENTS if cfg.kv_placement == "auto" else (cfg.kv_placement,)
-        try:
-            plan = choose_plan(self.shape, self.hardware, cfg.budget_bytes, work, self._kv_block_bytes(),
-                               cfg.host_scratch_mb << 20, placements)
-        except ValueError as exc:
-            raise EngineError(f"engine moegen: {exc}; raise --budget or use --set kv_placement=host") from None
-        overrides = {k: getattr(cfg, k) for k in ("expert_slots", "resident_experts", "micro_batch")
-                     if getattr(cfg, k) is not None}
-        if overrides:
-            total = self.shape.total_experts
-            resident = overrides.get("resident_experts", plan.resident_experts)
-            if not 0 <= resident <= total:
-                raise EngineError(f"engine moegen: resident_experts must be within [0, {total}], got {resident}")
-            if overrides.get("expert_slots", 1) < 1 or overrides.get("micro_batch", 1) < 1:
-                raise EngineError("engine moegen: expert_slots and micro_batch must be >= 1")
-            slots = overrides.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
-            plan = dataclasses.replace(plan, resident_experts=resident, expert_slots=slots,
-                                       micro_batch=overrides.get("micro_batch", plan.micro_batch))
-            weights = self.shape.dense_bytes + (slots + resident) * self._per_expert
-            if weights + (self._kv_block_bytes() if plan.kv_placement == "device" else 0) > cfg.budget_bytes:
-                raise EngineError(f"engine moegen: {slots} ring slots + {resident} resident experts "
-                                  f"({format_size((slots + resident) * self._per_expert)}) do not fit --budget "
-                                  f"{format_size(cfg.budget_bytes)} beside the dense weights")
-            plan = dataclasses.replace(plan, predicted=decode_cost(self.shape, self.hardware, plan, plan.batch_seqs,
-                                                                   work.context))
-        return plan
+        self._check_budget(sum(n for _, n in self.budget_minimum()))
+        return make_plan(self.config, self.shape, self.hardware)  # type: ignore[arg-type]
 
     def _shape(self) -> ModelShape:
         shape = model_shape(self.checkpoint.config, self.weights.embed.element_size())

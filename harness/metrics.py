@@ -257,6 +257,24 @@ def expert_precision(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def plan_accuracy(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The engine's predicted step times (x_predicted_step_s, engines with a cost model) against
+    the measured ones: over every predicted step, and over decode-only steps (medians and the
+    ratio of sums)."""
+    rows = [s for s in steps if not _nan(s.get("x_predicted_step_s", math.nan)) and s.get("x_predicted_step_s")]
+    if not rows:
+        return {}
+    out: dict[str, Any] = {"steps": len(rows), "predicted_over_measured":
+                           sum(s["x_predicted_step_s"] for s in rows) / sum(s["duration_s"] for s in rows)}
+    dec = [s for s in rows if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
+    if dec:
+        out.update(decode_steps=len(dec),
+                   decode_predicted_step_s_p50=percentile([s["x_predicted_step_s"] for s in dec], 50),
+                   decode_measured_step_s_p50=percentile([s["duration_s"] for s in dec], 50),
+                   decode_predicted_over_measured=sum(s["x_predicted_step_s"] for s in dec) / sum(s["duration_s"] for s in dec))
+    return out
+
+
 def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Exact match per task over requests that carry one (answer vs output_text up to EOS)."""
     from workloads.demo.tasks import score  # noqa: PLC0415
@@ -282,5 +300,7 @@ def summarize(requests: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str
     out["memory"] = memory(steps, model, peaks)
     if precision := expert_precision(steps):
         out["expert_precision"] = precision
+    if planned := plan_accuracy(steps):
+        out["plan"] = planned
     out["accuracy"] = task_accuracy(requests)
     return out

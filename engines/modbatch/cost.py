@@ -166,7 +166,15 @@ def decode_cost(shape: ModelShape, hw: Hardware, plan: Plan, seqs: int, context:
 
 def choose_plan(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv_block_bytes: int,
                 host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS) -> Plan:
-    """The plan with the highest predicted decode tokens/s within `budget` (see module doc)."""
+    """The plan with the highest predicted decode tokens/s within `budget` (see module doc);
+    ties go to fewer bytes over the link, then to fewer ring slots."""
+    plans = candidate_plans(shape, hw, budget, work, kv_block_bytes, host_scratch_bytes, placements)
+    return max(plans, key=lambda p: (round(p.tokens_per_s, 6), -p.predicted.h2d_bytes, -p.expert_slots))
+
+
+def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv_block_bytes: int,
+                    host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS) -> list[Plan]:
+    """Every plan choose_plan weighs, each with its predicted decode step."""
     free = budget - shape.dense_bytes
     if free < shape.expert_bytes:
         raise ValueError(f"budget {budget} holds no expert slot beside the dense weights ({shape.dense_bytes})")
@@ -203,5 +211,4 @@ def choose_plan(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv
     if not candidates:
         raise ValueError(f"no plan fits budget {budget}: KV for one sequence of {work.context} tokens "
                          f"({per_seq_kv} bytes) does not fit beside the weights")
-    # Highest tokens/s; then fewer bytes over the link; then the simpler (fewer slots) plan.
-    return max(candidates, key=lambda p: (round(p.tokens_per_s, 6), -p.predicted.h2d_bytes, -p.expert_slots))
+    return candidates

@@ -70,15 +70,20 @@ class HostAttention:
     def __init__(self, kv: KVCache, copies: CopyEngine, windows: tuple[int | None, ...]) -> None:
         self.kv, self.copies, self.windows = kv, copies, windows
 
-    def _host(self, t: Tensor) -> Tensor:
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.copies.device.type == "cuda")
+    def _buffer(self, t: Tensor, device: torch.device) -> Tensor:
+        # Normal (not inference-mode) tensors: the CPU link model copies into them on its own
+        # thread, outside inference mode, where writing an inference tensor is an error.
+        with torch.inference_mode(False):
+            pin = device.type == "cpu" and self.copies.device.type == "cuda"
+            return torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin)
 
     def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch) -> Tensor:
-        qh, kh, vh = self._host(q), self._host(k), self._host(v)
+        cpu = torch.device("cpu")
+        qh, kh, vh = self._buffer(q, cpu), self._buffer(k, cpu), self._buffer(v, cpu)
         self.copies.d2h([(qh, q), (kh, k), (vh, v)], tag="activations").wait()
         self.kv.write(i, attn.slots, kh, vh)
         o = paged_attention(qh, kh, vh, self.kv, i, attn, self.windows[i])
-        out = torch.empty(o.shape, dtype=o.dtype, device=q.device)
+        out = self._buffer(o, q.device)
         self.copies.h2d([(out, o)], tag="activations").wait()
         return out
 
