@@ -21,7 +21,7 @@ from engines.modbatch.cost import PLACEMENTS, Hardware, ModelShape, Plan, Worklo
 from engines.modbatch.executor import HostAttention, LayerMajorExecutor
 from engines.modbatch.hardware import device_name, hardware, model_shape
 from engines.modbatch.streaming import StreamingBackend
-from engines.moe import MoEEngine, MoEEngineConfig
+from engines.moe import MoEEngine, MoEEngineConfig, budget_error
 from engines.runtime.copies import CopyEngine
 from engines.runtime.experts import ExpertBackend
 from engines.runtime.kv_cache import PagedKVCache
@@ -45,7 +45,14 @@ class MoEGenConfig(MoEEngineConfig):
     # Peaks for the cost model; None: `pwbench hw`'s measurement of this machine, else assumed.
     peak_memory_gbps: float | None = None
     peak_gflops: float | None = None
-    op_overhead_us: float = 0.0  # dispatch cost of one torch call, for the cost model
+    op_overhead_us: float | None = None  # dispatch cost of one torch call; None: `pwbench hw`'s, else 0
+
+
+def minimum_parts(cfg: MoEGenConfig, dense: int, expert: int, kv_block: int) -> list[tuple[str, int]]:
+    """What the smallest budget holds: dense weights, one ring slot, and a KV block when KV
+    must be on the device."""
+    parts = [("dense weights", dense), ("one expert ring slot", expert)]
+    return parts + ([("one KV block", kv_block)] if cfg.kv_placement == "device" else [])
 
 
 def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware) -> Plan:
@@ -58,9 +65,12 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware) -> Plan:
     if cfg.budget_bytes is None:
         raise EngineError("engine moegen needs a device budget (--budget SIZE): its plan streams what the "
                           "budget cannot hold")
+    kv_block = cfg.block_size * shape.kv_bytes_per_token
+    parts = minimum_parts(cfg, shape.dense_bytes, shape.expert_bytes, kv_block)
+    if cfg.budget_bytes < sum(n for _, n in parts):
+        raise budget_error("moegen", cfg.budget_bytes, parts)
     work = Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
     placements = PLACEMENTS if cfg.kv_placement == "auto" else (cfg.kv_placement,)
-    kv_block = cfg.block_size * shape.kv_bytes_per_token
     try:
         plan = choose_plan(shape, hw, cfg.budget_bytes, work, kv_block, cfg.host_scratch_mb << 20, placements)
     except ValueError as exc:
@@ -106,7 +116,6 @@ class MoEGenEngine(MoEEngine):
     # -- the plan ------------------------------------------------------------------------------------
     def _plan(self) -> Plan:
         self.shape, self.hardware = self._shape(), self._hardware()
-        self._check_budget(sum(n for _, n in self.budget_minimum()))
         return make_plan(self.config, self.shape, self.hardware)  # type: ignore[arg-type]
 
     def _shape(self) -> ModelShape:
@@ -124,14 +133,10 @@ class MoEGenEngine(MoEEngine):
             peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9, "matmul_flops_per_s": cfg.peak_gflops * 1e9}
         link = cfg.link_gbps * 1e9 if cfg.link_gbps is not None else None
         return hardware(device_name(self.device), self.device.type == "cpu", link, peaks,
-                        op_overhead_s=cfg.op_overhead_us * 1e-6)
+                        op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
 
     def budget_minimum(self) -> list[tuple[str, int]]:
-        cfg: MoEGenConfig = self.config  # type: ignore[assignment]
-        parts = [("dense weights", self._dense_device_bytes()), ("one expert ring slot", self._per_expert)]
-        if cfg.kv_placement == "device":
-            parts.append(("one KV block", self._kv_block_bytes()))
-        return parts
+        return minimum_parts(self.config, self._dense_device_bytes(), self._per_expert, self._kv_block_bytes())  # type: ignore[arg-type]
 
     # -- KV and execution ----------------------------------------------------------------------------
     def _build_kv_cache(self) -> PagedKVCache:

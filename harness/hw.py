@@ -78,6 +78,15 @@ def measure(device: str = "cpu") -> dict[str, Any]:
 
         out[f"matmul_{str(dtype).removeprefix('torch.')}_flops_per_s"] = 2 * size**3 / _timeit(mm)
     out["matmul_flops_per_s"] = out[f"matmul_{str(dtypes[0]).removeprefix('torch.')}_flops_per_s"]
+    # What one small torch call costs to dispatch (the cost model's per-call overhead).
+    tiny = torch.ones(8, device=dev)
+
+    def calls() -> None:
+        for _ in range(1000):
+            torch.mul(tiny, tiny)
+        sync()
+
+    out["op_overhead_s"] = _timeit(calls) / 1000
     if dev.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(dev)
         host = torch.empty((256 << 20) // 4, dtype=torch.float32).pin_memory()

@@ -5,7 +5,8 @@ MoE-Lightning's hierarchical roofline does (arXiv 2411.11217): each module's tim
 max(bytes / bandwidth, FLOPs / FLOP rate) on the processor it runs on; a layer's time is
 max(its compute, its weights' link time), because the next layer's experts copy while this
 layer computes (with fewer ring slots than a layer streams, only the slots' share overlaps).
-On a CPU run the host and the "device" are the same cores, so their times add.
+Host attention is waited for, so a layer's host and device compute add up (on a CPU run they
+are the same cores anyway); MoE-Gen's overlap of host attention with device work is not built.
 
 Two facts about this runtime's kernels enter as such, not as fitted constants: decode
 attention gathers each sequence's KV blocks into a contiguous copy before attending (the KV
@@ -35,7 +36,6 @@ class Hardware:
     host_bytes_per_s: float
     host_flops_per_s: float
     link_bytes_per_s: float | None  # None: no modelled link (copies are memcpys at device bandwidth)
-    shared_compute: bool  # host and device are one processor (CPU runs): their times add
     op_overhead_s: float = 0.0
     source: str = "given"
 
@@ -144,16 +144,15 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     compute = host = link_busy = 0.0
     for layer in range(s.layers):
         moe = layer < s.moe_layers  # MoE layers first: only counts matter here
-        c = dense_t + overhead + (expert_t if moe else 0.0)
+        c = dense_t + overhead + (expert_t if moe else 0.0) + (att_t if plan.kv_placement == "device" else 0.0)
         h = att_t if plan.kv_placement == "host" else 0.0
-        if plan.kv_placement == "device" or hw.shared_compute:
-            c += att_t
         lk = (expert_link if moe else 0.0) + act_link
         # The ring overlaps a share of the next layer's copies with this layer's compute.
         hidden = min(1.0, plan.expert_slots / per_layer_streamed) if per_layer_streamed else 1.0
         serial = (1 - hidden) * (expert_link if moe else 0.0)
-        work = c if hw.shared_compute else max(c, h)
-        layer_total += max(work, lk - serial) + serial
+        # Host attention is synchronous in this executor (the layer waits for it), so host and
+        # device work add up; the copies of the next layer's experts run beside both.
+        layer_total += max(c + h, lk - serial) + serial
         compute, host, link_busy = compute + c, host + h, link_busy + lk
     head = roof(s.head_bytes, 2 * (decode_seqs + prefill_chunks) * s.hidden * s.vocab, dev_bw, dev_f)
     h2d = int(s.moe_layers * min(per_layer_streamed, active) * s.expert_bytes) + s.layers * act_h2d

@@ -51,10 +51,10 @@ def cached_peaks() -> dict[str, dict[str, Any]]:
 
 
 def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, peaks: dict[str, Any] | None = None,
-             host_peaks: dict[str, Any] | None = None, op_overhead_s: float = 0.0) -> Hardware:
+             host_peaks: dict[str, Any] | None = None, op_overhead_s: float | None = None) -> Hardware:
     """Hardware for the cost model. `peaks` (memory_bandwidth_bytes_per_s, matmul_flops_per_s):
     given, else measured for `device_name`, else assumed; `host_peaks` likewise for the host CPU
-    (the same as `peaks` on a CPU run)."""
+    (the same as `peaks` on a CPU run). The per-call overhead: given, else `pwbench hw`'s."""
     source = "given"
     if not peaks:
         peaks = cached_peaks().get(device_name)
@@ -62,6 +62,8 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
             "assumed (run `pwbench hw` to measure this machine)"
         peaks = peaks or ASSUMED_CPU
     host = peaks if on_cpu else (host_peaks or ASSUMED_CPU)
+    if op_overhead_s is None:
+        op_overhead_s = float(peaks.get("op_overhead_s", 0.0))
     if not on_cpu and link_bytes_per_s is None:
         link_bytes_per_s = peaks.get("h2d_bytes_per_s")
     return Hardware(
@@ -69,7 +71,7 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
         device_flops_per_s=float(peaks["matmul_flops_per_s"]),
         host_bytes_per_s=float(host["memory_bandwidth_bytes_per_s"]),
         host_flops_per_s=float(host["matmul_flops_per_s"]),
-        link_bytes_per_s=link_bytes_per_s, shared_compute=on_cpu, op_overhead_s=op_overhead_s, source=source,
+        link_bytes_per_s=link_bytes_per_s, op_overhead_s=op_overhead_s, source=source,
     )
 
 

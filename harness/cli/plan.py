@@ -60,13 +60,18 @@ def plan(
     else:
         name, on_cpu = cpu_model(), True
         peaks = peaks_for(name)
+    if cfg.peak_memory_gbps is not None and cfg.peak_gflops is not None:  # as the engine takes them
+        peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9, "matmul_flops_per_s": cfg.peak_gflops * 1e9,
+                 "source": "given"}
     widths = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
     if dtype is not None and dtype not in widths:
         raise HarnessError(f"--dtype {dtype!r} is not one of float32, float16, bfloat16")
     shape = model_shape(mc, widths[dtype] if dtype else (4 if on_cpu else 2))
     given = peaks if peaks.get("memory_bandwidth_bytes_per_s") else None  # else measured or assumed, said
+    if link_gbps is None and cfg.link_gbps is not None:
+        link_gbps = cfg.link_gbps
     hw = hardware(name, on_cpu, link_gbps * 1e9 if link_gbps is not None else None, given,
-                  op_overhead_s=cfg.op_overhead_us * 1e-6)
+                  op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
     if given:
         hw = dataclasses.replace(hw, source=peaks["source"])
     chosen = make_plan(cfg, shape, hw)

@@ -193,3 +193,31 @@ def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts(
     assert slow - base == pytest.approx(stall, rel=0.2, abs=0.04)
     predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
     assert slow - base == pytest.approx(predicted_loss, rel=0.3, abs=0.04)
+
+
+def test_pwbench_plan_prints_the_plan_the_engine_runs(tmp_path):
+    """`pwbench plan --json` (from config.json alone) and a started engine with the same options
+    agree on the plan and its prediction (same peaks given to both)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    opts = {"peak_memory_gbps": "20", "peak_gflops": "100", "op_overhead_us": "5", "link_gbps": "25",
+            "max_num_seqs": "64", "plan_context": "200"}
+    budget = DEMO_DENSE + 5 * DEMO_EXPERT
+    sets = [x for k, v in opts.items() for x in ("--set", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), "--json", *sets],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])["plan"]
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, **opts, **SMALL_HOST_KV})
+    engine.start()
+    stats = engine.info().model_stats
+    engine.stop()
+    assert printed["kv_placement"] == ("host" if stats["plan_kv_on_host"] else "device")
+    for key in ("batch_seqs", "micro_batch", "expert_slots", "resident_experts"):
+        assert printed[key] == stats[f"plan_{key}"], key
+    assert printed["predicted_decode_step_s"] == pytest.approx(stats["plan_predicted_decode_step_s"], rel=1e-12)
+    assert printed["expert_slots"] + printed["resident_experts"] <= 5
