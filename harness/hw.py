@@ -78,6 +78,17 @@ def measure(device: str = "cpu") -> dict[str, Any]:
 
         out[f"matmul_{str(dtype).removeprefix('torch.')}_flops_per_s"] = 2 * size**3 / _timeit(mm)
     out["matmul_flops_per_s"] = out[f"matmul_{str(dtypes[0]).removeprefix('torch.')}_flops_per_s"]
+    # Decode-shaped matmuls: a few rows against many distinct weight matrices (each read once,
+    # not cached), as experts run in a decode step; the rate weights stream through them.
+    rows, w = 8, torch.randn(64, 1536, 512, device=dev)
+    xs = torch.randn(rows, 512, device=dev)
+
+    def skinny() -> None:
+        for e in range(w.shape[0]):
+            torch.mm(xs, w[e].t())
+        sync()
+
+    out["skinny_matmul_bytes_per_s"] = w.numel() * 4 / _timeit(skinny)
     # What one small torch call costs to dispatch (the cost model's per-call overhead).
     tiny = torch.ones(8, device=dev)
 

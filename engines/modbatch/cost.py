@@ -8,7 +8,9 @@ layer computes (with fewer ring slots than a layer streams, only the slots' shar
 Host attention is waited for, so a layer's host and device compute add up (on a CPU run they
 are the same cores anyway); MoE-Gen's overlap of host attention with device work is not built.
 
-Two facts about this runtime's kernels enter as such, not as fitted constants: decode
+Weights are read at the rate decode-shaped matmuls stream them (`pwbench hw` measures it; on
+these CPUs far below the copy bandwidth). Two facts about this runtime's kernels enter as
+such, not as fitted constants: decode
 attention gathers each sequence's KV blocks into a contiguous copy before attending (the KV
 is read, written and read again: 3x its bytes), and every torch call costs a dispatch
 overhead (`Hardware.op_overhead_s`; ~30 calls per layer plus ~6 per expert that runs).
@@ -36,6 +38,9 @@ class Hardware:
     host_bytes_per_s: float
     host_flops_per_s: float
     link_bytes_per_s: float | None  # None: no modelled link (copies are memcpys at device bandwidth)
+    # The rate weights stream through decode-shaped (few-row) matmuls, measured by `pwbench hw`;
+    # None: the memory bandwidth.
+    weight_bytes_per_s: float | None = None
     op_overhead_s: float = 0.0
     source: str = "given"
 
@@ -118,10 +123,11 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     if T == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0)
     dev_bw, dev_f = hw.device_bytes_per_s, hw.device_flops_per_s
+    w_bw = min(dev_bw, hw.weight_bytes_per_s or dev_bw)  # weights go through matmuls; KV through copies
     e = s.dtype_bytes
     kv_layer = s.kv_bytes_per_token // s.layers
     proj_flops = 2 * T * s.hidden * (2 * s.q_size + 2 * s.kv_size)
-    dense_t = roof(s.layer_dense_bytes, proj_flops, dev_bw, dev_f)
+    dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, dev_f)
     att_bytes = KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer
     att_flops = 4 * s.heads * s.head_dim * (decode_context + prefill_context)
     micro = max(1, math.ceil(decode_seqs / max(1, plan.micro_batch))) + prefill_chunks
@@ -133,7 +139,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         att_t = roof(att_bytes, att_flops, dev_bw, dev_f)
         act_h2d = act_d2h = 0
     active = min(s.experts, T * s.top_k)
-    expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, dev_bw, dev_f)
+    expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw, dev_f)
     streamed = s.total_experts - plan.resident_experts
     per_layer_streamed = streamed / s.moe_layers if s.moe_layers else 0
     link = hw.link_bytes_per_s or dev_bw
@@ -154,7 +160,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         # device work add up; the copies of the next layer's experts run beside both.
         layer_total += max(c + h, lk - serial) + serial
         compute, host, link_busy = compute + c, host + h, link_busy + lk
-    head = roof(s.head_bytes, 2 * (decode_seqs + prefill_chunks) * s.hidden * s.vocab, dev_bw, dev_f)
+    head = roof(s.head_bytes, 2 * (decode_seqs + prefill_chunks) * s.hidden * s.vocab, w_bw, dev_f)
     h2d = int(s.moe_layers * min(per_layer_streamed, active) * s.expert_bytes) + s.layers * act_h2d
     return StepCost(compute + head, host, link_busy, layer_total + head, h2d)
 
