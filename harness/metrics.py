@@ -235,6 +235,13 @@ def memory(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: 
         if link_peak:
             out["link_peak_bytes_per_s"] = link_peak
             out["link_utilization"] = out["link_bytes_per_s"] / link_peak
+    # Engines that stream experts report the expert copies' own link time and wait (x_ columns),
+    # apart from copies compute must wait for by nature (activations for host attention).
+    expert_busy = sum(s.get("x_expert_copy_busy_s", 0.0) for s in steps)
+    if expert_busy:
+        expert_stall = sum(s.get("x_expert_copy_stall_s", 0.0) for s in steps)
+        out.update(expert_copy_busy_s=expert_busy, expert_copy_stall_s=expert_stall,
+                   expert_copy_overlap_share=max(0.0, 1 - expert_stall / expert_busy))
     return out
 
 

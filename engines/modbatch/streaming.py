@@ -20,6 +20,7 @@ the same rows as in the resident backend and `combine` sums in expert order: ide
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -55,6 +56,7 @@ class StreamingBackend(ExpertBackend):
         self._queue: deque[Key] = deque()  # streamed experts queued, not yet issued, FIFO
         self._issued: dict[Key, tuple[int, CopyHandle]] = {}  # slot and copy of experts in flight or landed
         self._queued_layers: set[int] = set()
+        self._stall = 0.0  # compute's wait for expert copies this step
 
     # -- ExpertBackend -----------------------------------------------------------------------------
     def layers(self) -> list[int]:
@@ -107,7 +109,9 @@ class StreamingBackend(ExpertBackend):
                 self._issue()
             slot, handle = self._issued.pop(key)
             if e in rows:
+                t0 = time.perf_counter()
                 handle.wait()
+                self._stall += time.perf_counter() - t0
                 out[rows[e]] = swiglu(xs[rows[e]], self.gate_up[slot], self.down[slot])
                 self._stats["streamed_experts"] += 1
             else:  # prefetched a layer ahead, then routed no token
@@ -117,11 +121,18 @@ class StreamingBackend(ExpertBackend):
         self._queued_layers.discard(layer)
         return combine(x, d, out)
 
-    def step_stats(self) -> dict[str, int]:
+    def step_stats(self) -> dict[str, float]:
+        """Also: experts streamed (used / unused) and, for the expert copies alone, the link's
+        busy time (bytes / bandwidth; with the CPU link model) and compute's wait for them, so
+        the expert stream's overlap shows apart from synchronous activation copies."""
         stats = dict(self._stats)
-        out = super().step_stats()
+        out: dict[str, float] = dict(super().step_stats())
         out["streamed_experts"] = stats.get("streamed_experts", 0)
         out["streamed_unused"] = stats.get("streamed_unused", 0)
+        if self.copies.bytes_per_s is not None:
+            out["expert_copy_busy_s"] = stats.get("streamed_bytes", 0) / self.copies.bytes_per_s
+            out["expert_copy_stall_s"] = self._stall
+        self._stall = 0.0
         return out
 
     # -- copies ------------------------------------------------------------------------------------
@@ -134,4 +145,5 @@ class StreamingBackend(ExpertBackend):
             host = self.host[layer]
             handle = self.copies.h2d([(self.gate_up[slot], host.gate_up[e]), (self.down[slot], host.down[e])],
                                      tag="experts")
+            self._stats["streamed_bytes"] += handle.nbytes
             self._issued[key] = (slot, handle)

@@ -112,8 +112,10 @@ def main() -> None:
                   f"micro-batch {stats['plan_micro_batch']:.0f}, ring {stats['plan_expert_slots']:.0f} slots, "
                   f"{stats['plan_resident_experts']:.0f}/{layers * experts} experts resident; "
                   f"predicted / measured, all steps {g['plan']['predicted_over_measured']:.2f}, decode steps "
-                  f"{g['plan'].get('decode_predicted_over_measured', float('nan')):.2f}; copy overlap "
-                  f"{g['memory'].get('copy_overlap_share', 0):.0%}")
+                  f"{g['plan'].get('decode_predicted_over_measured', float('nan')):.2f}; expert copies "
+                  f"{g['memory'].get('expert_copy_busy_s', 0):.2f} s on the link, "
+                  f"{g['memory'].get('expert_copy_overlap_share', 0):.0%} hidden under compute (all copies, "
+                  f"activations included: {g['memory'].get('copy_overlap_share', 0):.0%})")
         if "decode" in parts:
             n = args.decode_seqs
             spec = WorkloadSpec("offline_batch", requests=n, input_range=(32, 32), output_tokens=64)

@@ -158,6 +158,9 @@ def expected_summary(req: pd.DataFrame, steps: pd.DataFrame, slo: dict, model: d
         peak = model.get("link_peak_bytes_per_s") or peaks.get("h2d_bytes_per_s")
         if peak:
             mem.update(link_peak_bytes_per_s=peak, link_utilization=(h2d + d2h) / busy / peak)
+    if "x_expert_copy_busy_s" in steps and steps["x_expert_copy_busy_s"].sum():
+        eb, es = steps["x_expert_copy_busy_s"].sum(), steps["x_expert_copy_stall_s"].sum()
+        mem.update(expert_copy_busy_s=eb, expert_copy_stall_s=es, expert_copy_overlap_share=max(0.0, 1 - es / eb))
     out["memory"] = mem
     # The cost model's predicted step times (x_predicted_step_s) against the measured ones.
     if "x_predicted_step_s" in steps and (steps["x_predicted_step_s"].fillna(0) > 0).any():

@@ -190,6 +190,9 @@ def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts(
     assert h2d == sum(s.h2d_bytes for s in base_steps)  # the link changes time, not decisions
     assert busy == pytest.approx(h2d / (gbps * 1e9), rel=1e-6)
     assert 0 < stall < busy  # some copy time hid under compute
+    # Every copy here is an expert's (KV on the device): the stream's own figures are the same.
+    assert sum(s.extras["expert_copy_busy_s"] for s in steps) == pytest.approx(busy, rel=1e-6)
+    assert 0 < sum(s.extras["expert_copy_stall_s"] for s in steps) <= stall + 1e-9
     assert slow - base == pytest.approx(stall, rel=0.2, abs=0.04)
     predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
     assert slow - base == pytest.approx(predicted_loss, rel=0.3, abs=0.04)
