@@ -102,12 +102,12 @@ class MoEGenEngine(MoEEngine):
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
         cfg: MoEGenConfig = self.config  # type: ignore[assignment]
-        if cfg.link_gbps is not None and (cfg.link_gbps <= 0 or self.device.type != "cpu"):
-            raise EngineError("engine moegen: link_gbps must be > 0 and models the link on the CPU only "
-                              "(on CUDA copies take the real link's time)")
         self._per_expert = next(iter(dense.values())).expert_nbytes(0) if dense else 0
         self.plan = self._plan()
-        self.copies = CopyEngine(self.ledger, self.device, cfg.link_gbps)
+        try:
+            self.copies = CopyEngine(self.ledger, self.device, cfg.link_gbps)
+        except ValueError as exc:  # link_gbps <= 0, or a link model asked for on CUDA
+            raise EngineError(f"engine moegen: {exc}") from None
         layers = sorted(dense)
         pairs = [(i, e) for i in layers for e in range(dense[i].num_experts)]
         resident = set(pairs[: self.plan.resident_experts])

@@ -16,6 +16,7 @@ import pytest
 from engines.base import EngineError, EngineRequest, SamplingParams
 from engines.registry import create_engine
 from harness.offline import run_offline
+from test_offload import generate  # create, start, run offline, info, stop
 from tiny_models import ARCHS, CPU32
 
 DEMO = "engines/demo_model"
@@ -28,18 +29,6 @@ def requests(vocab: int, n: int = 5, new: int = 10, seed: int = 0, lo: int = 3, 
     rng = random.Random(seed)
     return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))), new,
                           sampling=sampling, ignore_eos=True) for i in range(n)]
-
-
-def generate(name: str, model, reqs, **options):
-    engine = create_engine(name, {"model": str(model), **CPU32, **options})
-    engine.start()
-    steps = []
-    try:
-        done = run_offline(engine, reqs, on_step=steps.append)
-        info = engine.info()
-    finally:
-        engine.stop()
-    return {rid: c.output_ids for rid, c in done.items()}, steps, info
 
 
 SMALL_HOST_KV = {"host_kv_gb": 0.01}
@@ -169,15 +158,12 @@ def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts(
     def timed(**extra):
         engine = create_engine("moegen", {"model": DEMO, **CPU32, **options, **extra})
         engine.start()
-        durations, steps = [], []
-        for r in reqs:
-            engine.add_request(r)
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            steps.append(engine.step())
-            durations.append(time.perf_counter() - t0)
+        steps = []
+        t0 = time.perf_counter()
+        run_offline(engine, reqs, on_step=steps.append)
+        seconds = time.perf_counter() - t0
         engine.stop()
-        return sum(durations), steps
+        return seconds, steps
 
     gbps = 0.002  # 98 KB per expert -> 49 ms per copy, 8 copies a step
     timed()  # warm-up

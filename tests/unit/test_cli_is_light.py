@@ -38,6 +38,8 @@ def test_ls_engines_lists_every_engine():
         ("engines.dummy", HEAVY + ("harness", "workloads", "reports")),
         ("engines.moe", ("harness", "workloads", "reports", "triton")),
         ("engines.hf", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
+        ("engines.moegen", ("harness", "workloads", "reports", "triton")),
+        ("engines.modbatch.cost", HEAVY + ("harness", "workloads", "reports")),
         ("reports", HEAVY + ("engines", "harness", "workloads")),
         ("reports.summary_table", HEAVY + ("engines", "workloads")),
         ("engines.runtime.model", ("engines.quant", "harness", "workloads", "reports", "triton")),
