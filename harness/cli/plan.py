@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -39,7 +40,8 @@ def plan(
     from engines.modbatch.hardware import cpu_model, hardware, model_shape
     from engines.moegen import MoEGenConfig, make_plan
     from engines.registry import build_config, parse_set_options
-    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.checkpoint import read_json
+    from engines.runtime.config import parse_config
     from engines.sizes import format_size, parse_size
     from harness.hw import datasheet_for, peaks_for
 
@@ -51,7 +53,10 @@ def plan(
     if context is not None:
         options["plan_context"] = context
     cfg: MoEGenConfig = build_config(MoEGenConfig, options, owner="engine 'moegen'")
-    mc = open_checkpoint(model or demo_model_path()).config
+    config_path = Path(model or demo_model_path()).expanduser() / "config.json"
+    if not config_path.is_file():
+        raise HarnessError(f"{config_path.parent} has no config.json; --model takes a Hugging Face model folder")
+    mc = parse_config(read_json(config_path), str(config_path))
     if gpu is not None:
         sheet = datasheet_for(gpu)
         if sheet is None:
@@ -70,8 +75,9 @@ def plan(
     given = peaks if peaks.get("memory_bandwidth_bytes_per_s") else None  # else measured or assumed, said
     if link_gbps is None and cfg.link_gbps is not None:
         link_gbps = cfg.link_gbps
+    host = peaks_for(cpu_model())  # with --gpu, this machine's CPU is the host (when measured)
     hw = hardware(name, on_cpu, link_gbps * 1e9 if link_gbps is not None else None, given,
-                  op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
+                  host if host.get("memory_bandwidth_bytes_per_s") else None, op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
     if given:
         hw = dataclasses.replace(hw, source=peaks["source"])
     chosen = make_plan(cfg, shape, hw)
