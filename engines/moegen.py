@@ -102,6 +102,9 @@ class MoEGenEngine(MoEEngine):
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
         cfg: MoEGenConfig = self.config  # type: ignore[assignment]
+        if cfg.expert_bits is not None:
+            raise EngineError("engine moegen streams full-precision experts; expert_bits is engine moe's fake "
+                              "quantization (drop it, or use --engine moe)")
         self._per_expert = next(iter(dense.values())).expert_nbytes(0) if dense else 0
         self.plan = self._plan()
         try:

@@ -16,7 +16,6 @@ import pytest
 from engines.base import EngineError, EngineRequest, SamplingParams
 from engines.registry import create_engine
 from harness.offline import run_offline
-from test_offload import generate  # create, start, run offline, info, stop
 from tiny_models import ARCHS, CPU32
 
 DEMO = "engines/demo_model"
@@ -29,6 +28,18 @@ def requests(vocab: int, n: int = 5, new: int = 10, seed: int = 0, lo: int = 3, 
     rng = random.Random(seed)
     return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))), new,
                           sampling=sampling, ignore_eos=True) for i in range(n)]
+
+
+def generate(name: str, model, reqs, **options):
+    engine = create_engine(name, {"model": str(model), **CPU32, **options})
+    engine.start()
+    steps = []
+    try:
+        done = run_offline(engine, reqs, on_step=steps.append)
+        info = engine.info()
+    finally:
+        engine.stop()
+    return {rid: c.output_ids for rid, c in done.items()}, steps, info
 
 
 SMALL_HOST_KV = {"host_kv_gb": 0.01}
@@ -178,7 +189,8 @@ def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts(
     assert 0 < stall < busy  # some copy time hid under compute
     # Every copy here is an expert's (KV on the device): the stream's own figures are the same.
     assert sum(s.extras["expert_copy_busy_s"] for s in steps) == pytest.approx(busy, rel=1e-6)
-    assert 0 < sum(s.extras["expert_copy_stall_s"] for s in steps) <= stall + 1e-9
+    # (both are timers around the same waits; the stream's also holds the call around it)
+    assert 0 < sum(s.extras["expert_copy_stall_s"] for s in steps) <= stall + 1e-3 * len(steps)
     assert slow - base == pytest.approx(stall, rel=0.2, abs=0.04)
     predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
     assert slow - base == pytest.approx(predicted_loss, rel=0.3, abs=0.04)
