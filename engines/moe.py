@@ -63,6 +63,17 @@ class MoEEngineConfig:
     expert_group: int = 32  # inputs per RTN group with expert_bits; 0: one group per output row
 
 
+def budget_error(engine: str, budget: int, parts: list[tuple[str, int]]) -> EngineError:
+    """`--budget` below an engine's minimum, stated part by part."""
+    minimum = sum(n for _, n in parts)
+    return EngineError(
+        f"--budget {format_size(budget)} is too small for engine {engine} on this model: it needs at "
+        f"least {format_size(minimum)} ({minimum} bytes) = "
+        + " + ".join(f"{what} {format_size(n)}" for what, n in parts)
+        + (" (engine offload keeps experts on the host and needs less)" if engine not in ("offload", "moegen") else "")
+    )
+
+
 class MoEEngine(Engine):
     name = "moe"
     config_cls = MoEEngineConfig
@@ -166,14 +177,7 @@ class MoEEngine(Engine):
     def _check_budget(self, needed: int) -> None:
         budget = self.config.budget_bytes
         if budget is not None and budget < needed:
-            parts = self.budget_minimum()
-            minimum = sum(n for _, n in parts)
-            raise EngineError(
-                f"--budget {format_size(budget)} is too small for engine {self.name} on this model: it needs at "
-                f"least {format_size(minimum)} ({minimum} bytes) = "
-                + " + ".join(f"{what} {format_size(n)}" for what, n in parts)
-                + (" (engine offload keeps experts on the host and needs less)" if self.name != "offload" else "")
-            )
+            raise budget_error(self.name, budget, self.budget_minimum())
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

@@ -46,6 +46,10 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "engines.pagedweight:PagedWeightEngine",
         "moe runtime, experts paged at bit widths (16/8/4/3/2) chosen per step against KV demand in --budget",
     ),
+    "moegen": (
+        "engines.moegen:MoEGenEngine",
+        "moe runtime, module-based batching (MoE-Gen): KV in host memory, experts streamed per layer, cost-model plan",
+    ),
     "openai": (
         "engines.remote:OpenAIEngine",
         "any OpenAI-compatible server (vLLM, SGLang, TGI, pwbench serve) over HTTP, streamed (--set base_url=...)",

@@ -9,13 +9,14 @@ measured peaks when this machine has them cached, datasheet ones otherwise, and 
 from __future__ import annotations
 
 import json
-import platform
 import re
 import time
-from pathlib import Path
 from typing import Any
 
-from engines.folders import cache_dir
+# Where measurements are cached and how they are read live beside the engines' cost model,
+# which reads them too (engines import no harness).
+from engines.modbatch.hardware import cache_path, cpu_model
+from engines.modbatch.hardware import cached_peaks as load_cached
 
 # NVIDIA datasheets (dense tensor-core rates, no sparsity); PCIe per direction, theoretical.
 # H200/H100/PCIe Gen5 figures as in the pwbench brief; an H200 measures ~790 TFLOP/s bf16.
@@ -27,20 +28,6 @@ DATASHEET: dict[str, dict[str, float]] = {
     "A10G": {"memory_bandwidth_bytes_per_s": 600e9, "matmul_flops_per_s": 125e12, "h2d_bytes_per_s": 31.5e9},
     "RTX 6000 Ada": {"memory_bandwidth_bytes_per_s": 960e9, "matmul_flops_per_s": 364e12, "h2d_bytes_per_s": 31.5e9},
 }
-
-
-def cache_path() -> Path:
-    return cache_dir() / "hw.json"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | None:
@@ -91,6 +78,26 @@ def measure(device: str = "cpu") -> dict[str, Any]:
 
         out[f"matmul_{str(dtype).removeprefix('torch.')}_flops_per_s"] = 2 * size**3 / _timeit(mm)
     out["matmul_flops_per_s"] = out[f"matmul_{str(dtypes[0]).removeprefix('torch.')}_flops_per_s"]
+    # Decode-shaped matmuls: a few rows against many distinct weight matrices (each read once,
+    # not cached), as experts run in a decode step; the rate weights stream through them.
+    rows, w = 8, torch.randn(64, 1536, 512, device=dev)
+    xs = torch.randn(rows, 512, device=dev)
+
+    def skinny() -> None:
+        for e in range(w.shape[0]):
+            torch.mm(xs, w[e].t())
+        sync()
+
+    out["skinny_matmul_bytes_per_s"] = w.numel() * 4 / _timeit(skinny)
+    # What one small torch call costs to dispatch (the cost model's per-call overhead).
+    tiny = torch.ones(8, device=dev)
+
+    def calls() -> None:
+        for _ in range(1000):
+            torch.mul(tiny, tiny)
+        sync()
+
+    out["op_overhead_s"] = _timeit(calls) / 1000
     if dev.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(dev)
         host = torch.empty((256 << 20) // 4, dtype=torch.float32).pin_memory()
@@ -109,13 +116,6 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     else:
         out["device_name"] = cpu_model()
     return out
-
-
-def load_cached() -> dict[str, Any]:
-    try:
-        return json.loads(cache_path().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def save_cached(entry: dict[str, Any]) -> None:

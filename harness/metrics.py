@@ -254,6 +254,13 @@ def memory(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: 
         if link_peak:
             out["link_peak_bytes_per_s"] = link_peak
             out["link_utilization"] = out["link_bytes_per_s"] / link_peak
+    # Engines that stream experts report the expert copies' own link time and wait (x_ columns),
+    # apart from copies compute must wait for by nature (activations for host attention).
+    expert_busy = sum(s.get("x_expert_copy_busy_s", 0.0) for s in steps)
+    if expert_busy:
+        expert_stall = sum(s.get("x_expert_copy_stall_s", 0.0) for s in steps)
+        out.update(expert_copy_busy_s=expert_busy, expert_copy_stall_s=expert_stall,
+                   expert_copy_overlap_share=max(0.0, 1 - expert_stall / expert_busy))
     return out
 
 
@@ -277,6 +284,24 @@ def expert_precision(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "feedback_s": total("x_feedback_s"), "feedback_bytes": total("x_feedback_bytes"),
         "feedback_share_of_busy": total("x_feedback_s") / busy if (busy := total("duration_s")) else None,
     }
+
+
+def plan_accuracy(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The engine's predicted step times (x_predicted_step_s, engines with a cost model) against
+    the measured ones: over every predicted step, and over decode-only steps (medians and the
+    ratio of sums)."""
+    rows = [s for s in steps if not _nan(s.get("x_predicted_step_s", math.nan)) and s.get("x_predicted_step_s")]
+    if not rows:
+        return {}
+    out: dict[str, Any] = {"steps": len(rows), "predicted_over_measured":
+                           sum(s["x_predicted_step_s"] for s in rows) / sum(s["duration_s"] for s in rows)}
+    dec = [s for s in rows if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0]
+    if dec:
+        out.update(decode_steps=len(dec),
+                   decode_predicted_step_s_p50=percentile([s["x_predicted_step_s"] for s in dec], 50),
+                   decode_measured_step_s_p50=percentile([s["duration_s"] for s in dec], 50),
+                   decode_predicted_over_measured=sum(s["x_predicted_step_s"] for s in dec) / sum(s["duration_s"] for s in dec))
+    return out
 
 
 def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -304,5 +329,7 @@ def summarize(requests: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str
     out["memory"] = memory(steps, model, peaks)
     if precision := expert_precision(steps):
         out["expert_precision"] = precision
+    if planned := plan_accuracy(steps):
+        out["plan"] = planned
     out["accuracy"] = task_accuracy(requests)
     return out

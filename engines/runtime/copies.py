@@ -51,6 +51,7 @@ class CopyHandle:
         self.nbytes = nbytes
         self._done = threading.Event()
         self._event: torch.cuda.Event | None = None
+        self.error: Exception | None = None  # a failed copy on the CPU link thread
 
     @property
     def done(self) -> bool:
@@ -60,6 +61,8 @@ class CopyHandle:
 
     def wait(self) -> None:
         if self.done:
+            if self.error is not None:
+                raise self.error
             return
         t0 = time.perf_counter()
         if self._event is not None:
@@ -67,6 +70,8 @@ class CopyHandle:
         else:
             self._done.wait()
         self._engine._add_stall(time.perf_counter() - t0)
+        if self.error is not None:
+            raise self.error
 
 
 class CopyEngine:
@@ -146,8 +151,11 @@ class CopyEngine:
             # that deadline (not for a duration) keeps one copy's oversleep out of the next.
             start = max(issued, self._link_free_at)
             self._link_free_at = end = start + handle.nbytes / self.bytes_per_s
-            for dst, src in pairs:
-                dst.copy_(src)
+            try:
+                for dst, src in pairs:
+                    dst.copy_(src)
+            except Exception as exc:  # noqa: BLE001  (re-raised by wait() on the caller's thread)
+                handle.error = exc
             while (left := end - time.perf_counter()) > 0:
                 time.sleep(left)
             self._add_busy(end - start)

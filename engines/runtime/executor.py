@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from engines.runtime.batch import SeqState, StepBatch
-from engines.runtime.model import MoEModel
+from engines.runtime.model import ForwardResult, MoEModel
 from engines.runtime.sampling import sample
 from engines.runtime.transfer import TransferLedger
 
@@ -29,7 +29,14 @@ class Executor:
         self.model, self.ledger = model, ledger
 
     def execute(self, batch: StepBatch) -> StepResult:
-        out = self.model.forward(batch.token_ids, batch.positions, batch.attn, batch.logit_rows)
+        return self.sample(batch, self.forward(batch))
+
+    def forward(self, batch: StepBatch) -> ForwardResult:
+        """The whole flat batch through every layer in one call (layer-major executors
+        override this and keep the sampling)."""
+        return self.model.forward(batch.token_ids, batch.positions, batch.attn, batch.logit_rows)
+
+    def sample(self, batch: StepBatch, out: ForwardResult) -> StepResult:
         rows = out.logits[[i for _, i in batch.sampled]]
         states: list[SeqState] = [c.seq.state for c, _ in batch.sampled]  # type: ignore[misc]
         params = [c.seq.request.sampling for c, _ in batch.sampled]

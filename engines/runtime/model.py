@@ -10,6 +10,7 @@ they run is the ExpertBackend passed in, so quantized or offloaded experts reuse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from engines.runtime.config import ModelConfig
 from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route
 from engines.runtime.kv_cache import KVCache
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import AttentionWeights, MoEWeights, ModelWeights
+from engines.runtime.weights import MoEWeights, ModelWeights
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -29,6 +30,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+# (layer, q [T, H, hd], k and v [T, K, hd], the batch's attention layout) -> [T, H, hd]
+Attend = Callable[[int, Tensor, Tensor, Tensor, AttentionBatch], Tensor]
 
 
 @dataclass
@@ -61,11 +66,16 @@ class MoEModel:
         x = F.embedding(token_ids, self.weights.embed)
         return x, rope_cos_sin(positions, self.inv_freq, x.dtype)
 
-    def attention_block(self, i: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBatch) -> Tensor:
-        """Layer i's RMSNorm, attention over the KV cache (writing this batch's K/V), residual."""
-        layer = self.weights.layers[i]
-        h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)
-        return x + self._attention(i, layer.attn, h, *rope, attn)
+    def attention_block(self, i: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBatch,
+                        attend: Attend | None = None) -> Tensor:
+        """Layer i's RMSNorm, attention over the KV cache (writing this batch's K/V), residual.
+        `attend` replaces where the attention itself runs (default `self.attend`: this
+        model's KV cache, on the device); projections and the residual stay here."""
+        layer, cfg, T = self.weights.layers[i], self.config, x.shape[0]
+        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        q, k, v = self.project_qkv(i, h, *rope)
+        o = (attend or self.attend)(i, q, k, v, attn)
+        return x + F.linear(o.reshape(T, cfg.q_size), layer.attn.o, layer.attn.o_bias)
 
     def mlp_block(self, i: int, x: Tensor) -> tuple[Tensor, list[int] | None]:
         """Layer i's RMSNorm, routed experts (+ shared expert) or dense MLP, residual; also the
@@ -82,10 +92,10 @@ class MoEModel:
         w = self.weights
         return F.linear(rms_norm(x[logit_rows], w.norm, self.config.rms_norm_eps), w.lm_head).float()
 
-    def _attention(
-        self, i: int, w: AttentionWeights, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBatch
-    ) -> Tensor:
-        cfg, T = self.config, h.shape[0]
+    def project_qkv(self, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer i's normalised input h [T, D] -> q [T, H, hd], k and v [T, K, hd], with the
+        architecture's q/k norms, clipping and RoPE applied."""
+        cfg, w, T = self.config, self.weights.layers[i].attn, h.shape[0]
         q = F.linear(h, w.q, w.q_bias)
         k = F.linear(h, w.k, w.k_bias)
         v = F.linear(h, w.v, w.v_bias)
@@ -98,10 +108,12 @@ class MoEModel:
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch) -> Tensor:
+        """Write this batch's K/V into the model's cache and attend: -> [T, H, hd]."""
         self.kv.write(i, attn.slots, k, v)
-        o = paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i])
-        return F.linear(o.reshape(T, cfg.q_size), w.o, w.o_bias)
+        return paged_attention(q, k, v, self.kv, i, attn, self.config.sliding_windows[i])
 
     def _moe(self, i: int, w: MoEWeights, h: Tensor) -> tuple[Tensor, list[int]]:
         cfg = self.config

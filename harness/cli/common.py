@@ -18,7 +18,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (EngineError, WorkloadError, Harn
 
 
 BUDGET_HELP = ("Device memory for dense weights + expert weights + KV blocks together, e.g. 6MiB, 40GB "
-               "(engines moe, static-*, offload; default: no bound).")
+               "(engines moe, static-*, offload, moegen; default: no bound).")
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

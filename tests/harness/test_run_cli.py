@@ -158,7 +158,19 @@ def expected_summary(req: pd.DataFrame, steps: pd.DataFrame, slo: dict, model: d
         peak = model.get("link_peak_bytes_per_s") or peaks.get("h2d_bytes_per_s")
         if peak:
             mem.update(link_peak_bytes_per_s=peak, link_utilization=(h2d + d2h) / busy / peak)
+    if "x_expert_copy_busy_s" in steps and steps["x_expert_copy_busy_s"].sum():
+        eb, es = steps["x_expert_copy_busy_s"].sum(), steps["x_expert_copy_stall_s"].sum()
+        mem.update(expert_copy_busy_s=eb, expert_copy_stall_s=es, expert_copy_overlap_share=max(0.0, 1 - es / eb))
     out["memory"] = mem
+    # The cost model's predicted step times (x_predicted_step_s) against the measured ones.
+    if "x_predicted_step_s" in steps and (steps["x_predicted_step_s"].fillna(0) > 0).any():
+        pr = steps[steps["x_predicted_step_s"].fillna(0) > 0]
+        pdec = pr[(pr["prefill_tokens"] == 0) & (pr["decode_tokens"] > 0)]
+        out["plan"] = {"steps": len(pr), "predicted_over_measured": pr["x_predicted_step_s"].sum() / pr["duration_s"].sum()}
+        if len(pdec):
+            out["plan"].update(decode_steps=len(pdec), decode_predicted_step_s_p50=pdec["x_predicted_step_s"].median(),
+                               decode_measured_step_s_p50=pdec["duration_s"].median(),
+                               decode_predicted_over_measured=pdec["x_predicted_step_s"].sum() / pdec["duration_s"].sum())
     # Accuracy: the output decoded up to its first EOS, words compared with the answer.
     acc: dict = {}
     scored = req[req["task"].notna() & req["answer"].notna() & ~has_error] if "task" in req else req.iloc[:0]
@@ -319,6 +331,28 @@ def test_offload_run_under_a_budget_summary_recomputes(tmp_path):
     assert m["link_bytes_per_s"] == pytest.approx(1e9)  # the modelled link moves at its bandwidth
     steps = pd.read_parquet(out / "steps.parquet")
     assert ((steps["device_weight_bytes"] + steps["device_kv_bytes"]) <= budget).all()
+
+
+def test_moegen_run_records_its_plan_and_the_summary_compares_predicted_and_measured(tmp_path):
+    """`--engine moegen --budget` on the bundled model: the plan is in the engine info, every
+    step carries a prediction, the summary's plan section recomputes from steps.parquet."""
+    out = tmp_path / "run"
+    budget = 1_300_000
+    proc = pwbench("run", "--workload", "rag_long", "--requests", "4", "--rate", "20", "--engine", "moegen",
+                   "--budget", str(budget), "--set", "host_kv_gb=0.05", "--set", "link_gbps=5",
+                   "--warmup", "0", "--no-quality", "--output", str(out), "--quiet", env=cli_env(tmp_path / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    from tokenizers import Tokenizer
+
+    from engines.demo import demo_model_path
+
+    model = demo_model_path()
+    eos = {json.loads((model / "config.json").read_text())["eos_token_id"]}
+    run, _ = check_summary(out, tokenizer=Tokenizer.from_file(str(model / "tokenizer.json")), eos=eos)
+    stats = run["engine"]["model_stats"]
+    assert stats["plan_kv_on_host"] == 1 and stats["plan_predicted_decode_step_s"] > 0
+    assert run["summary"]["plan"]["steps"] == run["summary"]["engine"]["steps"]
+    assert 0 < run["summary"]["memory"]["peak_device_bytes"] <= budget
 
 
 def test_output_text_is_cut_at_the_first_eos():

@@ -104,7 +104,7 @@ def test_token_ids_outside_vocabulary(engine, checkpoints):
     "args, fragment",
     [
         (["--prompt-ids", "1,x"], "comma-separated integers"),
-        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, hf, moe, offload, openai, pagedweight, static-awq"),
+        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, hf, moe, moegen, offload, openai, pagedweight, static-awq"),
         (["--prompt-ids", "1", "--set", "block_size"], "key=value"),
         (["--prompt-ids", "1", "--set", "blocksize=4"], "valid options:"),
         (["--prompt-ids", "1", "--set", "block_size=four"], "expects int"),
@@ -129,9 +129,24 @@ DEMO = "engines/demo_model"
     ("hf", "1GiB", ("engine hf does not manage device memory", "offload")),
     ("moe", "6Mx", ("cannot read '6Mx' as a size", "6MiB")),
     ("offload", None, ("engine offload needs a device budget (--budget SIZE)",)),
+    ("moegen", "1MiB", ("too small for engine moegen", "at least 1.02 MiB (1065984 bytes)", "one expert ring slot")),
+    ("moegen", None, ("engine moegen needs a device budget (--budget SIZE)",)),
 ])
 def test_bad_budgets(engine, budget, fragments):
     """Too small (the minimum stated, part by part), not a size, an engine that has no budget,
-    offload without one: one line each. 1180672 = dense 967,680 + 2 x 98,304 + 16,384 bytes."""
+    offload or moegen without one: one line each. 1180672 = dense 967,680 + 2 x 98,304 + 16,384
+    bytes; 1065984 = dense 967,680 + one ring slot of 98,304 (moegen's KV can live on the host)."""
     args = ["generate", "--model", DEMO, "--prompt-ids", "5,6,7", "--engine", engine]
     assert_user_error(pwbench(*args, *(["--budget", budget] if budget else [])), *fragments)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--budget", "1MiB"], ("too small for engine moegen", "at least 1.02 MiB (1065984 bytes)", "one expert ring slot")),
+    (["--budget", "4MiB", "--set", "kv_placment=host"], ("has no option 'kv_placment'", "kv_placement")),
+    (["--budget", "4MiB", "--set", "kv_placement=gpu"], ("kv_placement must be one of auto, device, host",)),
+    (["--budget", "4MiB", "--engine", "offload"], ("--engine 'offload' has no plan", "moegen")),
+    (["--budget", "4MiB", "--gpu", "H900"], ("--gpu 'H900' is not in the datasheet table", "H200")),
+    (["--budget", "lots"], ("cannot read 'lots' as a size",)),
+])
+def test_bad_plan_options(args, fragments):
+    assert_user_error(pwbench("plan", *args), *fragments)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 
 from engines.base import EngineRequest, InvalidRequestError
 from engines.hf import HFEngine, HFEngineConfig
 from engines.moe import MoEEngine, MoEEngineConfig
+from engines.moegen import MoEGenConfig, MoEGenEngine
 from tiny_models import CPU32
 
 
@@ -21,7 +24,13 @@ def collect(engine, steps=None):
     return tokens, finished
 
 
-@pytest.mark.parametrize("engine_cls, cfg_cls", [(MoEEngine, MoEEngineConfig), (HFEngine, HFEngineConfig)])
+# moegen: KV in the host tier, every expert streamed through one slot (its most moving parts).
+MOEGEN = partial(MoEGenConfig, budget_bytes=64 << 20, host_kv_gb=0.01, kv_placement="host", expert_slots=1,
+                 resident_experts=0)
+
+
+@pytest.mark.parametrize("engine_cls, cfg_cls", [(MoEEngine, MoEEngineConfig), (HFEngine, HFEngineConfig),
+                                                 (MoEGenEngine, MOEGEN)])
 def test_abort_mid_decode(engine_cls, cfg_cls, checkpoints):
     folder = str(checkpoints("mixtral"))
     ref = engine_cls(cfg_cls(model=folder))

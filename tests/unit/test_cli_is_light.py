@@ -28,7 +28,7 @@ def test_cli_paths_import_nothing_heavy(argv):
 def test_ls_engines_lists_every_engine():
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "ls", "engines"], capture_output=True, text=True)
     names = [line.split()[0] for line in proc.stdout.splitlines()]
-    assert names == ["dummy", "hf", "moe", "offload", "openai", "pagedweight", "static-awq", "static-gptq", "static-rtn"]
+    assert names == ["dummy", "hf", "moe", "moegen", "offload", "openai", "pagedweight", "static-awq", "static-gptq", "static-rtn"]
 
 
 @pytest.mark.parametrize(
@@ -40,6 +40,8 @@ def test_ls_engines_lists_every_engine():
         ("engines.remote", HEAVY + ("harness", "workloads", "reports", "aiohttp")),  # aiohttp only at start()
         ("engines.moe", ("harness", "workloads", "reports", "triton")),
         ("engines.hf", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
+        ("engines.moegen", ("harness", "workloads", "reports", "triton")),
+        ("engines.modbatch.cost", HEAVY + ("harness", "workloads", "reports")),
         ("reports", HEAVY + ("engines", "harness", "workloads")),
         ("reports.summary_table", HEAVY + ("engines", "workloads")),
         ("engines.runtime.model", ("engines.quant", "harness", "workloads", "reports", "triton")),

@@ -1,0 +1,149 @@
+"""StreamingBackend: routed experts in the host tier, streamed through a ring of device slots.
+
+Module-based batching runs each layer's experts once per step over every token routed to
+them, so an expert crosses the link at most once per step whatever the batch size (that is
+where MoE-Gen's bytes per token come from). Some experts may stay resident (the plan sizes
+them from the budget); the others stream through `slots` device buffers, in one FIFO order:
+layer by layer, expert by expert.
+
+- `prefetch(layer)` queues the layer's streamed experts and issues copies while slots are
+  free, so the next layer's weights copy while this layer computes (the executor calls it a
+  layer ahead when the batch is large enough that every expert will run);
+- `forward(layer)` drops queued, not yet issued experts that got no tokens, runs resident
+  experts first (while copies land), then each streamed one as its copy lands; a slot frees
+  when its expert has run and takes the next queued copy.
+
+Every decision is made on the calling thread from the routing alone, so bytes and transfers
+are deterministic; only the copies' timing is the link's. Each expert runs the same SwiGLU on
+the same rows as in the resident backend and `combine` sums in expert order: identical output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from engines.runtime.copies import CopyEngine, CopyHandle
+from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+from engines.runtime.weights import DenseExperts
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class StreamingBackend(ExpertBackend):
+    def __init__(self, experts: dict[int, DenseExperts], slots: int, resident: set[Key], copies: CopyEngine,
+                 device: torch.device) -> None:
+        super().__init__()
+        shapes = {(tuple(w.gate_up.shape[1:]), tuple(w.down.shape[1:])) for w in experts.values()}
+        if len(shapes) > 1:
+            raise ValueError(f"streamed experts must share one shape across layers, got {sorted(shapes)}")
+        streamed = sum(w.num_experts for w in experts.values()) - len(resident)
+        if streamed and slots < 1:
+            raise ValueError(f"{streamed} experts stream and need at least one device slot, got {slots}")
+        self.copies = copies
+        self.host = {i: DenseExperts(copies.host(w.gate_up), copies.host(w.down)) for i, w in experts.items()}
+        # Resident experts stay where loading put them (own storage, so the stacks can go).
+        self.resident = {(i, e): (experts[i].gate_up[e].clone(), experts[i].down[e].clone()) for i, e in sorted(resident)}
+        first = next(iter(experts.values()))
+        n = slots if streamed else 0
+        self.gate_up = torch.zeros((n, *first.gate_up.shape[1:]), dtype=first.gate_up.dtype, device=device)
+        self.down = torch.zeros((n, *first.down.shape[1:]), dtype=first.down.dtype, device=device)
+        self._bytes = {i: w.expert_nbytes(0) for i, w in experts.items()}
+        self._free: deque[int] = deque(range(n))
+        self._queue: deque[Key] = deque()  # streamed experts queued, not yet issued, FIFO
+        self._issued: dict[Key, tuple[int, CopyHandle]] = {}  # slot and copy of experts in flight or landed
+        self._queued_layers: set[int] = set()
+        self._stall = 0.0  # compute's wait for expert copies this step
+
+    # -- ExpertBackend -----------------------------------------------------------------------------
+    def layers(self) -> list[int]:
+        return sorted(self.host)
+
+    def num_experts(self, layer: int) -> int:
+        return self.host[layer].num_experts
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return self._bytes[layer]
+
+    def device_bytes(self) -> int:
+        """Resident experts and the ring's slots (allocated once, full or not)."""
+        held = [*self.resident.values(), (self.gate_up, self.down)]
+        return sum(t.numel() * t.element_size() for pair in held for t in pair)
+
+    def num_slots(self) -> int:
+        return self.gate_up.shape[0]
+
+    def prefetch(self, layer: int) -> None:
+        if layer in self._queued_layers or layer not in self.host:
+            return
+        self._enqueue(layer, range(self.num_experts(layer)))
+
+    def _enqueue(self, layer: int, experts) -> None:
+        self._queued_layers.add(layer)
+        self._queue.extend((layer, e) for e in experts if (layer, e) not in self.resident)
+        self._issue()
+
+    def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
+        self._count(layer, d)
+        rows = segments(d)
+        if layer not in self._queued_layers:  # not queued ahead: copy exactly the experts with tokens
+            self._enqueue(layer, rows)
+        else:  # queued ahead: copies not yet issued for experts that got no tokens are dropped
+            self._queue = deque(k for k in self._queue if k[0] != layer or k[1] in rows)
+            self._issue()
+        xs = x[d.token_index]
+        out = torch.empty_like(xs)
+        for e in rows:
+            if (layer, e) in self.resident:
+                gate_up, down = self.resident[(layer, e)]
+                out[rows[e]] = swiglu(xs[rows[e]], gate_up, down)
+        # This layer's streamed experts are at the head of the FIFO (earlier layers are done).
+        for e in range(self.num_experts(layer)):
+            key = (layer, e)
+            if key in self.resident or (key not in self._issued and key not in self._queue):
+                continue
+            if key not in self._issued:  # queued for want of a slot: the one freed last fits it
+                self._issue()
+            slot, handle = self._issued.pop(key)
+            if e in rows:
+                t0 = time.perf_counter()
+                handle.wait()
+                self._stall += time.perf_counter() - t0
+                out[rows[e]] = swiglu(xs[rows[e]], self.gate_up[slot], self.down[slot])
+                self._stats["streamed_experts"] += 1
+            else:  # prefetched a layer ahead, then routed no token
+                self._stats["streamed_unused"] += 1
+            self._free.append(slot)
+            self._issue()
+        self._queued_layers.discard(layer)
+        return combine(x, d, out)
+
+    def step_stats(self) -> dict[str, float]:
+        """Also: experts streamed (used / unused) and, for the expert copies alone, the link's
+        busy time (bytes / bandwidth; with the CPU link model) and compute's wait for them, so
+        the expert stream's overlap shows apart from synchronous activation copies."""
+        stats = dict(self._stats)
+        out: dict[str, float] = dict(super().step_stats())
+        out["streamed_experts"] = stats.get("streamed_experts", 0)
+        out["streamed_unused"] = stats.get("streamed_unused", 0)
+        if self.copies.bytes_per_s is not None:
+            out["expert_copy_busy_s"] = stats.get("streamed_bytes", 0) / self.copies.bytes_per_s
+            out["expert_copy_stall_s"] = self._stall
+        self._stall = 0.0
+        return out
+
+    # -- copies ------------------------------------------------------------------------------------
+    def _issue(self) -> None:
+        """Issue queued copies, in order, into free slots. A slot is reused only after its
+        expert ran; on CUDA the copy stream waits for the compute stream first (copies.py)."""
+        while self._queue and self._free:
+            layer, e = key = self._queue.popleft()
+            slot = self._free.popleft()
+            host = self.host[layer]
+            handle = self.copies.h2d([(self.gate_up[slot], host.gate_up[e]), (self.down[slot], host.down[e])],
+                                     tag="experts")
+            self._stats["streamed_bytes"] += handle.nbytes
+            self._issued[key] = (slot, handle)

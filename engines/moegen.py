@@ -1,0 +1,187 @@
+"""Engine `moegen`: module-based batching (MoE-Gen) on the `moe` runtime, planned by a cost model.
+
+Tokens of many sequences accumulate (KV in the host tier, so the batch is not bounded by
+device memory); each step runs layer-major (engines/modbatch/executor.py): attention in
+micro-batches, then every routed expert once over all tokens routed to it. Experts not kept
+resident stream through a ring of device slots, the next layer's copies overlapping this
+layer's compute (engines/modbatch/streaming.py). The KV placement, the ring, the resident
+experts and the micro-batch size come from the cost model (engines/modbatch/cost.py) unless
+set; the plan is in the engine info and every step reports its predicted time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engines.base import EngineError, StepOutput
+from engines.modbatch.cost import PLACEMENTS, Hardware, ModelShape, Plan, Workload, choose_plan, decode_cost, step_cost
+from engines.modbatch.executor import HostAttention, LayerMajorExecutor
+from engines.modbatch.hardware import device_name, hardware, model_shape
+from engines.modbatch.streaming import StreamingBackend
+from engines.moe import MoEEngine, MoEEngineConfig, budget_error
+from engines.runtime.copies import CopyEngine
+from engines.runtime.experts import ExpertBackend
+from engines.runtime.kv_cache import PagedKVCache
+from engines.runtime.memory import KVSizing, kv_cache_blocks
+from engines.runtime.weights import DenseExperts
+from engines.sizes import format_size
+
+
+@dataclass(frozen=True)
+class MoEGenConfig(MoEEngineConfig):
+    max_num_batched_tokens: int = 8192  # large per-module batches are the point
+    kv_placement: str = "auto"  # auto (the plan chooses) | device (KV blocks in --budget) | host (host tier)
+    expert_slots: int | None = None  # ring slots streaming non-resident experts; None: the plan
+    resident_experts: int | None = None  # experts kept on the device; None: the plan
+    micro_batch: int | None = None  # sequences per decode-attention micro-batch; None: the plan
+    plan_context: int = 1024  # mean tokens per sequence the plan assumes for its decode batch
+    host_kv_gb: float = 1.0  # host-tier KV pool (host placement)
+    host_scratch_mb: int = 256  # host memory one attention micro-batch may gather KV into
+    # CPU only: model the host<->device link at this many GB/s (see engines/runtime/copies.py).
+    link_gbps: float | None = None
+    # Peaks for the cost model; None: `pwbench hw`'s measurement of this machine, else assumed.
+    peak_memory_gbps: float | None = None
+    peak_gflops: float | None = None
+    op_overhead_us: float | None = None  # dispatch cost of one torch call; None: `pwbench hw`'s, else 0
+
+
+def minimum_parts(cfg: MoEGenConfig, dense: int, expert: int, kv_block: int) -> list[tuple[str, int]]:
+    """What the smallest budget holds: dense weights, one ring slot, and a KV block when KV
+    must be on the device."""
+    parts = [("dense weights", dense), ("one expert ring slot", expert)]
+    return parts + ([("one KV block", kv_block)] if cfg.kv_placement == "device" else [])
+
+
+def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware) -> Plan:
+    """The cost model's plan for `cfg` (its budget, batch and placement options), with the
+    options that fix a part of it (expert_slots, resident_experts, micro_batch) applied and
+    the prediction redone; an impossible combination is an EngineError naming the options."""
+    if cfg.kv_placement not in ("auto", *PLACEMENTS):
+        raise EngineError(f"engine moegen: kv_placement must be one of auto, {', '.join(PLACEMENTS)}, "
+                          f"got {cfg.kv_placement!r}")
+    if cfg.budget_bytes is None:
+        raise EngineError("engine moegen needs a device budget (--budget SIZE): its plan streams what the "
+                          "budget cannot hold")
+    kv_block = cfg.block_size * shape.kv_bytes_per_token
+    parts = minimum_parts(cfg, shape.dense_bytes, shape.expert_bytes, kv_block)
+    if cfg.budget_bytes < sum(n for _, n in parts):
+        raise budget_error("moegen", cfg.budget_bytes, parts)
+    work = Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
+    placements = PLACEMENTS if cfg.kv_placement == "auto" else (cfg.kv_placement,)
+    try:
+        plan = choose_plan(shape, hw, cfg.budget_bytes, work, kv_block, cfg.host_scratch_mb << 20, placements)
+    except ValueError as exc:
+        raise EngineError(f"engine moegen: {exc}; raise --budget or use --set kv_placement=host") from None
+    fixed = {k: getattr(cfg, k) for k in ("expert_slots", "resident_experts", "micro_batch") if getattr(cfg, k) is not None}
+    if not fixed:
+        return plan
+    total = shape.total_experts
+    resident = fixed.get("resident_experts", plan.resident_experts)
+    if not 0 <= resident <= total:
+        raise EngineError(f"engine moegen: resident_experts must be within [0, {total}], got {resident}")
+    if fixed.get("expert_slots", 1) < 1 or fixed.get("micro_batch", 1) < 1:
+        raise EngineError("engine moegen: expert_slots and micro_batch must be >= 1")
+    slots = fixed.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
+    weights = shape.dense_bytes + (slots + resident) * shape.expert_bytes
+    if weights + (kv_block if plan.kv_placement == "device" else 0) > cfg.budget_bytes:
+        raise EngineError(f"engine moegen: {slots} ring slots + {resident} resident experts "
+                          f"({format_size((slots + resident) * shape.expert_bytes)}) do not fit --budget "
+                          f"{format_size(cfg.budget_bytes)} beside the dense weights")
+    plan = dataclasses.replace(plan, resident_experts=resident, expert_slots=slots,
+                               micro_batch=fixed.get("micro_batch", plan.micro_batch))
+    return dataclasses.replace(plan, predicted=decode_cost(shape, hw, plan, plan.batch_seqs, work.context))
+
+
+class MoEGenEngine(MoEEngine):
+    name = "moegen"
+    config_cls = MoEGenConfig
+    float32_reference = False
+
+    def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
+        cfg: MoEGenConfig = self.config  # type: ignore[assignment]
+        if cfg.expert_bits is not None:
+            raise EngineError("engine moegen streams full-precision experts; expert_bits is engine moe's fake "
+                              "quantization (drop it, or use --engine moe)")
+        self._per_expert = next(iter(dense.values())).expert_nbytes(0) if dense else 0
+        self.plan = self._plan()
+        try:
+            self.copies = CopyEngine(self.ledger, self.device, cfg.link_gbps)
+        except ValueError as exc:  # link_gbps <= 0, or a link model asked for on CUDA
+            raise EngineError(f"engine moegen: {exc}") from None
+        layers = sorted(dense)
+        pairs = [(i, e) for i in layers for e in range(dense[i].num_experts)]
+        resident = set(pairs[: self.plan.resident_experts])
+        return StreamingBackend(dense, self.plan.expert_slots, resident, self.copies, self.device)
+
+    # -- the plan ------------------------------------------------------------------------------------
+    def _plan(self) -> Plan:
+        self.shape, self.hardware = self._shape(), self._hardware()
+        return make_plan(self.config, self.shape, self.hardware)  # type: ignore[arg-type]
+
+    def _shape(self) -> ModelShape:
+        shape = model_shape(self.checkpoint.config, self.weights.embed.element_size())
+        if (shape.dense_bytes, shape.expert_bytes) != (self._dense_device_bytes(), self._per_expert):
+            raise EngineError(f"engine moegen: the cost model's sizes ({shape.dense_bytes} dense, {shape.expert_bytes} "
+                              f"per expert) differ from the loaded weights ({self._dense_device_bytes()}, "
+                              f"{self._per_expert}); this architecture needs its shape in engines/modbatch/hardware.py")
+        return shape
+
+    def _hardware(self) -> Hardware:
+        cfg: MoEGenConfig = self.config  # type: ignore[assignment]
+        peaks = None
+        if cfg.peak_memory_gbps is not None and cfg.peak_gflops is not None:
+            peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9, "matmul_flops_per_s": cfg.peak_gflops * 1e9}
+        link = cfg.link_gbps * 1e9 if cfg.link_gbps is not None else None
+        return hardware(device_name(self.device), self.device.type == "cpu", link, peaks,
+                        op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
+
+    def budget_minimum(self) -> list[tuple[str, int]]:
+        return minimum_parts(self.config, self._dense_device_bytes(), self._per_expert, self._kv_block_bytes())  # type: ignore[arg-type]
+
+    # -- KV and execution ----------------------------------------------------------------------------
+    def _build_kv_cache(self) -> PagedKVCache:
+        if self.plan.kv_placement == "device":
+            return super()._build_kv_cache()
+        cfg, mc = self.config, self.checkpoint.config
+        sizing = KVSizing(cfg.block_size, cfg.host_kv_gb, None, cfg.gpu_memory_utilization,
+                          cfg.max_num_seqs, cfg.max_model_len or mc.max_position_embeddings)
+        host = torch.device("cpu")  # the host tier
+        blocks = kv_cache_blocks(sizing, self._kv_block_bytes(), host)
+        return PagedKVCache(mc.num_layers, blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, host)
+
+    def start(self) -> None:
+        super().start()
+        host = self.plan.kv_placement == "host"
+        attend = HostAttention(self.kv, self.copies, self.checkpoint.config.sliding_windows) if host else None
+        self.executor = LayerMajorExecutor(self.model, self.ledger, self.plan.micro_batch, attend, host_layout=host)
+        self.copies.take_step()  # resident and loading copies are not part of any step
+
+    def _step_output(self, plan, batch, result, outputs, started) -> StepOutput:
+        out = super()._step_output(plan, batch, result, outputs, started)
+        extras = dict(out.extras)
+        if batch is not None:
+            decodes = batch.chunks[: batch.num_decode]
+            prefills = batch.chunks[batch.num_decode :]
+            cost = step_cost(self.shape, self.hardware, self.plan, len(decodes), sum(c.length for c in prefills),
+                             sum(c.start + 1 for c in decodes),
+                             sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in prefills), len(prefills))
+            extras["predicted_step_s"] = cost.total_s
+        kv = out.device_kv_bytes if self.plan.kv_placement == "device" else 0
+        return dataclasses.replace(out, device_kv_bytes=kv, extras=extras)
+
+    def _model_stats(self) -> dict[str, float]:
+        stats = super()._model_stats()
+        p = self.plan
+        stats["bytes_per_expert"] = self._per_expert
+        stats.update(plan_kv_on_host=int(p.kv_placement == "host"), plan_batch_seqs=p.batch_seqs,
+                     plan_micro_batch=p.micro_batch, plan_expert_slots=p.expert_slots,
+                     plan_resident_experts=p.resident_experts, plan_context=self.config.plan_context)
+        if p.predicted is not None:
+            stats.update(plan_predicted_decode_step_s=p.predicted.total_s, plan_predicted_tokens_per_s=p.tokens_per_s,
+                         plan_predicted_h2d_bytes_per_step=p.predicted.h2d_bytes)
+        if self.config.link_gbps is not None:
+            stats["link_peak_bytes_per_s"] = self.config.link_gbps * 1e9
+        return stats

@@ -1,0 +1,224 @@
+"""Engine `moegen` (module-based batching).
+
+Oracles: the `moe` engine's greedy and seeded tokens (same model, everything resident, one
+flat batch); byte counts by hand from the config (experts x bytes per expert, activations x
+row width); engine `offload` at the same budget for the bytes-per-token ratio; bytes /
+bandwidth for the link model.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from engines.base import EngineError, EngineRequest, SamplingParams
+from engines.registry import create_engine
+from harness.offline import run_offline
+from tiny_models import ARCHS, CPU32
+
+DEMO = "engines/demo_model"
+DEMO_EXPERT = 3 * 128 * 64 * 4  # 98,304 bytes: gate, up, down of one demo expert in float32
+DEMO_DENSE = 967_680
+
+
+def requests(vocab: int, n: int = 5, new: int = 10, seed: int = 0, lo: int = 3, hi: int = 90,
+             sampling: SamplingParams = SamplingParams()) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))), new,
+                          sampling=sampling, ignore_eos=True) for i in range(n)]
+
+
+def generate(name: str, model, reqs, **options):
+    engine = create_engine(name, {"model": str(model), **CPU32, **options})
+    engine.start()
+    steps = []
+    try:
+        done = run_offline(engine, reqs, on_step=steps.append)
+        info = engine.info()
+    finally:
+        engine.stop()
+    return {rid: c.output_ids for rid, c in done.items()}, steps, info
+
+
+SMALL_HOST_KV = {"host_kv_gb": 0.01}
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "demo"])
+def test_moegen_gives_the_same_greedy_tokens_as_moe(arch, checkpoints):
+    model = DEMO if arch == "demo" else checkpoints(arch)
+    reqs = requests(1109 if arch == "demo" else 257)
+    expected, _, _ = generate("moe", model, reqs)
+    big = 64 << 20
+    for case in ({"kv_placement": "host", "expert_slots": 1, "resident_experts": 0},
+                 {"kv_placement": "host", "expert_slots": 3, "resident_experts": 2, "micro_batch": 2},
+                 {"kv_placement": "device", "expert_slots": 2, "resident_experts": 1, "max_num_batched_tokens": 64},
+                 {}):  # the plan's own choice
+        got, steps, info = generate("moegen", model, reqs, budget_bytes=big, **SMALL_HOST_KV, **case)
+        assert got == expected, (arch, case)
+        if case.get("kv_placement") == "host":
+            assert all(s.device_kv_bytes == 0 for s in steps)
+            assert info.model_stats["plan_kv_on_host"] == 1
+        if case.get("resident_experts") == 0:
+            assert sum(s.extras["streamed_experts"] for s in steps) > 0
+
+
+def test_seeded_sampling_matches_moe():
+    reqs = requests(1109, n=4, new=12, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=7))
+    expected, _, _ = generate("moe", DEMO, reqs)
+    got, _, _ = generate("moegen", DEMO, reqs, budget_bytes=4 << 20, kv_placement="host", expert_slots=2,
+                         resident_experts=0, **SMALL_HOST_KV)
+    assert got == expected
+
+
+# -- bytes by hand ------------------------------------------------------------------------------------
+
+def test_a_small_batch_copies_exactly_the_routed_experts():
+    """One sequence, one token per step after its one-token prompt: each of the demo's 2 MoE
+    layers routes that token to top_k = 2 distinct experts of 4, so with nothing resident and
+    KV on the device every step copies 2 x 2 experts and nothing else (T x top_k < E: no copy
+    is issued before the router has picked)."""
+    new = 12
+    reqs = [EngineRequest("r", (11,), new, ignore_eos=True)]
+    _, steps, _ = generate("moegen", DEMO, reqs, budget_bytes=4 << 20, kv_placement="device", expert_slots=1,
+                           resident_experts=0)
+    assert len(steps) == new
+    assert [s.h2d_bytes for s in steps] == [2 * 2 * DEMO_EXPERT] * new
+    assert [s.h2d_transfers for s in steps] == [2 * 2 * 2] * new  # gate_up and down per expert
+    assert all(s.extras["streamed_unused"] == 0 for s in steps)
+
+
+def test_a_large_batch_streams_each_expert_once_per_step_and_host_attention_moves_its_activations():
+    """8 sequences decoding together: T x top_k = 16 >= 4 experts, so every non-resident expert
+    is queued a layer ahead and crosses exactly once per step, used or not (streamed +
+    unused = non-resident experts). With KV on the host each layer also sends q, k, v down
+    (d2h) and the attention output up (h2d): T x 128 x 4 bytes up per layer (q_size 128)."""
+    reqs = requests(1109, n=8, new=6, lo=20, hi=40)
+    resident = 3
+    _, steps, _ = generate("moegen", DEMO, reqs, budget_bytes=4 << 20, kv_placement="host", expert_slots=8,
+                           resident_experts=resident, **SMALL_HOST_KV)
+    layers, streamed = 2, 8 - resident
+    for s in steps:
+        tokens = s.num_prefill_tokens + s.num_decode_tokens
+        assert s.extras["streamed_experts"] + s.extras["streamed_unused"] == streamed
+        assert s.h2d_bytes == streamed * DEMO_EXPERT + layers * tokens * 128 * 4
+        assert s.d2h_bytes == layers * tokens * (128 + 2 * 64) * 4  # q 128 + k, v 2 x 64 (2 KV heads x 32)
+    assert sum(s.num_decode_tokens for s in steps) == 8 * 5
+
+
+def test_moegen_moves_ten_times_fewer_bytes_per_output_token_than_offload():
+    """`offline_batch`-shaped (every request at once, equal lengths) at a device budget that
+    holds a quarter of the demo's expert weights beside the dense weights and offload's default
+    KV reserve (20% of budget - dense): offload holds 1 expert slot of 4 per layer and KV for
+    one sequence at a time, whose token needs 2 of a layer's 4 experts; moegen keeps KV in the host
+    tier and decodes all 64 together, each step streaming the experts it does not hold once."""
+    quarter = 2 * DEMO_EXPERT
+    budget = DEMO_DENSE + int(quarter / 0.8) + 1
+    reqs = requests(1109, n=64, new=16, lo=16, hi=17)
+    got_o, steps_o, info_o = generate("offload", DEMO, reqs, budget_bytes=budget)
+    got_g, steps_g, info_g = generate("moegen", DEMO, reqs, budget_bytes=budget, **SMALL_HOST_KV)
+    assert got_o == got_g
+    assert info_o.model_stats["expert_slots_per_layer"] == 1
+    out = 64 * 16
+    per_token_o = sum(s.h2d_bytes for s in steps_o) / out
+    per_token_g = sum(s.h2d_bytes for s in steps_g) / out
+    assert per_token_o >= 10 * per_token_g, (per_token_o, per_token_g)
+    assert all(s.device_weight_bytes + s.device_kv_bytes <= budget for s in steps_g)
+
+
+# -- budgets and options --------------------------------------------------------------------------
+
+def test_budget_errors_name_the_minimum_and_the_fix():
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": DEMO_DENSE + DEMO_EXPERT - 1})
+    with pytest.raises(EngineError, match=rf"at least .* \({DEMO_DENSE + DEMO_EXPERT} bytes\) = dense weights .* "
+                                          r"\+ one expert ring slot"):
+        engine.start()
+    engine = create_engine("moegen", {"model": DEMO, **CPU32})
+    with pytest.raises(EngineError, match=r"needs a device budget \(--budget SIZE\)"):
+        engine.start()
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": 4 << 20, "kv_placement": "gpu"})
+    with pytest.raises(EngineError, match="kv_placement must be one of auto, device, host"):
+        engine.start()
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": DEMO_DENSE + 2 * DEMO_EXPERT,
+                                      "expert_slots": 2, "resident_experts": 1, **SMALL_HOST_KV})
+    with pytest.raises(EngineError, match="2 ring slots \\+ 1 resident experts .* do not fit --budget"):
+        engine.start()
+
+
+def test_the_plan_is_in_the_engine_info_and_every_step_has_a_prediction():
+    reqs = requests(1109, n=4, new=4)
+    _, steps, info = generate("moegen", DEMO, reqs, budget_bytes=DEMO_DENSE + 3 * DEMO_EXPERT, **SMALL_HOST_KV)
+    stats = info.model_stats
+    # 3 experts of room and host KV: the plan streams through slots and keeps the rest resident.
+    assert stats["plan_kv_on_host"] == 1
+    assert stats["plan_expert_slots"] + stats["plan_resident_experts"] <= 3
+    assert stats["plan_predicted_decode_step_s"] > 0
+    assert all(s.extras["predicted_step_s"] > 0 for s in steps)
+
+
+# -- the link model ---------------------------------------------------------------------------------
+
+def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts():
+    """8 sequences (every expert runs), nothing resident, a ring of one layer (4 slots): the next
+    layer's copies run while this layer computes. On a slow modelled link the step time grows
+    by the reported stall, and the cost model's per-step predictions grow by about as much."""
+    reqs = requests(1109, n=8, new=3, lo=20, hi=30)
+    options = {"budget_bytes": 4 << 20, "kv_placement": "device", "expert_slots": 4, "resident_experts": 0}
+
+    def timed(**extra):
+        engine = create_engine("moegen", {"model": DEMO, **CPU32, **options, **extra})
+        engine.start()
+        steps = []
+        t0 = time.perf_counter()
+        run_offline(engine, reqs, on_step=steps.append)
+        seconds = time.perf_counter() - t0
+        engine.stop()
+        return seconds, steps
+
+    gbps = 0.002  # 98 KB per expert -> 49 ms per copy, 8 copies a step
+    timed()  # warm-up
+    runs = [(timed(), timed(link_gbps=gbps)) for _ in range(2)]
+    base, base_steps = min((r[0] for r in runs), key=lambda r: r[0])
+    slow, steps = min((r[1] for r in runs), key=lambda r: r[0])
+    h2d = sum(s.h2d_bytes for s in steps)
+    busy = sum(s.copy_busy_s for s in steps)
+    stall = sum(s.copy_stall_s for s in steps)
+    assert h2d == sum(s.h2d_bytes for s in base_steps)  # the link changes time, not decisions
+    assert busy == pytest.approx(h2d / (gbps * 1e9), rel=1e-6)
+    assert 0 < stall < busy  # some copy time hid under compute
+    # Every copy here is an expert's (KV on the device): the stream's own figures are the same.
+    assert sum(s.extras["expert_copy_busy_s"] for s in steps) == pytest.approx(busy, rel=1e-6)
+    # (both are timers around the same waits; the stream's also holds the call around it)
+    assert 0 < sum(s.extras["expert_copy_stall_s"] for s in steps) <= stall + 1e-3 * len(steps)
+    assert slow - base == pytest.approx(stall, rel=0.2, abs=0.04)
+    predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
+    assert slow - base == pytest.approx(predicted_loss, rel=0.3, abs=0.04)
+
+
+def test_pwbench_plan_prints_the_plan_the_engine_runs(tmp_path):
+    """`pwbench plan --json` (from config.json alone) and a started engine with the same options
+    agree on the plan and its prediction (same peaks given to both)."""
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    opts = {"peak_memory_gbps": "20", "peak_gflops": "100", "op_overhead_us": "5", "link_gbps": "25",
+            "max_num_seqs": "64", "plan_context": "200"}
+    budget = DEMO_DENSE + 5 * DEMO_EXPERT
+    sets = [x for k, v in opts.items() for x in ("--set", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), "--json", *sets],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])["plan"]
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, **opts, **SMALL_HOST_KV})
+    engine.start()
+    stats = engine.info().model_stats
+    engine.stop()
+    assert printed["kv_placement"] == ("host" if stats["plan_kv_on_host"] else "device")
+    for key in ("batch_seqs", "micro_batch", "expert_slots", "resident_experts"):
+        assert printed[key] == stats[f"plan_{key}"], key
+    assert printed["predicted_decode_step_s"] == pytest.approx(stats["plan_predicted_decode_step_s"], rel=1e-12)
+    assert printed["expert_slots"] + printed["resident_experts"] <= 5
