@@ -130,7 +130,7 @@ class MoEEngine(Engine):
 
     def _kv_block_bytes(self) -> int:
         cfg, mc = self.config, self.checkpoint.config
-        return PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        return PagedKVCache.model_block_bytes(mc, cfg.block_size, self.dtype)
 
     def _build_kv_cache(self) -> PagedKVCache:
         cfg, mc = self.config, self.checkpoint.config
@@ -143,9 +143,7 @@ class MoEEngine(Engine):
             used = self._weights_beside_kv()
             self._check_budget(used + block_bytes)
             num_blocks = kv_blocks_in_budget(sizing, block_bytes, cfg.budget_bytes - used)
-        return PagedKVCache(
-            mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+        return PagedKVCache.for_model(mc, num_blocks, cfg.block_size, self.dtype, self.device)
 
     def _dense_device_bytes(self) -> int:
         """Device bytes of the dense weights (fixed once loaded; walked once, not every step)."""
@@ -334,7 +332,7 @@ class MoEEngine(Engine):
             "dense_weight_bytes": dense_bytes,
             "bytes_per_expert": self.experts.device_bytes() / max(1, sum(mc.moe_layers) * mc.num_experts),
             "active_params_per_token": dense_params + sum(mc.moe_layers) * mc.top_k * per_expert,
-            "kv_bytes_per_token": PagedKVCache.bytes_per_block(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype),
+            "kv_bytes_per_token": PagedKVCache.model_block_bytes(mc, 1, self.dtype),
             **({"device_budget_bytes": self.config.budget_bytes} if self.config.budget_bytes is not None else {}),
         }
 

@@ -27,6 +27,21 @@ ARCH_KWARGS: dict[str, dict] = {
         hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=48,
         num_experts=6, num_experts_per_tok=2, num_hidden_layers=2, clip_qkv=3.0,
     ),
+    # 12 routed experts in 3 groups, top-4 from the best 2 groups, 1 shared expert, a dense
+    # first layer; MLA with a low-rank query (q_lora_rank=None is a test variant).
+    "deepseek_v3": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=80,
+        moe_intermediate_size=24, n_routed_experts=12, n_group=3, topk_group=2, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5,
+    ),
+    # Partial rotary (half of head dim 16), per-head q/k norm, q/k/v biases, grouped routing.
+    "glm4_moe": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=80,
+        moe_intermediate_size=24, n_routed_experts=12, n_group=3, topk_group=2, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, use_qk_norm=True,
+        attention_bias=True, routed_scaling_factor=1.5,
+    ),
 }
 ARCHS = tuple(ARCH_KWARGS)
 VOCAB = 257
@@ -47,12 +62,21 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     }[arch]
     kwargs = dict(ARCH_KWARGS[arch], vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
                   bos_token_id=1, pad_token_id=0, initializer_range=0.08, tie_word_embeddings=False)
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    return cls_model(cls_cfg(**kwargs)).eval()
+    model = cls_model(cls_cfg(**kwargs)).eval()
+    with torch.no_grad():
+        # transformers initialises the routing correction bias to zeros; random values make the
+        # tests see that it steers the choice and not the weights.
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)) * 0.3)
+    return model
 
 
 def save_checkpoint(model, path: Path, layout: str = "per_expert") -> Path:

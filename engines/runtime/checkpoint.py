@@ -15,6 +15,7 @@ as a plain `.weight`. Quantized folders load through engines/quant/load.py, whic
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -31,12 +32,14 @@ from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
     AttentionWeights,
     DenseExperts,
+    MLAWeights,
     LayerWeights,
     MLPWeights,
     ModelWeights,
     MoEWeights,
 )
 
+_log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some exporters save that carry no learned weights.
@@ -218,7 +221,12 @@ def _load(reader: TensorReader, load_experts: ExpertLoader) -> tuple[ModelWeight
         shown = ", ".join(reader.missing[:4])
         more = f" (and {len(reader.missing) - 4} more)" if len(reader.missing) > 4 else ""
         raise ModelLoadError(f"{ckpt.path}: {len(reader.missing)} tensors missing: {shown}{more}")
-    unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES))
+    skipped = {k for k in ckpt.key_files if _layer_index(k) >= cfg.num_layers} if cfg.skipped_layers else set()
+    if skipped:
+        _log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (model.layers.%d and up; "
+                  "not used for generation)", ckpt.path, len(skipped), cfg.skipped_layers, cfg.num_layers)
+    unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES)
+                    and k not in skipped)
     if unused:
         raise ModelLoadError(
             f"{ckpt.path}: {len(unused)} tensors do not belong to a {cfg.architecture} model of this "
@@ -227,14 +235,43 @@ def _load(reader: TensorReader, load_experts: ExpertLoader) -> tuple[ModelWeight
     return ModelWeights(embed, norm, lm_head, layers), experts  # type: ignore[arg-type]
 
 
-def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
-    p = f"model.layers.{i}."
+def _layer_index(key: str) -> int:
+    """N of a `model.layers.N.` tensor; -1 for any other."""
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
+def _load_mla(reader: TensorReader, cfg: ModelConfig, p: str) -> MLAWeights:
+    m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+    assert m is not None
+    get, linear = reader.get, reader.linear
+    qk, r = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+    w = MLAWeights(
+        kv_a=linear(p + "kv_a_proj_with_mqa", (r + m.qk_rope_head_dim, D)),
+        kv_a_norm=get(p + "kv_a_layernorm.weight", (r,)),
+        kv_b=linear(p + "kv_b_proj", (H * (m.qk_nope_head_dim + m.v_head_dim), r)),
+        o=linear(p + "o_proj", (D, H * m.v_head_dim)),
+    )  # type: ignore[arg-type]
+    if m.q_lora_rank:
+        w.q_a = linear(p + "q_a_proj", (m.q_lora_rank, D))
+        w.q_a_norm = get(p + "q_a_layernorm.weight", (m.q_lora_rank,))
+        w.q_b = linear(p + "q_b_proj", (H * qk, m.q_lora_rank))
+    else:
+        w.q = linear(p + "q_proj", (H * qk, D))
+    if m.bias:
+        w.q_a_bias = get(p + "q_a_proj.bias", (m.q_lora_rank,)) if m.q_lora_rank else None
+        w.kv_a_bias = get(p + "kv_a_proj_with_mqa.bias", (r + m.qk_rope_head_dim,))
+        w.o_bias = get(p + "o_proj.bias", (D,))
+    return w
+
+
+def _load_attention(reader: TensorReader, cfg: ModelConfig, p: str) -> AttentionWeights:
     D, hd = cfg.hidden_size, cfg.head_dim
     get, linear = reader.get, reader.linear
     bias = cfg.qkv_bias
     norm_q = {"head": (hd,), "full": (cfg.q_size,)}.get(cfg.qk_norm)
     norm_k = {"head": (hd,), "full": (cfg.kv_size,)}.get(cfg.qk_norm)
-    attn = AttentionWeights(
+    return AttentionWeights(
         q=linear(p + "self_attn.q_proj", (cfg.q_size, D)),
         k=linear(p + "self_attn.k_proj", (cfg.kv_size, D)),
         v=linear(p + "self_attn.v_proj", (cfg.kv_size, D)),
@@ -245,7 +282,13 @@ def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: Ex
         o_bias=get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None,
         q_norm=get(p + "self_attn.q_norm.weight", norm_q) if norm_q else None,
         k_norm=get(p + "self_attn.k_norm.weight", norm_k) if norm_k else None,
-    )
+    )  # type: ignore[arg-type]
+
+
+def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
+    p = f"model.layers.{i}."
+    D, get = cfg.hidden_size, reader.get
+    attn = _load_mla(reader, cfg, p + "self_attn.") if cfg.mla is not None else _load_attention(reader, cfg, p)
     attn_norm = get(p + "input_layernorm.weight", (D,))
     mlp_norm = get(p + "post_attention_layernorm.weight", (D,))
     if not cfg.moe_layers[i]:
@@ -254,9 +297,12 @@ def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: Ex
     # Mixtral checkpoints say block_sparse_moe; transformers' in-memory names and GPTQModel say mlp.
     mp = p + ("block_sparse_moe." if reader.has(p + "block_sparse_moe.gate.weight") else "mlp.")
     moe = MoEWeights(router=get(mp + "gate.weight", (cfg.num_experts, D)))  # type: ignore[arg-type]
+    if cfg.router == "sigmoid_groups":
+        moe.router_bias = get(mp + "gate.e_score_correction_bias", (cfg.num_experts,))
     if cfg.shared_expert_intermediate_size:
-        moe.shared = _load_mlp(reader, mp + "shared_expert.", cfg.shared_expert_intermediate_size, D)
-        moe.shared_gate = get(mp + "shared_expert_gate.weight", (1, D))
+        moe.shared = _load_mlp(reader, mp + cfg.shared_expert_name + ".", cfg.shared_expert_intermediate_size, D)
+        if cfg.shared_expert_gated:
+            moe.shared_gate = get(mp + "shared_expert_gate.weight", (1, D))
     experts = load_experts(reader, cfg, mp + "experts.")
     return LayerWeights(attn_norm, attn, mlp_norm, moe), experts  # type: ignore[arg-type]
 

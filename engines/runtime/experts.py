@@ -34,6 +34,24 @@ def route(x: Tensor, router: Tensor, top_k: int, normalize: bool) -> tuple[Tenso
     return ids, weights.to(x.dtype)
 
 
+def route_groups(x: Tensor, router: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                 normalize: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3 / GLM-4.5 routing, x [T, D] -> (ids [T, A], weights [T, A]). In float32:
+    sigmoid scores; the correction bias steers which experts are chosen, not their weight;
+    only the `topk_group` groups with the best two-expert sums compete."""
+    scores = torch.sigmoid(F.linear(x.float(), router.float()))
+    choice = scores + bias.float()
+    T, E = choice.shape
+    groups = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, (weights * scale).to(x.dtype)
+
+
 @dataclass
 class Dispatch:
     """The T*A token->expert assignments sorted by expert id."""

@@ -16,19 +16,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engines.runtime.attention import AttentionBatch, apply_rope, paged_attention, rope_cos_sin, rope_inv_freq
+from engines.runtime.attention import (
+    AttentionBatch,
+    apply_rope,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    rope_frequencies,
+)
 from engines.runtime.config import ModelConfig
-from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route
+from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route, route_groups
 from engines.runtime.kv_cache import KVCache
+from engines.runtime.mla import mla_attention
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import AttentionWeights, MoEWeights, ModelWeights
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """In float32, then back to x's dtype before the weight (transformers' order of operations)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+from engines.runtime.weights import AttentionWeights, MLAWeights, MoEWeights, ModelWeights
 
 
 @dataclass
@@ -42,7 +43,7 @@ class MoEModel:
         self, config: ModelConfig, weights: ModelWeights, experts: ExpertBackend, kv: KVCache, ledger: TransferLedger
     ) -> None:
         self.config, self.weights, self.experts, self.kv, self.ledger = config, weights, experts, kv, ledger
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, weights.embed.device)
+        self.inv_freq, self.rope_scale = rope_frequencies(config.rope_spec, weights.embed.device)
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, logit_rows: Tensor) -> ForwardResult:
@@ -59,12 +60,14 @@ class MoEModel:
     def embed(self, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """token ids [T] -> hidden states [T, D] and the rotary (cos, sin) of their positions."""
         x = F.embedding(token_ids, self.weights.embed)
-        return x, rope_cos_sin(positions, self.inv_freq, x.dtype)
+        return x, rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_scale)
 
     def attention_block(self, i: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBatch) -> Tensor:
         """Layer i's RMSNorm, attention over the KV cache (writing this batch's K/V), residual."""
         layer = self.weights.layers[i]
         h = rms_norm(x, layer.attn_norm, self.config.rms_norm_eps)
+        if isinstance(layer.attn, MLAWeights):
+            return x + mla_attention(self.config, layer.attn, h, *rope, self.kv, i, attn)
         return x + self._attention(i, layer.attn, h, *rope, attn)
 
     def mlp_block(self, i: int, x: Tensor) -> tuple[Tensor, list[int] | None]:
@@ -100,14 +103,19 @@ class MoEModel:
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv.write(i, attn.slots, k, v)
-        o = paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i])
+        o = paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i], scale=cfg.attn_scale)
         return F.linear(o.reshape(T, cfg.q_size), w.o, w.o_bias)
 
     def _moe(self, i: int, w: MoEWeights, h: Tensor) -> tuple[Tensor, list[int]]:
         cfg = self.config
-        ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob)
+        if w.router_bias is not None:
+            ids, weights = route_groups(h, w.router, w.router_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                                        cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        else:
+            ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob)
         counts = self.ledger.to_host(torch.bincount(ids.flatten(), minlength=cfg.num_experts), "routing").tolist()
         y = self.experts.forward(i, h, dispatch(ids, weights, counts))
         if w.shared is not None:
-            y = y + torch.sigmoid(F.linear(h, w.shared_gate)) * dense_mlp(h, w.shared)
+            shared = dense_mlp(h, w.shared)
+            y = y + (shared if w.shared_gate is None else torch.sigmoid(F.linear(h, w.shared_gate)) * shared)
         return y, counts

@@ -28,6 +28,23 @@ class AttentionWeights:
 
 
 @dataclass
+class MLAWeights:
+    """DeepSeek's latent attention (r kv_lora_rank, qk = nope + rope dims, vd v_head_dim)."""
+
+    kv_a: Tensor  # [r + rope, D]: the latent and the shared rope key
+    kv_a_norm: Tensor  # [r]
+    kv_b: Tensor  # [H*(nope + vd), r]: latent -> per-head key (nope part) and value
+    o: Tensor  # [D, H*vd]
+    q: Tensor | None = None  # [H*qk, D] when q_lora_rank is 0, else the low-rank pair below
+    q_a: Tensor | None = None  # [q_lora_rank, D]
+    q_a_norm: Tensor | None = None  # [q_lora_rank]
+    q_b: Tensor | None = None  # [H*qk, q_lora_rank]
+    q_a_bias: Tensor | None = None
+    kv_a_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+
+
+@dataclass
 class MLPWeights:
     """A SwiGLU MLP: gate rows first in gate_up, like transformers' fused experts."""
 
@@ -39,13 +56,14 @@ class MLPWeights:
 class MoEWeights:
     router: Tensor  # [E, D]
     shared: MLPWeights | None = None
-    shared_gate: Tensor | None = None  # [1, D]
+    shared_gate: Tensor | None = None  # [1, D]; None: the shared expert's output is added as is
+    router_bias: Tensor | None = None  # [E] correction bias of sigmoid-group routing (choice only)
 
 
 @dataclass
 class LayerWeights:
     attn_norm: Tensor
-    attn: AttentionWeights
+    attn: AttentionWeights | MLAWeights
     mlp_norm: Tensor
     mlp: MLPWeights | MoEWeights
 
