@@ -26,6 +26,7 @@ from engines.device import dtype_name, resolve_device, resolve_dtype
 from engines.runtime.batch import SeqState, StepBatch, build_batch
 from engines.runtime.copies import CopyEngine, CopyStats
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
+from engines.runtime.config import ModelConfig
 from engines.runtime.executor import Executor, StepResult
 from engines.runtime.experts import ExpertBackend, ResidentBackend
 from engines.runtime.kv_cache import PagedKVCache
@@ -68,6 +69,9 @@ class MoEEngine(Engine):
     config_cls = MoEEngineConfig
     prompt_logits = True
     float32_reference = True
+    # Engines whose expert storage or kernels know only bias-free SwiGLU experts set this, so a
+    # model with other experts (gpt-oss) is refused at start instead of computed wrongly.
+    plain_experts_only = False
 
     def __init__(self, config: MoEEngineConfig) -> None:
         self.config = config
@@ -115,8 +119,18 @@ class MoEEngine(Engine):
     def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
         """Open the folder and load its weights (the device, dtype and ledger are set)."""
         self.checkpoint = open_checkpoint(self.config.model)
+        self.check_experts(self.checkpoint.config)
         self.weights, dense_experts = load_weights(self.checkpoint, self.device, self.dtype, self.ledger)
         return self.checkpoint, self.weights, self.build_experts(dense_experts)
+
+    def check_experts(self, mc: ModelConfig) -> None:
+        """Refuse, in one line, a model whose routed experts this engine cannot compute."""
+        if not mc.plain_experts and (self.plain_experts_only or self.config.expert_bits is not None):
+            what = f"engine {self.name}" if self.plain_experts_only else "expert_bits (fake quantization)"
+            raise EngineError(
+                f"{what} runs bias-free SwiGLU experts only; {mc.architecture}'s experts have biases and a "
+                "clamped SwiGLU: use engine moe (without expert_bits) for this model"
+            )
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
         """The ExpertBackend over the loaded full-precision experts (MoE layer -> DenseExperts).
@@ -326,6 +340,8 @@ class MoEEngine(Engine):
     def _model_stats(self) -> dict[str, float]:
         mc = self.checkpoint.config
         per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size
+        if mc.expert_bias:
+            per_expert += 2 * mc.moe_intermediate_size + mc.hidden_size
         dense_bytes = self._dense_bytes_read
         dense_params = dense_bytes // self.weights.embed.element_size()
         return {

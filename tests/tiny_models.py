@@ -42,8 +42,19 @@ ARCH_KWARGS: dict[str, dict] = {
         n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, use_qk_norm=True,
         attention_bias=True, routed_scaling_factor=1.5,
     ),
+    # Attention sinks, sliding window 6 (shorter than most prompts) on alternate layers, biases
+    # everywhere, clamped SwiGLU with gate/up interleaved, YaRN; sizes multiples of 32 for MXFP4.
+    "gpt_oss": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+        num_local_experts=6, num_experts_per_tok=2, num_hidden_layers=2, sliding_window=6, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False},
+    ),
 }
 ARCHS = tuple(ARCH_KWARGS)
+# Architectures whose experts are bias-free SwiGLU: what offload, pagedweight and the static
+# quantization engines run (they refuse gpt-oss).
+PLAIN_EXPERT_ARCHS = tuple(a for a in ARCHS if a != "gpt_oss")
 VOCAB = 257
 EOS = 2
 # Engine options that match the float32 transformers reference on CPU. Tests that compare
@@ -64,6 +75,7 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
         "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     kwargs = dict(ARCH_KWARGS[arch], vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
                   bos_token_id=1, pad_token_id=0, initializer_range=0.08, tie_word_embeddings=False)
@@ -73,9 +85,14 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
     with torch.no_grad():
         # transformers initialises the routing correction bias to zeros; random values make the
         # tests see that it steers the choice and not the weights.
+        gen = torch.Generator().manual_seed(seed)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)) * 0.3)
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
+        # gpt-oss's biases and sinks start at zero too: random ones make them matter.
+        for name, param in model.named_parameters():
+            if arch == "gpt_oss" and name.endswith(("bias", "sinks")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     return model
 
 

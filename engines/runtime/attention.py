@@ -151,12 +151,36 @@ def group_by_length(lengths: list[int], slack: float = 1.25) -> list[tuple[int, 
 Expand = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+            sinks: Tensor | None) -> Tensor:
+    """SDPA over [..., n, d] queries and [..., L, d] keys (key heads repeated to the query heads
+    where they are fewer). With `sinks` (broadcastable to [..., n, 1]) each softmax row gets one
+    extra logit that takes probability mass and adds no value (gpt-oss); SDPA has no such
+    input, so that case computes the softmax itself."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    logits = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        n, L = logits.shape[-2], logits.shape[-1]
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((logits, sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)), dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def paged_attention(
     q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, batch: AttentionBatch, window: int | None,
-    scale: float | None = None, expand: Expand | None = None,
+    scale: float | None = None, expand: Expand | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """q [T, H, hd], k [T, K, hd], v [T, K, hd_v] of this step (already written to the cache)
-    -> [T, H, hd_v]. `expand` turns gathered cache contents into K/V (identity when None)."""
+    -> [T, H, hd_v]. `expand` turns gathered cache contents into K/V (identity when None);
+    `sinks` [H] are gpt-oss's per-head sink logits."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for g in batch.decodes:
         # GQA without repeating K/V: the G query heads sharing a KV head are that head's
@@ -166,14 +190,16 @@ def paged_attention(
         if expand is not None:
             kc, vc = expand(kc, vc)
         qg = q[g.row : g.row + n].view(n, kc.shape[0], -1, q.shape[-1]).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.mask(window), scale=scale)
+        group_sinks = None if sinks is None else sinks.view(kc.shape[0], 1, -1, 1)  # [K, 1, G, 1]
+        o = _attend(qg, kc, vc, g.mask(window), False, scale, group_sinks)
         out[g.row : g.row + n] = o.transpose(0, 1).reshape(n, q.shape[1], v.shape[-1])
+    head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
     for seg in batch.prefills:
         rows = slice(seg.row, seg.row + seg.length)
         qs = q[rows].transpose(0, 1)[None]  # [1, H, n, hd]
         if seg.start_pos == 0 and window is None:
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True, scale=scale)
+            o = _attend(qs, ks, vs, None, True, scale, head_sinks)
         else:
             ctx = seg.start_pos + seg.length
             kc, vc = cache.gather(layer, seg.table[None])  # [K, 1, nb*B, hd]
@@ -185,6 +211,6 @@ def paged_attention(
             mask = key_pos <= q_pos
             if window is not None:
                 mask &= key_pos > q_pos - window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True, scale=scale)
+            o = _attend(qs, ks, vs, mask, False, scale, head_sinks)
         out[rows] = o[0].transpose(0, 1)
     return out

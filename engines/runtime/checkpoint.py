@@ -28,6 +28,7 @@ from torch import Tensor
 
 from engines.base import ModelLoadError
 from engines.runtime.config import ModelConfig, parse_config
+from engines.runtime.mxfp4 import gpt_oss_experts
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
     AttentionWeights,
@@ -184,7 +185,7 @@ def load_weights(
 ) -> tuple[ModelWeights, dict[int, DenseExperts]]:
     """Dense weights plus each MoE layer's routed experts at full precision."""
     cfg = ckpt.config
-    if cfg.quantization:
+    if cfg.quantization and not (cfg.architecture == "gpt_oss" and cfg.quantization.get("quant_method") == "mxfp4"):
         method = cfg.quantization.get("quant_method", "?")
         raise ModelLoadError(
             f"{ckpt.path} is a quantized checkpoint (quant_method {method!r}); the full-precision "
@@ -282,6 +283,7 @@ def _load_attention(reader: TensorReader, cfg: ModelConfig, p: str) -> Attention
         o_bias=get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None,
         q_norm=get(p + "self_attn.q_norm.weight", norm_q) if norm_q else None,
         k_norm=get(p + "self_attn.k_norm.weight", norm_k) if norm_k else None,
+        sinks=get(p + "self_attn.sinks", (cfg.num_heads,)) if cfg.attention_sinks else None,
     )  # type: ignore[arg-type]
 
 
@@ -296,9 +298,11 @@ def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: Ex
         return LayerWeights(attn_norm, attn, mlp_norm, mlp), None  # type: ignore[arg-type]
     # Mixtral checkpoints say block_sparse_moe; transformers' in-memory names and GPTQModel say mlp.
     mp = p + ("block_sparse_moe." if reader.has(p + "block_sparse_moe.gate.weight") else "mlp.")
-    moe = MoEWeights(router=get(mp + "gate.weight", (cfg.num_experts, D)))  # type: ignore[arg-type]
+    moe = MoEWeights(router=get(mp + cfg.router_name + ".weight", (cfg.num_experts, D)))  # type: ignore[arg-type]
     if cfg.router == "sigmoid_groups":
-        moe.router_bias = get(mp + "gate.e_score_correction_bias", (cfg.num_experts,))
+        moe.correction_bias = get(mp + "gate.e_score_correction_bias", (cfg.num_experts,))
+    if cfg.router_logit_bias:
+        moe.router_bias = get(mp + cfg.router_name + ".bias", (cfg.num_experts,))
     if cfg.shared_expert_intermediate_size:
         moe.shared = _load_mlp(reader, mp + cfg.shared_expert_name + ".", cfg.shared_expert_intermediate_size, D)
         if cfg.shared_expert_gated:
@@ -319,6 +323,8 @@ def _load_mlp(reader: TensorReader, prefix: str, inter: int, D: int) -> MLPWeigh
 def dense_experts(reader: TensorReader, cfg: ModelConfig, prefix: str) -> DenseExperts | None:
     """A layer's routed experts at full precision, per-expert or fused on disk -> one stacked record."""
     E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if cfg.expert_bias:
+        return gpt_oss_experts(reader, cfg, prefix)
     if reader.has(prefix + "gate_up_proj"):
         gate_up = reader.get(prefix + "gate_up_proj", (E, 2 * I, D))
         down = reader.get(prefix + "down_proj", (E, D, I))

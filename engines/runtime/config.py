@@ -14,7 +14,7 @@ from typing import Any
 
 from engines.base import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -96,6 +96,19 @@ class ModelConfig:
     # Decoder layers past num_layers in the files (DeepSeek's multi-token-prediction layers):
     # not used for generation, skipped at load and named in the log.
     skipped_layers: int = 0
+    # gpt-oss: the router is `mlp.router` with a logit bias; a learned per-head sink logit joins
+    # each softmax; experts carry biases and run the clamped SwiGLU (limit, alpha):
+    # gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1).
+    router_name: str = "gate"
+    router_logit_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_clamp: tuple[float, float] | None = None
+
+    @property
+    def plain_experts(self) -> bool:
+        """Routed experts are bias-free SwiGLU (what every expert backend and kernel runs)."""
+        return not self.expert_bias and self.swiglu_clamp is None
 
     @property
     def q_size(self) -> int:
@@ -380,11 +393,42 @@ def _glm4_moe(get: _Getter, num_layers: int) -> dict[str, Any]:
     )
 
 
-_YARN_ARCHS = ("deepseek_v3", "glm4_moe")
+def _gpt_oss(get: _Getter, num_layers: int) -> dict[str, Any]:
+    head_dim = int(get.opt("head_dim", None) or get.int("hidden_size") // get.int("num_attention_heads"))
+    window = get.raw.get("sliding_window")
+    types = get.raw.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{get.source}: layer_types must list sliding_attention or full_attention per layer")
+    bias = bool(get.opt("attention_bias", True))
+    return dict(
+        num_experts=_num_experts(get),
+        moe_intermediate_size=get.int("intermediate_size"),
+        moe_layers=(True,) * num_layers,
+        dense_intermediate_size=0,
+        norm_topk_prob=True,  # softmax over the top-k logits
+        shared_expert_intermediate_size=0,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm="none",
+        clip_qkv=None,
+        sliding_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        rope=_rope(get, head_dim, False),
+        router_name="router",
+        router_logit_bias=True,
+        attention_sinks=True,
+        expert_bias=True,
+        swiglu_clamp=(float(get.opt("swiglu_limit", 7.0)), float(get.opt("swiglu_alpha", 1.702))),
+    )
+
+
+_YARN_ARCHS = ("deepseek_v3", "glm4_moe", "gpt_oss")
 
 _PARSERS: dict[str, Callable[[_Getter, int], dict[str, Any]]] = {
     "deepseek_v3": _deepseek_v3,
     "glm4_moe": _glm4_moe,
+    "gpt_oss": _gpt_oss,
     "mixtral": _mixtral,
     "olmoe": _olmoe,
     "qwen2_moe": _qwen2_moe,

@@ -25,9 +25,9 @@ from torch import Tensor
 from engines.runtime.weights import DenseExperts, MLPWeights
 
 
-def route(x: Tensor, router: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+def route(x: Tensor, router: Tensor, top_k: int, normalize: bool, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [T, D] -> (expert ids [T, A], weights [T, A] in x's dtype). Softmax in float32."""
-    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    probs = torch.softmax(F.linear(x, router, bias).float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -72,10 +72,17 @@ def dispatch(ids: Tensor, weights: Tensor, counts: list[int]) -> Dispatch:
     return Dispatch(order // ids.shape[1], weights.flatten()[order], counts)
 
 
-def swiglu(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """x [n, D], gate_up [2I, D] (gate rows first), down [D, I] -> [n, D]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def swiglu(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
+           down_bias: Tensor | None = None, clamp: tuple[float, float] | None = None) -> Tensor:
+    """x [n, D], gate_up [2I, D] (gate rows first), down [D, I] -> [n, D]. With `clamp`
+    (limit, alpha), gpt-oss's variant: gate <= limit, |up| <= limit, gate * sigmoid(alpha *
+    gate) * (up + 1)."""
+    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    if clamp is None:
+        return F.linear(F.silu(gate) * up, down, down_bias)
+    limit, alpha = clamp
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, down_bias)
 
 
 def dense_mlp(x: Tensor, w: MLPWeights) -> Tensor:
@@ -104,8 +111,11 @@ def grouped_swiglu(x: Tensor, d: Dispatch, experts: DenseExperts) -> Tensor:
     """Reference expert compute: x [T, D] -> sum over each token's experts of weight * expert(x)."""
     xs = x[d.token_index]
     out = torch.empty_like(xs)
+    gu_bias, down_bias = getattr(experts, "gate_up_bias", None), getattr(experts, "down_bias", None)
+    clamp = getattr(experts, "clamp", None)
     for e, rows in segments(d).items():
-        out[rows] = swiglu(xs[rows], experts.gate_up[e], experts.down[e])
+        out[rows] = swiglu(xs[rows], experts.gate_up[e], experts.down[e],
+                           None if gu_bias is None else gu_bias[e], None if down_bias is None else down_bias[e], clamp)
     return combine(x, d, out)
 
 

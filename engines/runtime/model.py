@@ -103,16 +103,16 @@ class MoEModel:
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.kv.write(i, attn.slots, k, v)
-        o = paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i], scale=cfg.attn_scale)
+        o = paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i], scale=cfg.attn_scale, sinks=w.sinks)
         return F.linear(o.reshape(T, cfg.q_size), w.o, w.o_bias)
 
     def _moe(self, i: int, w: MoEWeights, h: Tensor) -> tuple[Tensor, list[int]]:
         cfg = self.config
-        if w.router_bias is not None:
-            ids, weights = route_groups(h, w.router, w.router_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+        if w.correction_bias is not None:
+            ids, weights = route_groups(h, w.router, w.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
                                         cfg.norm_topk_prob, cfg.routed_scaling_factor)
         else:
-            ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob)
+            ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)
         counts = self.ledger.to_host(torch.bincount(ids.flatten(), minlength=cfg.num_experts), "routing").tolist()
         y = self.experts.forward(i, h, dispatch(ids, weights, counts))
         if w.shared is not None:

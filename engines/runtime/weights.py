@@ -25,6 +25,7 @@ class AttentionWeights:
     o_bias: Tensor | None = None
     q_norm: Tensor | None = None  # [hd] per head, or [H*hd] over the projection
     k_norm: Tensor | None = None
+    sinks: Tensor | None = None  # [H] gpt-oss: a learned logit per head in each softmax
 
 
 @dataclass
@@ -57,7 +58,8 @@ class MoEWeights:
     router: Tensor  # [E, D]
     shared: MLPWeights | None = None
     shared_gate: Tensor | None = None  # [1, D]; None: the shared expert's output is added as is
-    router_bias: Tensor | None = None  # [E] correction bias of sigmoid-group routing (choice only)
+    correction_bias: Tensor | None = None  # [E] of sigmoid-group routing (steers the choice only)
+    router_bias: Tensor | None = None  # [E] added to the router logits (gpt-oss)
 
 
 @dataclass
@@ -103,13 +105,17 @@ class DenseExperts:
 
     gate_up: Tensor  # [E, 2I, D]
     down: Tensor  # [E, D, I]
+    gate_up_bias: Tensor | None = None  # [E, 2I] (gpt-oss)
+    down_bias: Tensor | None = None  # [E, D]
+    clamp: tuple[float, float] | None = None  # clamped SwiGLU (limit, alpha); None: plain SwiGLU
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        tensors = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def expert_nbytes(self, expert: int) -> int:
         return self.nbytes() // self.num_experts

@@ -41,7 +41,7 @@ def test_layouts_agree(arch, checkpoints):
             assert torch.equal(experts_a[i].down, experts_b[i].down)
         assert torch.equal(dense_a.embed, dense_b.embed) and torch.equal(dense_a.lm_head, dense_b.lm_head)
         for la, lb in zip(dense_a.layers, dense_b.layers):
-            assert torch.equal(la.attn.q, lb.attn.q) and torch.equal(la.attn_norm, lb.attn_norm)
+            assert torch.equal(la.attn.o, lb.attn.o) and torch.equal(la.attn_norm, lb.attn_norm)
 
 
 def test_fused_and_sharded_generate_the_same(checkpoints):
