@@ -30,7 +30,8 @@ def test_layouts_agree(arch, checkpoints):
     assert len(shards) > 1
     ck_fused = open_checkpoint(fused)
     assert any(k.endswith("experts.gate_up_proj") for k in ck_fused.key_files)
-    assert any(".experts.0." in k for k in open_checkpoint(per_expert).key_files)
+    if arch != "gpt_oss":  # gpt-oss has no per-expert layout: save_pretrained writes it fused
+        assert any(".experts.0." in k for k in open_checkpoint(per_expert).key_files)
 
     _, dense_a, experts_a = load(per_expert)
     for other in (fused, sharded):
