@@ -46,7 +46,7 @@ def test_unsupported_architecture(checkpoints, copy_checkpoint):
     edit_config(folder, model_type="llama")
     assert_user_error(
         pwbench("generate", "--model", str(folder), "--prompt-ids", "1"),
-        "'llama'", "deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe",
+        "'llama'", "deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe",
     )
 
 
