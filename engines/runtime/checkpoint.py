@@ -5,7 +5,9 @@ stored per expert (`experts.{e}.w1|w3|w2` or `experts.{e}.{gate,up,down}_proj`) 
 (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`). Loading is strict: every
 expected tensor must exist with the shape config.json implies, and every tensor in the
 files must be used, so a checkpoint we do not understand fails loudly instead of running
-with random weights. Errors are ModelLoadError with the file and tensor named.
+with random weights. Errors are ModelLoadError with the file and tensor named; the one
+exception is DeepSeek/GLM multi-token-prediction layers (`model.layers.{L}` and up), skipped
+and logged. gpt-oss experts (fused, or MXFP4) are read by engines/runtime/mxfp4.py.
 
 The reader is pluggable and knows no quantization: `load_model` takes the loader of a
 layer's routed experts and, optionally, a `LinearFormat` for linear layers stored other than

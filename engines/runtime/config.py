@@ -1,8 +1,9 @@
 """ModelConfig: one normalised description of a supported MoE architecture, read from config.json.
 
-Each architecture's quirks (router normalisation, shared expert, q/k norms, biases, sliding
-windows, dense layers) become plain fields here, so the model code has no per-architecture
-branches. Rules follow transformers 5.x's modeling files for each model type.
+Each architecture's quirks (router normalisation or grouped sigmoid routing, shared experts,
+q/k norms, biases, sliding windows, dense layers, partial/interleaved/YaRN rope, MLA,
+attention sinks, clamped SwiGLU experts) become plain fields here, so the model code has no
+per-architecture branches. Rules follow transformers 5.x's modeling files for each model type.
 """
 
 from __future__ import annotations

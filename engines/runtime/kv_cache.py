@@ -2,7 +2,8 @@
 
 Token t of a sequence lives in slot `table[t // B] * B + t % B` of every layer's pool. Pools
 are head-major, [K, num_blocks, B, hd], so a gather of block tables is already in the
-[K, N, L, hd] layout attention consumes (no transpose copy). Blocks
+[K, N, L, hd] layout attention consumes (no transpose copy); what K and hd are per
+architecture is ModelConfig.kv_cache_dims (MLA: one latent "head" plus the rope key). Blocks
 are taken from a free list as a sequence grows and returned when it ends or is preempted,
 so memory follows live tokens, not the longest possible request. The allocator is pure
 Python (no torch), which lets the scheduler plan without touching the device.
