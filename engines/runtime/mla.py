@@ -3,9 +3,9 @@
 Per token and layer the cache holds what MLA compresses K/V into: the normalised latent
 [r = kv_lora_rank] in the K pool and the rotated shared rope key [rope] in the V pool, one
 "head" each, so KV bytes per token are (r + rope) x layers x dtype size instead of
-2 x heads x head dim. Attention expands the gathered latents through kv_b_proj into per-head
-keys (nope part, with the rope key appended) and values, as transformers does; the absorbed
-form (folding kv_b into q and o) is a later kernel's job.
+2 x heads x head dim. Attention runs in the absorbed form: kv_b_proj's key half is folded
+into the queries and its value half applied after the weighted sum, so no per-head K/V is
+ever materialised (transformers expands them; the results differ only in float rounding).
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ def mla_attention(cfg: ModelConfig, w: MLAWeights, h: Tensor, cos: Tensor, sin: 
     q_rot = apply_rope(q_rot, cos, sin, interleave)
     k_rot = apply_rope(k_rot.reshape(T, 1, rope), cos, sin, interleave)
     kv.write(layer, attn.slots, latent, k_rot)
+    # Absorbed form: q_nope . (W_uk latent) = (q_nope W_uk) . latent, and the values' W_uv
+    # applies after the weighted sum, so attention runs as one shared (MQA) head of keys
+    # [latent, rope key] and values [latent] straight from the cache, never per-head K/V.
+    w_kv = w.kv_b.view(H, nope + vd, r)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_kv[:, :nope])
+    q = torch.cat((q_lat, q_rot), dim=-1)  # [T, H, r + rope]
 
-    def expand(lat: Tensor, kr: Tensor) -> tuple[Tensor, Tensor]:
-        # [1, N, L, r] latents and [1, N, L, rope] keys -> K [H, N, L, nope+rope], V [H, N, L, vd]
-        N, L = lat.shape[1], lat.shape[2]
-        kvb = F.linear(lat[0], w.kv_b).view(N, L, H, nope + vd).permute(2, 0, 1, 3)
-        k_nope, v = kvb.split([nope, vd], dim=-1)
-        return torch.cat((k_nope, kr.expand(H, N, L, rope)), dim=-1), v
+    def keys_values(lat: Tensor, kr: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.cat((lat, kr), dim=-1), lat
 
-    k, v = expand(latent.view(1, 1, T, r), k_rot.view(1, 1, T, rope))  # this step's, for fresh prefills
-    k, v = k[:, 0].transpose(0, 1), v[:, 0].transpose(0, 1)  # [T, H, ...]
-    q = torch.cat((q_nope, q_rot), dim=-1)
-    o = paged_attention(q, k, v, kv, layer, attn, None, scale=cfg.attn_scale, expand=expand)
+    k, v = keys_values(latent, k_rot)  # this step's [T, 1, r + rope] and [T, 1, r]
+    o_lat = paged_attention(q, k, v, kv, layer, attn, None, scale=cfg.attn_scale, expand=keys_values)
+    o = torch.einsum("thr,hvr->thv", o_lat, w_kv[:, nope:])  # [T, H, vd]
     return F.linear(o.reshape(T, H * vd), w.o, w.o_bias)

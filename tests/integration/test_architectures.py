@@ -35,20 +35,26 @@ def test_mla_kv_cache_holds_latent_and_rope_key(checkpoints):
         assert engine.info().kv_cache_bytes == engine.kv.nbytes()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_model_stats_follow_the_transformers_model(arch, checkpoints):
     hf = build_hf_model(arch)
     c = hf.config
     routed = {n for n, _ in hf.named_parameters() if ".mlp.experts." in n}
     dense = sum(p.numel() for n, p in hf.named_parameters() if n not in routed and "embed_tokens" not in n)
     dense += sum(b.numel() for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias"))
-    per_expert = 3 * c.hidden_size * c.moe_intermediate_size
-    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
-    assert sum(hf.get_parameter(n).numel() for n in routed) == moe_layers * c.n_routed_experts * per_expert
+    if arch == "gpt_oss":  # experts with biases: gate_up [2I, D] + [2I], down [D, I] + [D]
+        num_experts, inter, moe_layers = c.num_local_experts, c.intermediate_size, c.num_hidden_layers
+        per_expert = 3 * c.hidden_size * inter + 2 * inter + c.hidden_size
+    else:
+        num_experts, inter = c.n_routed_experts, c.moe_intermediate_size
+        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+        per_expert = 3 * c.hidden_size * inter
+    assert sum(hf.get_parameter(n).numel() for n in routed) == moe_layers * num_experts * per_expert
     if arch == "deepseek_v3":
         kv = c.num_hidden_layers * (c.kv_lora_rank + c.qk_rope_head_dim)
     else:
-        kv = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim
     with MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints(arch)))) as engine:
         stats = engine.info().model_stats
     assert stats["dense_weight_bytes"] == dense * F32
