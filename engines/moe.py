@@ -26,6 +26,7 @@ from engines.device import dtype_name, resolve_device, resolve_dtype
 from engines.runtime.batch import SeqState, StepBatch, build_batch
 from engines.runtime.copies import CopyEngine, CopyStats
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
+from engines.runtime.config import ModelConfig
 from engines.runtime.executor import Executor, StepResult
 from engines.runtime.experts import ExpertBackend, ResidentBackend
 from engines.runtime.kv_cache import PagedKVCache
@@ -79,6 +80,9 @@ class MoEEngine(Engine):
     config_cls = MoEEngineConfig
     prompt_logits = True
     float32_reference = True
+    # Engines whose expert storage or kernels know only bias-free SwiGLU experts set this, so a
+    # model with other experts (gpt-oss) is refused at start instead of computed wrongly.
+    plain_experts_only = False
 
     def __init__(self, config: MoEEngineConfig) -> None:
         self.config = config
@@ -126,8 +130,18 @@ class MoEEngine(Engine):
     def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
         """Open the folder and load its weights (the device, dtype and ledger are set)."""
         self.checkpoint = open_checkpoint(self.config.model)
+        self.check_experts(self.checkpoint.config)
         self.weights, dense_experts = load_weights(self.checkpoint, self.device, self.dtype, self.ledger)
         return self.checkpoint, self.weights, self.build_experts(dense_experts)
+
+    def check_experts(self, mc: ModelConfig) -> None:
+        """Refuse, in one line, a model whose routed experts this engine cannot compute."""
+        if not mc.plain_experts and (self.plain_experts_only or self.config.expert_bits is not None):
+            what = f"engine {self.name}" if self.plain_experts_only else "expert_bits (fake quantization)"
+            raise EngineError(
+                f"{what} runs bias-free SwiGLU experts only; {mc.architecture}'s experts have biases and a "
+                "clamped SwiGLU: use engine moe (without expert_bits) for this model"
+            )
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
         """The ExpertBackend over the loaded full-precision experts (MoE layer -> DenseExperts).
@@ -141,7 +155,7 @@ class MoEEngine(Engine):
 
     def _kv_block_bytes(self) -> int:
         cfg, mc = self.config, self.checkpoint.config
-        return PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        return PagedKVCache.model_block_bytes(mc, cfg.block_size, self.dtype)
 
     def _build_kv_cache(self) -> PagedKVCache:
         cfg, mc = self.config, self.checkpoint.config
@@ -154,9 +168,7 @@ class MoEEngine(Engine):
             used = self._weights_beside_kv()
             self._check_budget(used + block_bytes)
             num_blocks = kv_blocks_in_budget(sizing, block_bytes, cfg.budget_bytes - used)
-        return PagedKVCache(
-            mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
-        )
+        return PagedKVCache.for_model(mc, num_blocks, cfg.block_size, self.dtype, self.device)
 
     def _dense_device_bytes(self) -> int:
         """Device bytes of the dense weights (fixed once loaded; walked once, not every step)."""
@@ -332,13 +344,15 @@ class MoEEngine(Engine):
     def _model_stats(self) -> dict[str, float]:
         mc = self.checkpoint.config
         per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size
+        if mc.expert_bias:
+            per_expert += 2 * mc.moe_intermediate_size + mc.hidden_size
         dense_bytes = self._dense_bytes_read
         dense_params = dense_bytes // self.weights.embed.element_size()
         return {
             "dense_weight_bytes": dense_bytes,
             "bytes_per_expert": self.experts.device_bytes() / max(1, sum(mc.moe_layers) * mc.num_experts),
             "active_params_per_token": dense_params + sum(mc.moe_layers) * mc.top_k * per_expert,
-            "kv_bytes_per_token": PagedKVCache.bytes_per_block(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, self.dtype),
+            "kv_bytes_per_token": PagedKVCache.model_block_bytes(mc, 1, self.dtype),
             **({"device_budget_bytes": self.config.budget_bytes} if self.config.budget_bytes is not None else {}),
         }
 

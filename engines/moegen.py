@@ -99,6 +99,16 @@ class MoEGenEngine(MoEEngine):
     name = "moegen"
     config_cls = MoEGenConfig
     float32_reference = False
+    plain_experts_only = True  # the streaming ring computes bias-free SwiGLU experts
+
+    def check_experts(self, mc) -> None:
+        """Also refuse attention its micro-batched (and host) attention does not compute."""
+        super().check_experts(mc)
+        what = ("multi-head latent attention" if mc.mla is not None else "attention sinks" if mc.attention_sinks
+                else "a non-default softmax scale" if mc.attn_scale is not None else None)
+        if what:
+            raise EngineError(f"engine moegen runs grouped-query attention only; {mc.architecture} uses {what}: "
+                              "use engine moe or offload for this model")
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
         cfg: MoEGenConfig = self.config  # type: ignore[assignment]

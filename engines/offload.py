@@ -40,6 +40,7 @@ class OffloadConfig(MoEEngineConfig):
 
 class OffloadEngine(MoEEngine):
     name = "offload"
+    plain_experts_only = True  # its host tier and device slots hold gate_up/down only
     config_cls = OffloadConfig
     float32_reference = False
 

@@ -69,6 +69,7 @@ class PagedWeightConfig(MoEEngineConfig):
 
 class PagedWeightEngine(MoEEngine):
     name = "pagedweight"
+    plain_experts_only = True  # its pages and precision tiers hold gate_up/down only
     config_cls = PagedWeightConfig
     float32_reference = False
     needs_calibration = True

@@ -53,10 +53,12 @@ class StaticQuantEngine(MoEEngine):
     method: ClassVar[str]
     config_cls = StaticQuantConfig
     float32_reference = False
+    plain_experts_only = True  # fused_moe and the quantized formats have no expert biases
 
     def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
         """The quantized folder (given, or quantized now from a full-precision one and cached)."""
         self.source = open_checkpoint(self.config.model)
+        self.check_experts(self.source.config)
         folder, self.quantized_at_start = self._quantized_folder(self.source)
         checkpoint = open_checkpoint(folder)
         self._check_method(checkpoint)

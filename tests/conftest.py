@@ -36,7 +36,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
 
     def make(arch: str, layout: str = "per_expert", **overrides) -> Path:
-        key = (arch, layout, tuple(sorted(overrides.items())))
+        key = (arch, layout, repr(sorted(overrides.items())))  # repr: overrides may hold dicts
         if key not in cache:
             name = f"{arch}-{layout}-{len(cache)}"
             cache[key] = save_checkpoint(build_hf_model(arch, **overrides), root / name, layout)

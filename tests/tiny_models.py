@@ -27,8 +27,34 @@ ARCH_KWARGS: dict[str, dict] = {
         hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=48,
         num_experts=6, num_experts_per_tok=2, num_hidden_layers=2, clip_qkv=3.0,
     ),
+    # 12 routed experts in 3 groups, top-4 from the best 2 groups, 1 shared expert, a dense
+    # first layer; MLA with a low-rank query (q_lora_rank=None is a test variant).
+    "deepseek_v3": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=80,
+        moe_intermediate_size=24, n_routed_experts=12, n_group=3, topk_group=2, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, routed_scaling_factor=2.5,
+    ),
+    # Partial rotary (half of head dim 16), per-head q/k norm, q/k/v biases, grouped routing.
+    "glm4_moe": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=80,
+        moe_intermediate_size=24, n_routed_experts=12, n_group=3, topk_group=2, num_experts_per_tok=4,
+        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, use_qk_norm=True,
+        attention_bias=True, routed_scaling_factor=1.5,
+    ),
+    # Attention sinks, sliding window 6 (shorter than most prompts) on alternate layers, biases
+    # everywhere, clamped SwiGLU with gate/up interleaved, YaRN; sizes multiples of 32 for MXFP4.
+    "gpt_oss": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+        num_local_experts=6, num_experts_per_tok=2, num_hidden_layers=2, sliding_window=6, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False},
+    ),
 }
 ARCHS = tuple(ARCH_KWARGS)
+# Architectures whose experts are bias-free SwiGLU: what offload, pagedweight and the static
+# quantization engines run (they refuse gpt-oss).
+PLAIN_EXPERT_ARCHS = tuple(a for a in ARCHS if a != "gpt_oss")
 VOCAB = 257
 EOS = 2
 # Engine options that match the float32 transformers reference on CPU. Tests that compare
@@ -47,12 +73,27 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     kwargs = dict(ARCH_KWARGS[arch], vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=EOS,
                   bos_token_id=1, pad_token_id=0, initializer_range=0.08, tie_word_embeddings=False)
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    return cls_model(cls_cfg(**kwargs)).eval()
+    model = cls_model(cls_cfg(**kwargs)).eval()
+    with torch.no_grad():
+        # transformers initialises the routing correction bias to zeros; random values make the
+        # tests see that it steers the choice and not the weights.
+        gen = torch.Generator().manual_seed(seed)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
+        # gpt-oss's biases and sinks start at zero too: random ones make them matter.
+        for name, param in model.named_parameters():
+            if arch == "gpt_oss" and name.endswith(("bias", "sinks")):
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    return model
 
 
 def save_checkpoint(model, path: Path, layout: str = "per_expert") -> Path:

@@ -83,8 +83,10 @@ def model_shape(mc: Any, dtype_bytes: int) -> ModelShape:
     D, V, L, q, kv = mc.hidden_size, mc.vocab_size, mc.num_layers, mc.q_size, mc.kv_size
     norms = {"none": 0, "head": 2 * mc.head_dim, "full": q + kv}[mc.qk_norm]
     attn = 2 * D * q + 2 * D * kv + (q + 2 * kv if mc.qkv_bias else 0) + (D if mc.o_bias else 0) + norms
-    shared = (3 * D * mc.shared_expert_intermediate_size + D) if mc.shared_expert_intermediate_size else 0
-    layers = sum(attn + 2 * D + (mc.num_experts * D + shared if moe else 3 * D * mc.dense_intermediate_size)
+    gate = D if mc.shared_expert_gated else 0
+    shared = (3 * D * mc.shared_expert_intermediate_size + gate) if mc.shared_expert_intermediate_size else 0
+    bias = mc.num_experts if mc.router == "sigmoid_groups" else 0  # the routing correction bias
+    layers = sum(attn + 2 * D + (mc.num_experts * D + bias + shared if moe else 3 * D * mc.dense_intermediate_size)
                  for moe in mc.moe_layers)
     head = V * D + D  # LM head and the final norm
     dense = (V * D + layers + D + (0 if mc.tie_word_embeddings else V * D)) * dtype_bytes

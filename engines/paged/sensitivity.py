@@ -147,8 +147,7 @@ def _prefill_batch(config: ModelConfig, lengths: list[int], dtype: torch.dtype,
     """Every prompt a prefill segment from position 0 with blocks of its own (correct with or
     without sliding windows; the cache is only written, never read across prompts)."""
     per_prompt = [-(-n // BLOCK) for n in lengths]
-    kv = PagedKVCache(config.num_layers, sum(per_prompt), BLOCK, config.num_kv_heads, config.head_dim, dtype,
-                      ledger.device)
+    kv = PagedKVCache.for_model(config, sum(per_prompt), BLOCK, dtype, ledger.device)
     slots: list[int] = []
     prefills, row, first = [], 0, 0
     for n, nb in zip(lengths, per_prompt):

@@ -247,7 +247,7 @@ def _prefill_batch(config: ModelConfig, lengths: list[int], dtype: torch.dtype,
     windowed = any(w is not None for w in config.sliding_windows)
     firsts = [sum(per_prompt[:j]) for j in range(len(lengths))] if windowed else [0] * len(lengths)
     num_blocks = sum(per_prompt) if windowed else max(per_prompt)
-    kv = PagedKVCache(config.num_layers, num_blocks, BLOCK, config.num_kv_heads, config.head_dim, dtype, ledger.device)
+    kv = PagedKVCache.for_model(config, num_blocks, BLOCK, dtype, ledger.device)
     slots: list[int] = []
     segments, row = [], 0
     for n, nb, first in zip(lengths, per_prompt, firsts):

@@ -1,4 +1,5 @@
-"""Rotary embeddings and attention over the paged KV cache (torch reference path).
+"""Rotary embeddings (plain, partial, interleaved, YaRN), RMSNorm and attention over the
+paged KV cache (torch reference path).
 
 A step's tokens are one flat batch [T, ...] with no padding: first the decode tokens (one
 per sequence), then each prefill chunk. Decodes share a few batched SDPA calls over their
@@ -11,31 +12,87 @@ step, and one table padded to the longest sequence nearly doubled it.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engines.runtime.config import RopeConfig
 from engines.runtime.kv_cache import KVCache
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """In float32, then back to x's dtype before the weight (transformers' order of operations)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin [T, hd] computed in float32 (as transformers does), then cast to the model dtype."""
+def rope_frequencies(spec: RopeConfig, device: torch.device) -> tuple[Tensor, float]:
+    """(inverse frequencies [dim/2], factor on cos/sin): plain RoPE, or YaRN (arXiv 2309.00071):
+    frequencies below the correction range interpolated by `factor`, above it kept, a linear
+    ramp between, and cos/sin scaled by the attention factor."""
+    inv_freq = rope_inv_freq(spec.dim, spec.theta, device)
+    if spec.yarn is None:
+        return inv_freq, 1.0
+    p, dim = spec.yarn, spec.dim
+    original = float(p["original_max_position_embeddings"])
+    factor = float(p.get("factor") or spec.max_position_embeddings / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos/sin [T, dim] computed in float32 (as transformers does), then cast to the model dtype."""
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, hd]; rotate-half convention of Llama-family checkpoints."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleave: bool = False) -> Tensor:
+    """x [T, heads, hd]; the first cos.shape[-1] dims rotate (partial rotary), the rest pass.
+    Rotate-half pairs (x_i, x_{i+dim/2}) as Llama-family checkpoints do; `interleave` pairs
+    (x_2i, x_2i+1), as DeepSeek does, and writes the result de-interleaved (transformers' layout:
+    the same dot products, since queries and keys both get it)."""
+    dim = cos.shape[-1]
+    rot, rest = (x, None) if dim == x.shape[-1] else (x[..., :dim], x[..., dim:])
+    cos, sin, half = cos[:, None, :], sin[:, None, :], dim // 2
+    if interleave:
+        c, s = cos[..., :half], sin[..., :half]
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    else:
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
 @dataclass
@@ -90,34 +147,70 @@ def group_by_length(lengths: list[int], slack: float = 1.25) -> list[tuple[int, 
     return groups
 
 
+# What the cache holds -> attention's K/V, [K, N, L, d] each (MLA expands its latent here).
+Expand = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
+            sinks: Tensor | None) -> Tensor:
+    """SDPA over [..., n, d] queries and [..., L, d] keys (key heads repeated to the query heads
+    where they are fewer). With `sinks` (broadcastable to [..., n, 1]) each softmax row gets one
+    extra logit that takes probability mass and adds no value (gpt-oss); SDPA has no such
+    input, so that case computes the softmax itself."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    logits = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if causal:
+        n, L = logits.shape[-2], logits.shape[-1]
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((logits, sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)), dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
 def paged_attention(
-    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, batch: AttentionBatch, window: int | None
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, batch: AttentionBatch, window: int | None,
+    scale: float | None = None, expand: Expand | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
-    """q [T, H, hd], k/v [T, K, hd] of this step (already written to the cache) -> [T, H, hd]."""
-    out = torch.empty_like(q)
+    """q [T, H, hd], k [T, K, hd], v [T, K, hd_v] of this step (already written to the cache)
+    -> [T, H, hd_v]. `expand` turns gathered cache contents into K/V (identity when None);
+    `sinks` [H] are gpt-oss's per-head sink logits."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     for g in batch.decodes:
         # GQA without repeating K/V: the G query heads sharing a KV head are that head's
         # "query rows". q [n, H, hd] -> [K, n, G, hd] against K/V [K, n, L, hd].
         n = g.tables.shape[0]
         kc, vc = cache.gather(layer, g.tables)
+        if expand is not None:
+            kc, vc = expand(kc, vc)
         qg = q[g.row : g.row + n].view(n, kc.shape[0], -1, q.shape[-1]).transpose(0, 1)
-        o = F.scaled_dot_product_attention(qg, kc, vc, attn_mask=g.mask(window))
-        out[g.row : g.row + n] = o.transpose(0, 1).reshape(n, q.shape[1], q.shape[2])
+        group_sinks = None if sinks is None else sinks.view(kc.shape[0], 1, -1, 1)  # [K, 1, G, 1]
+        o = _attend(qg, kc, vc, g.mask(window), False, scale, group_sinks)
+        out[g.row : g.row + n] = o.transpose(0, 1).reshape(n, q.shape[1], v.shape[-1])
+    head_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
     for seg in batch.prefills:
         rows = slice(seg.row, seg.row + seg.length)
         qs = q[rows].transpose(0, 1)[None]  # [1, H, n, hd]
         if seg.start_pos == 0 and window is None:
             ks, vs = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            o = _attend(qs, ks, vs, None, True, scale, head_sinks)
         else:
             ctx = seg.start_pos + seg.length
             kc, vc = cache.gather(layer, seg.table[None])  # [K, 1, nb*B, hd]
+            if expand is not None:
+                kc, vc = expand(kc, vc)
             ks, vs = kc[:, 0, :ctx][None], vc[:, 0, :ctx][None]
             q_pos = torch.arange(seg.start_pos, ctx, device=q.device)[:, None]
             key_pos = torch.arange(ctx, device=q.device)[None, :]
             mask = key_pos <= q_pos
             if window is not None:
                 mask &= key_pos > q_pos - window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            o = _attend(qs, ks, vs, mask, False, scale, head_sinks)
         out[rows] = o[0].transpose(0, 1)
     return out

@@ -5,7 +5,9 @@ stored per expert (`experts.{e}.w1|w3|w2` or `experts.{e}.{gate,up,down}_proj`) 
 (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`). Loading is strict: every
 expected tensor must exist with the shape config.json implies, and every tensor in the
 files must be used, so a checkpoint we do not understand fails loudly instead of running
-with random weights. Errors are ModelLoadError with the file and tensor named.
+with random weights. Errors are ModelLoadError with the file and tensor named; the one
+exception is DeepSeek/GLM multi-token-prediction layers (`model.layers.{L}` and up), skipped
+and logged. gpt-oss experts (fused, or MXFP4) are read by engines/runtime/mxfp4.py.
 
 The reader is pluggable and knows no quantization: `load_model` takes the loader of a
 layer's routed experts and, optionally, a `LinearFormat` for linear layers stored other than
@@ -15,6 +17,7 @@ as a plain `.weight`. Quantized folders load through engines/quant/load.py, whic
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -27,16 +30,19 @@ from torch import Tensor
 
 from engines.base import ModelLoadError
 from engines.runtime.config import ModelConfig, parse_config
+from engines.runtime.mxfp4 import gpt_oss_experts
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
     AttentionWeights,
     DenseExperts,
+    MLAWeights,
     LayerWeights,
     MLPWeights,
     ModelWeights,
     MoEWeights,
 )
 
+_log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Buffers some exporters save that carry no learned weights.
@@ -181,7 +187,7 @@ def load_weights(
 ) -> tuple[ModelWeights, dict[int, DenseExperts]]:
     """Dense weights plus each MoE layer's routed experts at full precision."""
     cfg = ckpt.config
-    if cfg.quantization:
+    if cfg.quantization and not (cfg.architecture == "gpt_oss" and cfg.quantization.get("quant_method") == "mxfp4"):
         method = cfg.quantization.get("quant_method", "?")
         raise ModelLoadError(
             f"{ckpt.path} is a quantized checkpoint (quant_method {method!r}); the full-precision "
@@ -218,7 +224,12 @@ def _load(reader: TensorReader, load_experts: ExpertLoader) -> tuple[ModelWeight
         shown = ", ".join(reader.missing[:4])
         more = f" (and {len(reader.missing) - 4} more)" if len(reader.missing) > 4 else ""
         raise ModelLoadError(f"{ckpt.path}: {len(reader.missing)} tensors missing: {shown}{more}")
-    unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES))
+    skipped = {k for k in ckpt.key_files if _layer_index(k) >= cfg.num_layers} if cfg.skipped_layers else set()
+    if skipped:
+        _log.info("%s: skipped %d tensors of %d multi-token-prediction layer(s) (model.layers.%d and up; "
+                  "not used for generation)", ckpt.path, len(skipped), cfg.skipped_layers, cfg.num_layers)
+    unused = sorted(k for k in ckpt.key_files if k not in reader.used and not k.endswith(_IGNORED_SUFFIXES)
+                    and k not in skipped)
     if unused:
         raise ModelLoadError(
             f"{ckpt.path}: {len(unused)} tensors do not belong to a {cfg.architecture} model of this "
@@ -227,14 +238,43 @@ def _load(reader: TensorReader, load_experts: ExpertLoader) -> tuple[ModelWeight
     return ModelWeights(embed, norm, lm_head, layers), experts  # type: ignore[arg-type]
 
 
-def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
-    p = f"model.layers.{i}."
+def _layer_index(key: str) -> int:
+    """N of a `model.layers.N.` tensor; -1 for any other."""
+    parts = key.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else -1
+
+
+def _load_mla(reader: TensorReader, cfg: ModelConfig, p: str) -> MLAWeights:
+    m, D, H = cfg.mla, cfg.hidden_size, cfg.num_heads
+    assert m is not None
+    get, linear = reader.get, reader.linear
+    qk, r = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+    w = MLAWeights(
+        kv_a=linear(p + "kv_a_proj_with_mqa", (r + m.qk_rope_head_dim, D)),
+        kv_a_norm=get(p + "kv_a_layernorm.weight", (r,)),
+        kv_b=linear(p + "kv_b_proj", (H * (m.qk_nope_head_dim + m.v_head_dim), r)),
+        o=linear(p + "o_proj", (D, H * m.v_head_dim)),
+    )  # type: ignore[arg-type]
+    if m.q_lora_rank:
+        w.q_a = linear(p + "q_a_proj", (m.q_lora_rank, D))
+        w.q_a_norm = get(p + "q_a_layernorm.weight", (m.q_lora_rank,))
+        w.q_b = linear(p + "q_b_proj", (H * qk, m.q_lora_rank))
+    else:
+        w.q = linear(p + "q_proj", (H * qk, D))
+    if m.bias:
+        w.q_a_bias = get(p + "q_a_proj.bias", (m.q_lora_rank,)) if m.q_lora_rank else None
+        w.kv_a_bias = get(p + "kv_a_proj_with_mqa.bias", (r + m.qk_rope_head_dim,))
+        w.o_bias = get(p + "o_proj.bias", (D,))
+    return w
+
+
+def _load_attention(reader: TensorReader, cfg: ModelConfig, p: str) -> AttentionWeights:
     D, hd = cfg.hidden_size, cfg.head_dim
     get, linear = reader.get, reader.linear
     bias = cfg.qkv_bias
     norm_q = {"head": (hd,), "full": (cfg.q_size,)}.get(cfg.qk_norm)
     norm_k = {"head": (hd,), "full": (cfg.kv_size,)}.get(cfg.qk_norm)
-    attn = AttentionWeights(
+    return AttentionWeights(
         q=linear(p + "self_attn.q_proj", (cfg.q_size, D)),
         k=linear(p + "self_attn.k_proj", (cfg.kv_size, D)),
         v=linear(p + "self_attn.v_proj", (cfg.kv_size, D)),
@@ -245,7 +285,14 @@ def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: Ex
         o_bias=get(p + "self_attn.o_proj.bias", (D,)) if cfg.o_bias else None,
         q_norm=get(p + "self_attn.q_norm.weight", norm_q) if norm_q else None,
         k_norm=get(p + "self_attn.k_norm.weight", norm_k) if norm_k else None,
-    )
+        sinks=get(p + "self_attn.sinks", (cfg.num_heads,)) if cfg.attention_sinks else None,
+    )  # type: ignore[arg-type]
+
+
+def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: ExpertLoader) -> tuple[LayerWeights, Any]:
+    p = f"model.layers.{i}."
+    D, get = cfg.hidden_size, reader.get
+    attn = _load_mla(reader, cfg, p + "self_attn.") if cfg.mla is not None else _load_attention(reader, cfg, p)
     attn_norm = get(p + "input_layernorm.weight", (D,))
     mlp_norm = get(p + "post_attention_layernorm.weight", (D,))
     if not cfg.moe_layers[i]:
@@ -253,10 +300,15 @@ def _load_layer(reader: TensorReader, cfg: ModelConfig, i: int, load_experts: Ex
         return LayerWeights(attn_norm, attn, mlp_norm, mlp), None  # type: ignore[arg-type]
     # Mixtral checkpoints say block_sparse_moe; transformers' in-memory names and GPTQModel say mlp.
     mp = p + ("block_sparse_moe." if reader.has(p + "block_sparse_moe.gate.weight") else "mlp.")
-    moe = MoEWeights(router=get(mp + "gate.weight", (cfg.num_experts, D)))  # type: ignore[arg-type]
+    moe = MoEWeights(router=get(mp + cfg.router_name + ".weight", (cfg.num_experts, D)))  # type: ignore[arg-type]
+    if cfg.router == "sigmoid_groups":
+        moe.correction_bias = get(mp + "gate.e_score_correction_bias", (cfg.num_experts,))
+    if cfg.router_logit_bias:
+        moe.router_bias = get(mp + cfg.router_name + ".bias", (cfg.num_experts,))
     if cfg.shared_expert_intermediate_size:
-        moe.shared = _load_mlp(reader, mp + "shared_expert.", cfg.shared_expert_intermediate_size, D)
-        moe.shared_gate = get(mp + "shared_expert_gate.weight", (1, D))
+        moe.shared = _load_mlp(reader, mp + cfg.shared_expert_name + ".", cfg.shared_expert_intermediate_size, D)
+        if cfg.shared_expert_gated:
+            moe.shared_gate = get(mp + "shared_expert_gate.weight", (1, D))
     experts = load_experts(reader, cfg, mp + "experts.")
     return LayerWeights(attn_norm, attn, mlp_norm, moe), experts  # type: ignore[arg-type]
 
@@ -273,6 +325,8 @@ def _load_mlp(reader: TensorReader, prefix: str, inter: int, D: int) -> MLPWeigh
 def dense_experts(reader: TensorReader, cfg: ModelConfig, prefix: str) -> DenseExperts | None:
     """A layer's routed experts at full precision, per-expert or fused on disk -> one stacked record."""
     E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if cfg.expert_bias:
+        return gpt_oss_experts(reader, cfg, prefix)
     if reader.has(prefix + "gate_up_proj"):
         gate_up = reader.get(prefix + "gate_up_proj", (E, 2 * I, D))
         down = reader.get(prefix + "down_proj", (E, D, I))

@@ -25,13 +25,31 @@ from torch import Tensor
 from engines.runtime.weights import DenseExperts, MLPWeights
 
 
-def route(x: Tensor, router: Tensor, top_k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+def route(x: Tensor, router: Tensor, top_k: int, normalize: bool, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [T, D] -> (expert ids [T, A], weights [T, A] in x's dtype). Softmax in float32."""
-    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    probs = torch.softmax(F.linear(x, router, bias).float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(x.dtype)
+
+
+def route_groups(x: Tensor, router: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
+                 normalize: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3 / GLM-4.5 routing, x [T, D] -> (ids [T, A], weights [T, A]). In float32:
+    sigmoid scores; the correction bias steers which experts are chosen, not their weight;
+    only the `topk_group` groups with the best two-expert sums compete."""
+    scores = torch.sigmoid(F.linear(x.float(), router.float()))
+    choice = scores + bias.float()
+    T, E = choice.shape
+    groups = choice.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+    keep = torch.zeros_like(groups, dtype=torch.bool).scatter_(1, groups.topk(topk_group, dim=-1).indices, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, (weights * scale).to(x.dtype)
 
 
 @dataclass
@@ -54,10 +72,17 @@ def dispatch(ids: Tensor, weights: Tensor, counts: list[int]) -> Dispatch:
     return Dispatch(order // ids.shape[1], weights.flatten()[order], counts)
 
 
-def swiglu(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    """x [n, D], gate_up [2I, D] (gate rows first), down [D, I] -> [n, D]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def swiglu(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
+           down_bias: Tensor | None = None, clamp: tuple[float, float] | None = None) -> Tensor:
+    """x [n, D], gate_up [2I, D] (gate rows first), down [D, I] -> [n, D]. With `clamp`
+    (limit, alpha), gpt-oss's variant: gate <= limit, |up| <= limit, gate * sigmoid(alpha *
+    gate) * (up + 1)."""
+    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    if clamp is None:
+        return F.linear(F.silu(gate) * up, down, down_bias)
+    limit, alpha = clamp
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, down_bias)
 
 
 def dense_mlp(x: Tensor, w: MLPWeights) -> Tensor:
@@ -86,8 +111,11 @@ def grouped_swiglu(x: Tensor, d: Dispatch, experts: DenseExperts) -> Tensor:
     """Reference expert compute: x [T, D] -> sum over each token's experts of weight * expert(x)."""
     xs = x[d.token_index]
     out = torch.empty_like(xs)
+    gu_bias, down_bias = getattr(experts, "gate_up_bias", None), getattr(experts, "down_bias", None)
+    clamp = getattr(experts, "clamp", None)
     for e, rows in segments(d).items():
-        out[rows] = swiglu(xs[rows], experts.gate_up[e], experts.down[e])
+        out[rows] = swiglu(xs[rows], experts.gate_up[e], experts.down[e],
+                           None if gu_bias is None else gu_bias[e], None if down_bias is None else down_bias[e], clamp)
     return combine(x, d, out)
 
 

@@ -2,7 +2,8 @@
 
 Token t of a sequence lives in slot `table[t // B] * B + t % B` of every layer's pool. Pools
 are head-major, [K, num_blocks, B, hd], so a gather of block tables is already in the
-[K, N, L, hd] layout attention consumes (no transpose copy). Blocks
+[K, N, L, hd] layout attention consumes (no transpose copy); what K and hd are per
+architecture is ModelConfig.kv_cache_dims (MLA: one latent "head" plus the rope key). Blocks
 are taken from a free list as a sequence grows and returned when it ends or is preempted,
 so memory follows live tokens, not the longest possible request. The allocator is pure
 Python (no torch), which lets the scheduler plan without touching the device.
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from engines.runtime.config import ModelConfig
 
 
 class KVCache(Protocol):
@@ -203,7 +207,8 @@ def block_hash(parent: int | None, token_ids: Sequence[int]) -> int:
 
 
 class PagedKVCache:
-    """Device memory for K and V: per layer a pool [K, num_blocks, B, hd] each."""
+    """Device memory for K and V: per layer a pool [K, num_blocks, B, hd] each (V's last dim
+    `value_dim` when it differs; MLA keeps its latent in the K pool and its rope key in V)."""
 
     def __init__(
         self,
@@ -214,28 +219,47 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        value_dim: int | None = None,
     ) -> None:
-        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        value_dim = head_dim if value_dim is None else value_dim
         # Zeros, not empty: attention reads unwritten slots of a sequence's last block and padded
         # table entries under a mask, and a masked NaN still poisons the output (0 * NaN = NaN).
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+                  for _ in range(num_layers)]
+        self.v = [torch.zeros((num_kv_heads, num_blocks, block_size, value_dim), dtype=dtype, device=device)
+                  for _ in range(num_layers)]
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.block_size = block_size
-        self.block_bytes = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        self.block_bytes = self.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, value_dim)
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> PagedKVCache:
+        """The cache of `config`'s layers, in the layout its attention stores (config.kv_cache_dims)."""
+        heads, key_dim, value_dim = config.kv_cache_dims
+        return cls(config.num_layers, num_blocks, block_size, heads, key_dim, dtype, device, value_dim)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        value_dim: int | None = None) -> int:
+        value_dim = head_dim if value_dim is None else value_dim
+        return (num_layers * block_size * num_kv_heads * (head_dim + value_dim)
+                * torch.empty((), dtype=dtype).element_size())
+
+    @staticmethod
+    def model_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block of `config`'s cache (block_size 1: KV bytes per token)."""
+        heads, key_dim, value_dim = config.kv_cache_dims
+        return PagedKVCache.bytes_per_block(config.num_layers, block_size, heads, key_dim, dtype, value_dim)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
         """Store new keys/values [T, K, hd] at flat slot indices [T]."""
-        K, hd = k.shape[1], k.shape[2]
-        self.k[layer].view(K, -1, hd)[:, slots] = k.transpose(0, 1)
-        self.v[layer].view(K, -1, hd)[:, slots] = v.transpose(0, 1)
+        K = k.shape[1]
+        self.k[layer].view(K, -1, k.shape[2])[:, slots] = k.transpose(0, 1)
+        self.v[layer].view(K, -1, v.shape[2])[:, slots] = v.transpose(0, 1)
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         """K and V for block tables [N, nb] as [K, N, nb*B, hd] (padded tables read block 0).

@@ -17,19 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engines.runtime.attention import AttentionBatch, apply_rope, paged_attention, rope_cos_sin, rope_inv_freq
+from engines.runtime.attention import (
+    AttentionBatch,
+    apply_rope,
+    paged_attention,
+    rms_norm,
+    rope_cos_sin,
+    rope_frequencies,
+)
 from engines.runtime.config import ModelConfig
-from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route
+from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route, route_groups
 from engines.runtime.kv_cache import KVCache
+from engines.runtime.mla import mla_attention
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import MoEWeights, ModelWeights
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """In float32, then back to x's dtype before the weight (transformers' order of operations)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+from engines.runtime.weights import MLAWeights, MoEWeights, ModelWeights
 
 
 # (layer, q [T, H, hd], k and v [T, K, hd], the batch's attention layout) -> [T, H, hd]
@@ -47,7 +48,7 @@ class MoEModel:
         self, config: ModelConfig, weights: ModelWeights, experts: ExpertBackend, kv: KVCache, ledger: TransferLedger
     ) -> None:
         self.config, self.weights, self.experts, self.kv, self.ledger = config, weights, experts, kv, ledger
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, weights.embed.device)
+        self.inv_freq, self.rope_scale = rope_frequencies(config.rope_spec, weights.embed.device)
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, logit_rows: Tensor) -> ForwardResult:
@@ -64,15 +65,20 @@ class MoEModel:
     def embed(self, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """token ids [T] -> hidden states [T, D] and the rotary (cos, sin) of their positions."""
         x = F.embedding(token_ids, self.weights.embed)
-        return x, rope_cos_sin(positions, self.inv_freq, x.dtype)
+        return x, rope_cos_sin(positions, self.inv_freq, x.dtype, self.rope_scale)
 
     def attention_block(self, i: int, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionBatch,
                         attend: Attend | None = None) -> Tensor:
         """Layer i's RMSNorm, attention over the KV cache (writing this batch's K/V), residual.
         `attend` replaces where the attention itself runs (default `self.attend`: this
-        model's KV cache, on the device); projections and the residual stay here."""
+        model's KV cache, on the device); projections and the residual stay here. Multi-head
+        latent attention (DeepSeek-V3) runs over the model's own cache only."""
         layer, cfg, T = self.weights.layers[i], self.config, x.shape[0]
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        if isinstance(layer.attn, MLAWeights):
+            if attend is not None:
+                raise ValueError("multi-head latent attention runs over the model's own KV cache only")
+            return x + mla_attention(cfg, layer.attn, h, *rope, self.kv, i, attn)
         q, k, v = self.project_qkv(i, h, *rope)
         o = (attend or self.attend)(i, q, k, v, attn)
         return x + F.linear(o.reshape(T, cfg.q_size), layer.attn.o, layer.attn.o_bias)
@@ -113,13 +119,20 @@ class MoEModel:
     def attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch) -> Tensor:
         """Write this batch's K/V into the model's cache and attend: -> [T, H, hd]."""
         self.kv.write(i, attn.slots, k, v)
-        return paged_attention(q, k, v, self.kv, i, attn, self.config.sliding_windows[i])
+        cfg = self.config
+        return paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i], scale=cfg.attn_scale,
+                               sinks=self.weights.layers[i].attn.sinks)
 
     def _moe(self, i: int, w: MoEWeights, h: Tensor) -> tuple[Tensor, list[int]]:
         cfg = self.config
-        ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob)
+        if w.correction_bias is not None:
+            ids, weights = route_groups(h, w.router, w.correction_bias, cfg.top_k, cfg.n_group, cfg.topk_group,
+                                        cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        else:
+            ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)
         counts = self.ledger.to_host(torch.bincount(ids.flatten(), minlength=cfg.num_experts), "routing").tolist()
         y = self.experts.forward(i, h, dispatch(ids, weights, counts))
         if w.shared is not None:
-            y = y + torch.sigmoid(F.linear(h, w.shared_gate)) * dense_mlp(h, w.shared)
+            shared = dense_mlp(h, w.shared)
+            y = y + (shared if w.shared_gate is None else torch.sigmoid(F.linear(h, w.shared_gate)) * shared)
         return y, counts

@@ -25,6 +25,24 @@ class AttentionWeights:
     o_bias: Tensor | None = None
     q_norm: Tensor | None = None  # [hd] per head, or [H*hd] over the projection
     k_norm: Tensor | None = None
+    sinks: Tensor | None = None  # [H] gpt-oss: a learned logit per head in each softmax
+
+
+@dataclass
+class MLAWeights:
+    """DeepSeek's latent attention (r kv_lora_rank, qk = nope + rope dims, vd v_head_dim)."""
+
+    kv_a: Tensor  # [r + rope, D]: the latent and the shared rope key
+    kv_a_norm: Tensor  # [r]
+    kv_b: Tensor  # [H*(nope + vd), r]: latent -> per-head key (nope part) and value
+    o: Tensor  # [D, H*vd]
+    q: Tensor | None = None  # [H*qk, D] when q_lora_rank is 0, else the low-rank pair below
+    q_a: Tensor | None = None  # [q_lora_rank, D]
+    q_a_norm: Tensor | None = None  # [q_lora_rank]
+    q_b: Tensor | None = None  # [H*qk, q_lora_rank]
+    q_a_bias: Tensor | None = None
+    kv_a_bias: Tensor | None = None
+    o_bias: Tensor | None = None
 
 
 @dataclass
@@ -39,13 +57,15 @@ class MLPWeights:
 class MoEWeights:
     router: Tensor  # [E, D]
     shared: MLPWeights | None = None
-    shared_gate: Tensor | None = None  # [1, D]
+    shared_gate: Tensor | None = None  # [1, D]; None: the shared expert's output is added as is
+    correction_bias: Tensor | None = None  # [E] of sigmoid-group routing (steers the choice only)
+    router_bias: Tensor | None = None  # [E] added to the router logits (gpt-oss)
 
 
 @dataclass
 class LayerWeights:
     attn_norm: Tensor
-    attn: AttentionWeights
+    attn: AttentionWeights | MLAWeights
     mlp_norm: Tensor
     mlp: MLPWeights | MoEWeights
 
@@ -85,13 +105,17 @@ class DenseExperts:
 
     gate_up: Tensor  # [E, 2I, D]
     down: Tensor  # [E, D, I]
+    gate_up_bias: Tensor | None = None  # [E, 2I] (gpt-oss)
+    down_bias: Tensor | None = None  # [E, D]
+    clamp: tuple[float, float] | None = None  # clamped SwiGLU (limit, alpha); None: plain SwiGLU
 
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.gate_up, self.down))
+        tensors = (self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def expert_nbytes(self, expert: int) -> int:
         return self.nbytes() // self.num_experts

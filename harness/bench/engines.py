@@ -1,13 +1,17 @@
-"""`moe` vs `hf` output throughput on a Mixtral-shaped random model (CPU, float32).
+"""`moe` vs `hf` output throughput on Mixtral- and DeepSeek-V3-shaped random models (CPU, float32).
 
     python -m harness.bench.engines [--requests 64] [--input-len 128-1024] [--output-len 128]
+                                    [--models mixtral,deepseek_v3]
 
-Builds a random Mixtral-shaped checkpoint (hidden 512, 8 experts, top-2, 8 layers, ~115M
-parameters; seeded) in a temporary folder, runs the `offline_batch` workload (all requests at
-t=0, prompt lengths drawn from the range, fixed output length, ignore EOS) through both
-engines with the harness, and prints each engine's output tokens/s and the ratio, measured in
-this one run. The `hf` engine is transformers' generate() with static batches of
-`--hf-batch` requests (left padding).
+Builds each random checkpoint (seeded) in a temporary folder: Mixtral-shaped (hidden 512, 8
+experts, top-2, 8 layers, ~115M parameters) and DeepSeek-V3-shaped (hidden 512, MLA with a
+128-value latent, 32 fine-grained experts in 4 groups, top-4 from 2 groups, 1 shared expert,
+a dense first layer, 8 layers). Runs the `offline_batch` workload (all requests at t=0,
+prompt lengths drawn from the range, fixed output length, ignore EOS) through both engines
+with the harness, and prints each engine's output tokens/s, the ratio, and the model
+statistics the budgets rest on (KV bytes per token, bytes per expert), measured in this one
+run. The `hf` engine is transformers' generate() with static batches of `--hf-batch`
+requests (left padding).
 """
 
 from __future__ import annotations
@@ -17,17 +21,32 @@ import tempfile
 from pathlib import Path
 
 
-def build_model(folder: Path, seed: int = 0) -> None:
-    import torch  # noqa: PLC0415
-    from transformers import MixtralConfig, MixtralForCausalLM  # noqa: PLC0415
+MODELS = ("mixtral", "deepseek_v3")
 
-    config = MixtralConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
-        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-    )
+
+def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(
+            vocab_size=32000, hidden_size=512, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+        )
+        model_cls = transformers.MixtralForCausalLM
+    elif arch == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            vocab_size=32000, hidden_size=512, intermediate_size=1536, moe_intermediate_size=192,
+            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, n_routed_experts=32, n_group=4,
+            topk_group=2, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=192,
+            kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, max_position_embeddings=4096,
+        )
+        model_cls = transformers.DeepseekV3ForCausalLM
+    else:
+        raise SystemExit(f"--models: unknown model {arch!r}; choose from {', '.join(MODELS)}")
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(config)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    model = model_cls(config)
+    print(f"model {arch}-shaped: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
     model.save_pretrained(folder)
 
 
@@ -41,27 +60,33 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--engines", default="moe,hf", help="comma-separated; the first two are compared")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     args = parser.parse_args()
     engines = args.engines.split(",")
     per_engine = {"hf": {"max_batch_size": args.hf_batch}}  # static batch size of transformers' generate()
     spec = WorkloadSpec("offline_batch", requests=args.requests, input_range=parse_length_range(args.input_len),
                         output_tokens=args.output_len)
     with tempfile.TemporaryDirectory(prefix="pwbench-bench-") as tmp:
-        model = Path(tmp) / "mixtral-shaped"
-        build_model(model)
-        results = {}
-        for engine in engines:
-            options = per_engine.get(engine, {})
-            folder, run = execute(RunArgs(workload=spec, engine=engine, model=str(model), engine_options=options,
-                                          output=str(Path(tmp) / engine), warmup=1, quality=False))
-            s = run["summary"]
-            results[engine] = s["output_tokens_per_s"]
-            print(f"{engine:4s} output {s['output_tokens_per_s']:8.1f} tok/s  total {s['duration_s']:7.1f} s  "
-                  f"TTFT p50 {s['ttft_ms']['p50'] / 1e3:6.1f} s  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms  "
-                  f"prefill {s['engine']['prefill_tokens_per_s'] or 0:8.1f} tok/s")
-        if len(results) >= 2:
-            a, b = engines[:2]
-            print(f"{a} / {b} output tokens/s: {results[a] / results[b]:.2f}x")
+        for arch in args.models.split(","):
+            model = Path(tmp) / f"{arch}-shaped"
+            build_model(model, arch)
+            results = {}
+            for engine in engines:
+                options = per_engine.get(engine, {})
+                folder, run = execute(RunArgs(workload=spec, engine=engine, model=str(model), engine_options=options,
+                                              output=str(Path(tmp) / f"{arch}-{engine}"), warmup=1, quality=False))
+                s = run["summary"]
+                results[engine] = s["output_tokens_per_s"]
+                print(f"{engine:4s} output {s['output_tokens_per_s']:8.1f} tok/s  total {s['duration_s']:7.1f} s  "
+                      f"TTFT p50 {s['ttft_ms']['p50'] / 1e3:6.1f} s  TPOT p50 {s['tpot_ms']['p50']:7.1f} ms  "
+                      f"prefill {s['engine']['prefill_tokens_per_s'] or 0:8.1f} tok/s")
+                stats = run.get("engine", {}).get("model_stats") or {}
+                if stats:
+                    print(f"     KV {stats['kv_bytes_per_token']:,.0f} B/token, expert {stats['bytes_per_expert']:,.0f} B, "
+                          f"active {stats['active_params_per_token'] / 1e6:.1f}M params/token")
+            if len(results) >= 2:
+                a, b = engines[:2]
+                print(f"{arch}: {a} / {b} output tokens/s: {results[a] / results[b]:.2f}x")
 
 
 if __name__ == "__main__":

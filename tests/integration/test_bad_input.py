@@ -46,8 +46,22 @@ def test_unsupported_architecture(checkpoints, copy_checkpoint):
     edit_config(folder, model_type="llama")
     assert_user_error(
         pwbench("generate", "--model", str(folder), "--prompt-ids", "1"),
-        "'llama'", "mixtral, olmoe, qwen2_moe, qwen3_moe",
+        "'llama'", "deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe",
     )
+
+
+@pytest.mark.parametrize("change, fragments", [
+    # DeepSeek-V2's routing variants: the one-line error names the field and what is supported.
+    ({"topk_method": "group_limited_greedy"}, ("topk_method 'group_limited_greedy'", "supported: 'noaux_tc'")),
+    ({"scoring_func": "softmax"}, ("scoring_func 'softmax'", "supported: 'sigmoid'")),
+    ({"model_type": "deepseek_v2"}, ("'deepseek_v2' is not supported", "deepseek_v3, glm4_moe")),
+    ({"n_group": 5}, ("n_group=5", "n_routed_experts=12")),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, ("rope_type 'longrope'", "supported: default, yarn")),
+])
+def test_unsupported_deepseek_variants(change, fragments, checkpoints, copy_checkpoint):
+    folder = copy_checkpoint(checkpoints("deepseek_v3"))
+    edit_config(folder, **change)
+    assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), *fragments)
 
 
 def test_tensor_of_wrong_shape(checkpoints, copy_checkpoint):

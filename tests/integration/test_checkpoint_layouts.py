@@ -30,7 +30,8 @@ def test_layouts_agree(arch, checkpoints):
     assert len(shards) > 1
     ck_fused = open_checkpoint(fused)
     assert any(k.endswith("experts.gate_up_proj") for k in ck_fused.key_files)
-    assert any(".experts.0." in k for k in open_checkpoint(per_expert).key_files)
+    if arch != "gpt_oss":  # gpt-oss has no per-expert layout: save_pretrained writes it fused
+        assert any(".experts.0." in k for k in open_checkpoint(per_expert).key_files)
 
     _, dense_a, experts_a = load(per_expert)
     for other in (fused, sharded):
@@ -41,7 +42,7 @@ def test_layouts_agree(arch, checkpoints):
             assert torch.equal(experts_a[i].down, experts_b[i].down)
         assert torch.equal(dense_a.embed, dense_b.embed) and torch.equal(dense_a.lm_head, dense_b.lm_head)
         for la, lb in zip(dense_a.layers, dense_b.layers):
-            assert torch.equal(la.attn.q, lb.attn.q) and torch.equal(la.attn_norm, lb.attn_norm)
+            assert torch.equal(la.attn.o, lb.attn.o) and torch.equal(la.attn_norm, lb.attn_norm)
 
 
 def test_fused_and_sharded_generate_the_same(checkpoints):

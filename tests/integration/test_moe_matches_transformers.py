@@ -31,7 +31,7 @@ def references():
     cache = {}
 
     def get(arch: str, **overrides):
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))
         if key not in cache:
             model = build_hf_model(arch, **overrides)
             with torch.inference_mode():
@@ -102,6 +102,28 @@ def test_sliding_window(checkpoints, references):
     with engine:
         tokens, logits, _ = run_engine(engine, {0: [1, 2, 3], 3: [4]})
     check(tokens, logits, references("mixtral", sliding_window=10))
+
+
+# Variants of the new architectures beside their ARCH_KWARGS defaults: DeepSeek-V3 without the
+# low-rank query, rotate-half rope and YaRN (with DeepSeek's mscale on the softmax); GLM-4.5
+# without q/k norm and biases, a quarter of each head rotated, YaRN.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+VARIANTS = {
+    "deepseek_v3-no_q_lora-yarn": ("deepseek_v3", dict(q_lora_rank=None, rope_interleave=False, rope_parameters=YARN)),
+    "glm4_moe-plain-yarn": ("glm4_moe", dict(use_qk_norm=False, attention_bias=False,
+                                             rope_parameters={**YARN, "partial_rotary_factor": 0.25})),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_architecture_variants(variant, checkpoints, references):
+    arch, overrides = VARIANTS[variant]
+    folder = checkpoints(arch, **overrides)
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(folder), block_size=4, max_num_batched_tokens=24))
+    with engine:
+        tokens, logits, _ = run_engine(engine, {0: [0, 3], 4: [1, 2, 4]})
+    check(tokens, logits, references(arch, **overrides))
 
 
 def test_tied_embeddings(checkpoints, references):
