@@ -19,7 +19,7 @@ def markdown(runs: list[Run], prices: roi.Prices) -> str:
     return "\n".join(lines)
 
 
-def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = False) -> None:
+def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = False, compact: bool = False) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.markup import escape  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
@@ -30,7 +30,7 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
         return
     rows = roi.executive(runs, prices)
     flagged = incomparable(runs)
-    header, cells = roi.table(rows)
+    header, cells = roi.table(rows, roi.COMPACT if compact else None)
     table = Table(*header)
     for row in cells:
         table.add_row(*(escape(c) for c in row))

@@ -23,7 +23,7 @@ from reports.runs import Run, incomparable
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
 h1{margin:.2em 0}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;
-text-align:right}td:first-child,th:first-child,td:nth-child(2){text-align:left}th{background:#f0f0f0}
+text-align:right;white-space:nowrap}td:first-child,th:first-child,td:nth-child(2),th:nth-child(2){text-align:left}th{background:#f0f0f0}
 .rec{font-size:1.15em;background:#eef7ee;border-left:5px solid #3a3;padding:.6em 1em;margin:.8em 0}
 .warn{background:#fff4e0;border-left:5px solid #e90;padding:.5em 1em}.small{font-size:.85em;color:#555}
 .tag{font-size:.8em;background:#ddd;padding:1px 5px;border-radius:3px}pre{background:#f7f7f7;padding:.5em;
@@ -210,6 +210,9 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
         f'All numbers measured on this machine; hover a cell for its run folder and metric.</p>',
         f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br><span class="small">{E(roi.RULE)}</span></div>',
         warn, _html_table(header, cells, titles),
+        '<p class="small">served: requests completed of those sent; a request an engine could not serve (e.g. a prompt '
+        'longer than the KV cache its budget leaves) counts as not answered in accuracy. vs full: accuracy points against '
+        'the full-precision run; top-1 vs fp32: teacher-forced agreement with the float32 reference after the run.</p>',
         f'<p class="small">Where each column comes from (per run folder):</p><ul class="small">{sources}</ul></section>',
         '<section id="engineering"><h1>Engineering detail</h1>',
         *_engineering(runs, rows),

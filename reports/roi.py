@@ -61,10 +61,13 @@ def goodput_tokens_per_s(run: Run) -> float | None:
 
 
 def accuracy(run: Run) -> float | None:
-    """Share correct over every demo task (summary.accuracy), None without tasks."""
+    """Correct answers (summary.accuracy) over every measured request that carried a demo task
+    (requests.parquet), so a request the engine could not serve counts as not answered: under
+    a budget, an engine that cannot hold a long prompt loses that answer. None without tasks."""
     acc = run.summary.get("accuracy") or {}
-    total = sum(a["total"] for a in acc.values())
-    return sum(a["correct"] for a in acc.values()) / total if total else None
+    correct = acc["overall"]["correct"] if "overall" in acc else sum(a["correct"] for a in acc.values())
+    sent = sum(1 for r in run.rows("requests") if r.get("task") is not None and not r.get("warmup"))
+    return correct / sent if sent else None
 
 
 def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
@@ -80,6 +83,7 @@ def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
         out.append({
             "run": Value(None, f"{r.folder}", f),
             "engine": Value(None, f"{f}: engine.name", r.engine),
+            "served": Value(s.get("completed"), f"{f}: summary.completed of summary.requests", f"{s.get('completed')}/{s.get('requests')}"),
             "output_tokens_per_s": Value(s.get("output_tokens_per_s"), f"{f}: summary.output_tokens_per_s"),
             "goodput_tokens_per_s": Value(gtok, f"{f}: requests.parquet, output tokens of requests meeting summary.slo / summary.duration_s"),
             "goodput_rps": Value(s.get("goodput_requests_per_s"), f"{f}: summary.goodput_requests_per_s"),
@@ -89,7 +93,9 @@ def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
                              f"{f}: ceil({prices.target_rps:g} req/s / (summary.goodput_requests_per_s x {prices.utilisation:g}))"),
             "kv_capacity_tokens": Value(m.get("kv_capacity_tokens"), f"{f}: summary.memory.kv_capacity_tokens"),
             "peak_concurrency": Value(s.get("peak_concurrency"), f"{f}: summary.peak_concurrency"),
-            "accuracy": Value(acc, f"{f}: summary.accuracy (correct / total over tasks)"),
+            "accuracy": Value(acc, f"{f}: summary.accuracy.overall.correct / requests.parquet rows with a task (unserved = not answered)"),
+            "top1_agreement": Value((r.run.get("quality") or {}).get("top1_agreement"),
+                                    f"{f}: quality.top1_agreement (teacher-forced, vs the float32 reference)"),
             "accuracy_delta_points": Value(delta, f"{f} vs {ref.folder.name if ref else '-'}: summary.accuracy"),
             "peak_device_bytes": Value(m.get("peak_device_bytes"), f"{f}: summary.memory.peak_device_bytes"),
             "budget_bytes": Value(m.get("budget_bytes"), f"{f}: summary.memory.budget_bytes"),
@@ -147,11 +153,11 @@ def recommend(rows: list[dict[str, Value]], prices: Prices, excluded: set[str] =
 
 def fmt(key: str, v: Value) -> str:
     x = v.value
-    if key in ("run", "engine"):
+    if key in ("run", "engine", "served"):
         return v.text
     if x is None:
         return "-"
-    if key in ("accuracy",):
+    if key in ("accuracy", "top1_agreement"):
         return f"{x * 100:.1f}%"
     if key == "accuracy_delta_points":
         return f"{x:+.1f} pt"
@@ -165,12 +171,18 @@ def fmt(key: str, v: Value) -> str:
 
 
 COLUMNS = {
-    "run": "run", "engine": "engine", "goodput_tokens_per_s": "goodput tok/s", "output_tokens_per_s": "out tok/s",
+    "run": "run", "engine": "engine", "served": "served", "goodput_tokens_per_s": "goodput tok/s", "output_tokens_per_s": "out tok/s",
     "goodput_rps": "goodput req/s", "cost_per_1m": "$ / 1M tok", "devices": "devices",
     "kv_capacity_tokens": "KV tokens", "peak_concurrency": "peak users", "accuracy": "accuracy",
-    "accuracy_delta_points": "vs full", "peak_device_bytes": "peak mem", "budget_bytes": "budget",
+    "accuracy_delta_points": "vs full", "top1_agreement": "top-1 vs fp32", "peak_device_bytes": "peak mem", "budget_bytes": "budget",
     "h2d_bytes_per_token": "h2d B/tok",
 }
+
+
+# The terminal's shorter table (the suite's summary, `pwbench compare`).
+COMPACT = {k: COLUMNS[k] for k in ("run", "served", "goodput_tokens_per_s", "cost_per_1m", "devices", "kv_capacity_tokens",
+                                    "accuracy", "accuracy_delta_points", "top1_agreement", "peak_device_bytes",
+                                    "h2d_bytes_per_token")}
 
 
 def table(rows: list[dict[str, Value]], columns: dict[str, str] | None = None) -> tuple[list[str], list[list[str]]]:
