@@ -10,13 +10,12 @@ from __future__ import annotations
 import itertools
 import re
 import shutil
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, read_toml
 from harness.run import RunArgs, execute
 from workloads.registry import WorkloadSpec
 
@@ -46,16 +45,8 @@ class Grid:
 def load_grid(path: str | Path | None, **flags: Any) -> Grid:
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise HarnessError(f"{path}: no such sweep file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise HarnessError(f"{path}: invalid TOML ({exc})") from None
+        data = read_toml(path, "sweep", SWEEP_KEYS)
         for key, value in data.items():
-            if key not in SWEEP_KEYS:
-                raise HarnessError(f"{path}: unknown key {key!r}; valid: {', '.join(SWEEP_KEYS)}")
             if not isinstance(value, SWEEP_KEYS[key]):
                 raise HarnessError(f"{path}: {key} must be a {SWEEP_KEYS[key].__name__}, got {value!r}")
     data.update({k: v for k, v in flags.items() if v is not None})

@@ -3,6 +3,8 @@ rich table or as Markdown, with the recommendation and the runs that cannot be c
 
 from __future__ import annotations
 
+import sys
+
 from reports import roi
 from reports.runs import Run, incomparable
 
@@ -22,16 +24,17 @@ def markdown(runs: list[Run], prices: roi.Prices) -> str:
 def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = False, compact: bool = False) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.markup import escape  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+    from rich.table import Column, Table  # noqa: PLC0415
 
-    console = Console()
+    # Piped (a log, CI): wide enough that no column is cut; rich would assume 80.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     if as_markdown:
         console.print(markdown(runs, prices), markup=False, highlight=False, soft_wrap=True)
         return
     rows = roi.executive(runs, prices)
     flagged = incomparable(runs)
     header, cells = roi.table(rows, roi.COMPACT if compact else None)
-    table = Table(*header)
+    table = Table(*[Column(h, no_wrap=i == 0) for i, h in enumerate(header)])
     for row in cells:
         table.add_row(*(escape(c) for c in row))
     console.print(table)

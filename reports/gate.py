@@ -19,13 +19,12 @@ import json
 import math
 import os
 import statistics
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree as ET
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, read_toml
 from reports.runs import Run, load_runs
 
 BASELINE_SCHEMA = "pwbench-gate-baseline/1"
@@ -62,17 +61,9 @@ class Policy:
 def load_policy(path: str | Path | None, repeat: int = 1) -> Policy:
     if path is None:
         return Policy(repeat=repeat)
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise HarnessError(f"{path}: no such policy file; pass a TOML file or leave --policy out") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise HarnessError(f"{path}: invalid TOML ({exc})") from None
-    known = {f.name: f.type for f in fields(Policy) if f.name != "repeat"}
+    known = [f.name for f in fields(Policy) if f.name != "repeat"]
+    data = read_toml(path, "policy", known)
     for key, value in data.items():
-        if key not in known:
-            raise HarnessError(f"{path}: unknown key {key!r}; valid: {', '.join(known)}")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise HarnessError(f"{path}: {key} must be a number >= 0, got {value!r}")
     return Policy(**{k: (int(v) if k == "min_p99_samples" else float(v)) for k, v in data.items()}, repeat=repeat)
