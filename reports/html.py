@@ -22,8 +22,8 @@ from reports.runs import Run, incomparable
 
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
-h1{margin:.2em 0}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;
-text-align:right;white-space:nowrap}td:first-child,th:first-child,td:nth-child(2),th:nth-child(2){text-align:left}th{background:#f0f0f0}
+h1{margin:.2em 0}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:.95em;
+text-align:right;white-space:nowrap}td:first-child,th:first-child,td:nth-child(2),th:nth-child(2){text-align:left}th{white-space:normal}th{background:#f0f0f0}
 .rec{font-size:1.15em;background:#eef7ee;border-left:5px solid #3a3;padding:.6em 1em;margin:.8em 0}
 .warn{background:#fff4e0;border-left:5px solid #e90;padding:.5em 1em}.small{font-size:.85em;color:#555}
 .tag{font-size:.8em;background:#ddd;padding:1px 5px;border-radius:3px}pre{background:#f7f7f7;padding:.5em;
@@ -181,8 +181,8 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     rows = roi.executive(runs, prices)
     flagged = incomparable(runs)
     recommended, sentence = roi.recommend(rows, prices, set(flagged))
-    header, cells = roi.table(rows)
-    keys = list(roi.COLUMNS)
+    header, cells = roi.table(rows, roi.PAGE)
+    keys = list(roi.PAGE)
     titles = [[row[k].source for k in keys] for row in rows]
     for cell_row, r in zip(cells, runs):
         if r.label in flagged:
@@ -194,6 +194,9 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     wl = first.get("workload") or {}
     env = first.get("environment") or {}
     slo = ", ".join(f"{k} <= {v:g}" for k, v in ((first.get("summary") or {}).get("slo") or {}).items())
+    budgets = sorted({row["budget_bytes"].value for row in rows if row["budget_bytes"].value})
+    budget = ", ".join(f"{b / 2**20:.2f} MiB" for b in budgets) or "none"
+    engines = ", ".join(f"{row['run'].text} = {row['engine'].text}" for row in rows)
     warn = ""
     if flagged:
         warn = ('<div class="warn"><b>Runs that cannot be compared with the first run '
@@ -205,7 +208,7 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
         '<section id="executive"><h1>Can these engines serve more on the same devices?</h1>',
         f'<p class="small">Workload <b>{E(str(wl.get("name")))}</b> ({E(str(wl.get("requests")))} requests, '
         f'{E(str(wl.get("arrival")))} arrivals, seed {E(str(first.get("seed")))}) on {E(str(env.get("gpu") or env.get("cpu_model")))}; '
-        f'SLO {E(slo)}. Inputs: <b>${prices.gpu_hour_usd:g} per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
+        f'SLO {E(slo)}; device budget <b>{E(budget)}</b>; engines {E(engines)}. Inputs: <b>${prices.gpu_hour_usd:g} per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
         f'utilisation <b>{prices.utilisation:g}</b> (change with --gpu-hour-usd, --target-rps, --utilisation). '
         f'All numbers measured on this machine; hover a cell for its run folder and metric.</p>',
         f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br><span class="small">{E(roi.RULE)}</span></div>',

@@ -179,6 +179,8 @@ COLUMNS = {
 }
 
 
+# The HTML page's table: the engine name and the budget are said once above it.
+PAGE = {k: v for k, v in COLUMNS.items() if k not in ("engine", "budget_bytes")}
 # The terminal's shorter table (the suite's summary, `pwbench compare`).
 COMPACT = {k: COLUMNS[k] for k in ("run", "served", "goodput_tokens_per_s", "cost_per_1m", "devices", "kv_capacity_tokens",
                                     "accuracy", "accuracy_delta_points", "top1_agreement", "peak_device_bytes",
