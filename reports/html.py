@@ -94,6 +94,8 @@ def _engineering(runs: list[Run], rows: list[dict[str, roi.Value]]) -> list[str]
                       line=(min(budgets) / 2**20) if budgets else None, line_label="device budget"))
     parts.append(_bar("kv-capacity", "KV cache capacity under the budget", runs,
                       [row["kv_capacity_tokens"].value for row in rows], "tokens"))
+    parts.append(_bar("prefix-cache", "prefix-cache hit rate (share of prompt tokens from cache)", runs,
+                      [((r.summary.get("engine") or {}).get("prefix_cache_hit_rate") or 0) * 100 for r in runs], "%"))
     parts.append("<h2>Quality, throughput and budget</h2>")
     pts = [(row["peak_device_bytes"].value, row["accuracy"].value, r) for row, r in zip(rows, runs)
            if row["accuracy"].value is not None and row["peak_device_bytes"].value]
