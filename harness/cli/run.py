@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from harness.cli.apps import app
+from engines.folders import engine_for_folder
 from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 
 
@@ -19,7 +20,7 @@ from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 @user_errors
 def run(
     workload: Annotated[str, typer.Option(help="Named workload (see `pwbench ls workloads`) or trace:PATH.")] = "rag_long",
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: moe, or static-<method> for a quantized folder).")] = None,
+    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`). Default: with --workload rag_long, the PoC suite (every suite engine under one --budget, then the HTML report); otherwise moe, or static-<method> for a quantized folder.")] = None,
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
     requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
     duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,
@@ -52,6 +53,10 @@ def run(
     from harness.cli.run_session import run_command
 
     options = dict(locals())
+    if engine is None and workload == "rag_long" and engine_for_folder(model)[1] is None:  # not a quantized folder
+        from harness.cli.run_session import suite_command  # noqa: PLC0415
+
+        raise typer.Exit(suite_command(options))
     options["engine"] = engine_for(engine, model)
     code = run_command(options)
     raise typer.Exit(code)

@@ -156,3 +156,28 @@ def run_command(options: dict[str, Any]) -> int:
         typer.echo(f"error: the run failed: {run['error']}", err=True)
         return 1
     return 130 if run["status"] == "interrupted" else 0
+
+
+def suite_command(options: dict[str, Any]) -> int:
+    """The PoC suite (harness/suite.py): each engine's run with the plain progress lines, then
+    the report's path and the executive table."""
+    from harness.suite import run_suite  # noqa: PLC0415
+    from reports.compare import print_comparison  # noqa: PLC0415
+    from reports.roi import Prices  # noqa: PLC0415
+    from reports.runs import load_runs  # noqa: PLC0415
+
+    args = to_run_args({**options, "engine": "moe"})
+
+    def one(row: str, run_args: RunArgs):
+        progress = _Progress(options["quiet"], plain=True)
+        return execute(run_args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start)
+
+    result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True))
+    if result.runs:
+        print_comparison(load_runs(list(result.runs.values())), Prices(), compact=True)
+    for row, why in result.failed.items():
+        typer.echo(f"suite: {row} did not run: {why}", err=True)
+    if result.report is not None:
+        typer.echo(f"report: {result.report}")
+    typer.echo(f"results: {result.folder}")
+    return 0 if result.runs and not result.failed else 1

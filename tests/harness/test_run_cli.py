@@ -269,7 +269,7 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
              "h2d_bytes_per_s": 5e9, "measured_at": "2030-01-01T00:00:00"}
     (cache / "hw.json").write_text(json.dumps({cpu: peaks}))
     out = tmp_path / "run"
-    proc = pwbench("run", "--workload", "rag_long", "--requests", "5", "--rate", "20", "--device", "cpu",
+    proc = pwbench("run", "--workload", "rag_long", "--engine", "moe", "--requests", "5", "--rate", "20", "--device", "cpu",
                    "--warmup", "1", "--output", str(out), "--quiet", env=cli_env(cache))
     assert proc.returncode == 0, proc.stderr
     model = demo_model_path()

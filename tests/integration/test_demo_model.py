@@ -166,9 +166,10 @@ def test_lm_eval_accuracy_equals_pwbench_scorer(moe, tmp_path):
 
 
 def test_default_rag_long_run_reports_accuracy(tmp_path):
-    """`pwbench run --workload rag_long` on the bundled model (few requests, to stay quick)."""
+    """`pwbench run --workload rag_long --engine moe` on the bundled model (few requests, to stay
+    quick; without --engine the command runs the suite, tests/harness/test_suite.py)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "--workload", "rag_long", "--requests", "6", "--quiet",
+        [sys.executable, "-m", "harness.cli", "run", "--workload", "rag_long", "--engine", "moe", "--requests", "6", "--quiet",
          "--output", str(tmp_path / "run"), "--json"],
         capture_output=True, text=True, timeout=900,
     )

@@ -44,6 +44,10 @@ def test_ls_engines_lists_every_engine():
         ("engines.modbatch.cost", HEAVY + ("harness", "workloads", "reports")),
         ("reports", HEAVY + ("engines", "harness", "workloads")),
         ("reports.summary_table", HEAVY + ("engines", "workloads")),
+        # the report and the gate read result files: pandas/pyarrow (so numpy), never torch or an engine
+        ("reports.html", ("torch", "triton", "transformers", "safetensors", "engines", "workloads")),
+        ("reports.gate", HEAVY + ("engines", "workloads")),
+        ("reports.compare", HEAVY + ("engines", "workloads")),
         ("engines.runtime.model", ("engines.quant", "harness", "workloads", "reports", "triton")),
         ("workloads", HEAVY + ("engines", "harness", "reports")),
     ],

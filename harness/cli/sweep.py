@@ -1,0 +1,45 @@
+"""`pwbench sweep`: engines x budgets x rates, one result folder per point, resumable, then the
+report (harness/sweep.py)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from harness.cli.apps import app
+from harness.cli.common import user_errors
+
+
+def _list(text: str | None) -> list[str] | None:
+    return [p.strip() for p in text.split(",") if p.strip()] if text else None
+
+
+@app.command("sweep")
+@user_errors
+def sweep(
+    output: Annotated[str, typer.Option(help="Sweep folder; rerun with the same folder to resume.")],
+    config: Annotated[str | None, typer.Option(help="TOML grid: workload, engines, budgets, rates, requests, seed, [set].")] = None,
+    workload: Annotated[str | None, typer.Option(help="Workload (default rag_long).")] = None,
+    engines: Annotated[str | None, typer.Option(help="Comma-separated engines, e.g. moe,pagedweight.")] = None,
+    budgets: Annotated[str | None, typer.Option(help="Comma-separated device budgets, e.g. 2MiB,3MiB.")] = None,
+    rates: Annotated[str | None, typer.Option(help="Comma-separated request rates (req/s).")] = None,
+    requests: Annotated[int | None, typer.Option(help="Requests per point.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for every point.")] = None,
+    quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement at each point.")] = True,
+) -> None:
+    """Run a grid of points (skipping those already complete), then write the report."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from harness.sweep import load_grid, run_sweep  # noqa: PLC0415
+    from reports.html import write_report  # noqa: PLC0415
+    from reports.roi import Prices  # noqa: PLC0415
+    from reports.runs import load_runs  # noqa: PLC0415
+
+    grid = load_grid(config, workload=workload, engines=_list(engines), budgets=_list(budgets), rates=_list(rates),
+                     requests=requests, seed=seed)
+    folder = Path(output)
+    ran, skipped = run_sweep(grid, folder, quality, say=lambda line: typer.echo(line, err=True))
+    typer.echo(f"sweep: {len(ran)} points run, {len(skipped)} already complete" + (f" ({', '.join(skipped)})" if skipped else ""))
+    report = write_report(load_runs([folder]), Prices(), folder / "report.html")
+    typer.echo(f"report: {report}")

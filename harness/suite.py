@@ -1,0 +1,108 @@
+"""The PoC suite: `pwbench run --workload rag_long` with no `--engine` runs every engine of
+SUITE under one device budget, the same workload and seed, one result folder each inside a
+suite folder, then writes the HTML report (reports.html) there.
+
+The default budget for a model is dense weights + BUDGET_SHARE x (full-precision experts + the
+KV of KV_TOKENS tokens): below full precision + peak KV, so KV and experts compete. It is
+derived from the engine's own sizes (EngineInfo.model_stats), not from the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from harness.results import check_output, new_run_id
+from harness.run import RunArgs, execute
+
+# Row name -> (engine, options). `full` joins this list when it lands.
+# static-gptq: group 32 (the demo's experts are 64 wide, the default 128 does not divide it);
+# offload: one device slot per layer, the most KV full-precision experts can leave.
+SUITE: dict[str, tuple[str, dict[str, Any]]] = {
+    "moe": ("moe", {}),
+    "static-gptq-4bit": ("static-gptq", {"bits": 4, "group_size": 32}),
+    "offload": ("offload", {"experts_per_layer": 1}),
+    "pagedweight": ("pagedweight", {}),
+    "moegen": ("moegen", {}),
+}
+BUDGET_SHARE = 0.4
+KV_TOKENS = 3000  # ~4 of rag_long's demo prompts (~690 tokens) with their answers
+# Demo-model traffic for the suite, applied only to options the user did not give: few
+# requests (the suite must end in minutes on 2 cores), bursty arrivals so KV demand ebbs and
+# flows, and half direct closed-book questions, where expert precision shows in accuracy.
+SUITE_DEMO_DEFAULTS = {"requests": 20, "rate": 0.5, "arrival": "gamma", "burstiness": 4.0, "direct_share": 0.5}
+
+
+@dataclass(frozen=True)
+class SuiteResult:
+    folder: Path
+    runs: dict[str, Path]  # row -> result folder
+    failed: dict[str, str]  # row -> why it did not run
+    budget_bytes: int
+    report: Path | None
+
+
+def default_budget(model: str | None, options: dict[str, Any]) -> int:
+    """dense + BUDGET_SHARE x (experts + KV_TOKENS of KV), from the model's sizes in `moe`."""
+    from engines.registry import create_engine  # noqa: PLC0415
+
+    engine = create_engine("moe", {"model": model, **{k: v for k, v in options.items() if k in ("device", "dtype")}})
+    engine.start()
+    try:
+        info = engine.info()
+    finally:
+        engine.stop()
+    stats = info.model_stats
+    dense = int(stats["dense_weight_bytes"])
+    experts = info.weight_bytes - dense
+    return int(dense + BUDGET_SHARE * (experts + KV_TOKENS * int(stats["kv_bytes_per_token"])))
+
+
+def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dict] | None = None,
+              say: Callable[[str], None] = print) -> SuiteResult:
+    """Run every SUITE row with `args` (engine replaced), then the report."""
+    from engines.demo import demo_model_path  # noqa: PLC0415
+
+    model = args.model or str(demo_model_path())
+    folder = Path(args.output) if args.output else Path(args.results_dir) / new_run_id(args.workload.name, "suite")
+    check_output(folder)
+    spec = args.workload
+    if is_demo:
+        applied = {k: v for k, v in SUITE_DEMO_DEFAULTS.items() if k not in args.given}
+        spec = replace(spec, **applied)
+        if applied:
+            say("suite: demo defaults " + ", ".join(f"{k}={v}" for k, v in applied.items()))
+    from engines.sizes import parse_size  # noqa: PLC0415
+
+    given = args.engine_options.get("budget_bytes")
+    budget = parse_size(given, "--budget") if given is not None else default_budget(model, args.engine_options)
+    say(f"suite: {len(SUITE)} engines under a device budget of {_bytes(budget)} -> {folder}")
+    runs, failed = {}, {}
+    for row, (engine, options) in SUITE.items():
+        one = replace(args, workload=spec, engine=engine, model=model, output=str(folder / row),
+                      engine_options={**args.engine_options, **options, "budget_bytes": budget})
+        say(f"suite: {row} ({engine}{''.join(f' {k}={v}' for k, v in options.items())})")
+        try:
+            out, run = on_run(row, one) if on_run else execute(one)
+        except Exception as exc:  # noqa: BLE001  (one engine that cannot run does not stop the suite)
+            failed[row] = f"{type(exc).__name__}: {exc}"
+            say(f"suite: {row} did not run: {failed[row]}")
+            continue
+        if run["status"] == "complete":
+            runs[row] = Path(out)
+        else:
+            failed[row] = f"status {run['status']}: {run.get('error')}"
+    report = None
+    if runs:
+        from reports.html import write_report  # noqa: PLC0415
+        from reports.roi import Prices  # noqa: PLC0415
+        from reports.runs import load_runs  # noqa: PLC0415
+
+        report = write_report(load_runs(list(runs.values())), Prices(), folder / "report.html")
+    return SuiteResult(folder, runs, failed, int(budget), report)
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB ({n:,} B)"

@@ -1,0 +1,44 @@
+"""`pwbench compare` and the suite's terminal summary: the executive table (reports.roi) as a
+rich table or as Markdown, with the recommendation and the runs that cannot be compared."""
+
+from __future__ import annotations
+
+import sys
+
+from reports import roi
+from reports.runs import Run, incomparable
+
+
+def markdown(runs: list[Run], prices: roi.Prices) -> str:
+    rows = roi.executive(runs, prices)
+    flagged = incomparable(runs)
+    header, cells = roi.table(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+    _, sentence = roi.recommend(rows, prices, set(flagged))
+    lines += ["", f"**Recommendation:** {sentence}", "", roi.RULE]
+    lines += [f"- not comparable: {k}: {v}" for k, v in flagged.items()]
+    return "\n".join(lines)
+
+
+def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = False, compact: bool = False) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.markup import escape  # noqa: PLC0415
+    from rich.table import Column, Table  # noqa: PLC0415
+
+    # Piped (a log, CI): wide enough that no column is cut; rich would assume 80.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    if as_markdown:
+        console.print(markdown(runs, prices), markup=False, highlight=False, soft_wrap=True)
+        return
+    rows = roi.executive(runs, prices)
+    flagged = incomparable(runs)
+    header, cells = roi.table(rows, roi.COMPACT if compact else None)
+    table = Table(*[Column(h, no_wrap=i == 0) for i, h in enumerate(header)])
+    for row in cells:
+        table.add_row(*(escape(c) for c in row))
+    console.print(table)
+    _, sentence = roi.recommend(rows, prices, set(flagged))
+    console.print(f"recommendation: {sentence}", markup=False)
+    for k, v in flagged.items():
+        console.print(f"not comparable: {k}: {v}", markup=False, style="yellow")

@@ -1,0 +1,104 @@
+"""Result folders as the reports see them: expand suite and sweep folders, load run.json and
+the parquet tables, and decide which runs can be compared.
+
+Reads files only (harness.results, pandas): no engine, no torch. A folder that is neither a
+result folder nor holds any is a HarnessError naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import HarnessError
+from harness.results import read_rows, read_run
+
+
+@dataclass
+class Run:
+    folder: Path
+    run: dict[str, Any]
+    _tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+
+    @property
+    def label(self) -> str:
+        """The engine name, with the folder name when it says more (suite: the engine row)."""
+        return self.folder.name
+
+    @property
+    def engine(self) -> str:
+        return self.run["engine"]["name"]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.run["summary"]
+
+    def rows(self, name: str) -> list[dict[str, Any]]:
+        """Rows of `<name>.parquet`, [] when the run has no such table."""
+        if name not in self._tables:
+            path = self.folder / f"{name}.parquet"
+            try:
+                self._tables[name] = read_rows(self.folder, name) if path.exists() else []
+            except Exception as exc:  # noqa: BLE001  (pyarrow raises several types for a bad file)
+                raise HarnessError(f"{path}: not a readable parquet file ({type(exc).__name__}); rerun the run") from None
+        return self._tables[name]
+
+
+def expand(paths: list[str | Path]) -> list[Path]:
+    """Result folders under each path: the path itself when it has run.json, else every
+    subfolder (recursively, sorted) that has one."""
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise HarnessError(f"{path}: no such folder; pass result folders written by `pwbench run`")
+        if (path / "run.json").exists():
+            out.append(path)
+            continue
+        found = sorted(p.parent for p in path.rglob("run.json") if not any(s.startswith(".") for s in p.relative_to(path).parts))
+        if not found:
+            raise HarnessError(f"{path}: holds no result folder (no run.json); pass folders written by `pwbench run`")
+        out.extend(found)
+    return out
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    runs = [Run(folder, read_run(folder)) for folder in expand(paths)]
+    for r in runs:
+        if "summary" not in r.run or "engine" not in r.run:
+            raise HarnessError(f"{r.folder / 'run.json'}: no summary/engine; not a pwbench run.json")
+    return runs
+
+
+def comparability_key(run: dict[str, Any]) -> dict[str, Any]:
+    """What must agree for two runs to be compared: workload (with seed), hardware, pwbench."""
+    env = run.get("environment") or {}
+    workload = dict((run.get("config") or {}).get("workload") or {})
+    return {"workload": workload, "hardware": [env.get("cpu_model"), env.get("gpu")],
+            "pwbench": env.get("pwbench")}
+
+
+def incomparable(runs: list[Run]) -> dict[str, str]:
+    """label -> why it differs from the first run, for each run that differs. Budget and rate
+    may differ (a sweep varies them on purpose); nothing else in the key may."""
+    if not runs:
+        return {}
+    base = comparability_key(runs[0].run)
+    out: dict[str, str] = {}
+    for r in runs[1:]:
+        key = comparability_key(r.run)
+        diffs = []
+        for part in ("workload", "hardware", "pwbench"):
+            a, b = base[part], key[part]
+            if part == "workload":
+                a = {k: v for k, v in a.items() if k != "rate"}
+                b = {k: v for k, v in b.items() if k != "rate"}
+                keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                if keys:
+                    diffs.append("workload " + ", ".join(f"{k}={b.get(k)!r} (vs {a.get(k)!r})" for k in keys))
+            elif a != b:
+                diffs.append(f"{part} {b!r} (vs {a!r})")
+        if diffs:
+            out[r.label] = "; ".join(diffs)
+    return out

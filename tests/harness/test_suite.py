@@ -1,0 +1,31 @@
+"""`pwbench run --workload rag_long` with no --engine: the PoC suite, here with 2 requests an
+engine (the README's command runs the demo defaults): every suite engine gets a folder in the
+suite folder, all under the same budget (below full-precision weights + peak KV) and the
+same workload, then the report, whose path is printed with the executive table."""
+
+from __future__ import annotations
+
+import json
+
+from harness.suite import SUITE
+from result_folders import pwbench
+
+
+def test_suite_runs_every_engine_under_one_budget_then_the_report(tmp_path):
+    out = tmp_path / "suite"
+    proc = pwbench("run", "--workload", "rag_long", "--requests", "2", "--warmup", "0", "--no-quality",
+                   "--output", str(out), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {row: json.loads((out / row / "run.json").read_text()) for row in SUITE}
+    assert {row: r["engine"]["name"] for row, r in runs.items()} == {row: engine for row, (engine, _) in SUITE.items()}
+    budgets = {r["summary"]["memory"]["budget_bytes"] for r in runs.values()}
+    assert len(budgets) == 1
+    moe = runs["moe"]
+    full = moe["engine"]["weight_bytes"] + moe["summary"]["memory"]["peak_kv_bytes"]
+    assert budgets.pop() < moe["engine"]["weight_bytes"] + 3000 * moe["engine"]["model_stats"]["kv_bytes_per_token"]
+    assert full > 0 and len({json.dumps(r["config"]["workload"], sort_keys=True) for r in runs.values()}) == 1
+    assert f"report: {out / 'report.html'}" in proc.stdout and (out / "report.html").stat().st_size > 3_000_000
+    assert "recommendation:" in proc.stdout and all(row in proc.stdout for row in SUITE)
+    # memory pressure separates the engines: the quantized ones hold more KV than full precision
+    assert runs["static-gptq-4bit"]["engine"]["kv_capacity_tokens"] > moe["engine"]["kv_capacity_tokens"]
+    assert runs["offload"]["summary"]["engine"]["h2d_bytes_per_output_token"] > 0
