@@ -70,6 +70,17 @@ def accuracy(run: Run) -> float | None:
     return correct / sent if sent else None
 
 
+def kv_capacity(run: Run, memory: dict, folder: str) -> Value:
+    """KV tokens the run could hold; an engine whose KV lives in host memory (moegen's plan)
+    says so, since its pool is not device memory and is not comparable with the others'."""
+    tokens = memory.get("kv_capacity_tokens")
+    on_host = ((run.run.get("engine") or {}).get("model_stats") or {}).get("plan_kv_on_host") == 1
+    source = f"{folder}: summary.memory.kv_capacity_tokens"
+    if on_host and tokens is not None:
+        return Value(tokens, source + " (engine.model_stats.plan_kv_on_host: in host memory)", f"{tokens:,} (host)")
+    return Value(tokens, source)
+
+
 def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
     """One dict per run: the executive table's values, each with where it comes from."""
     ref = next((r for r in runs if r.engine == REFERENCE_ENGINE), None)
@@ -91,7 +102,7 @@ def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
                                  f"{f}: ${prices.gpu_hour_usd:g}/h / (goodput tok/s x 3600) x 1e6"),
             "devices": Value(devices_needed(prices.target_rps, s.get("goodput_requests_per_s"), prices.utilisation),
                              f"{f}: ceil({prices.target_rps:g} req/s / (summary.goodput_requests_per_s x {prices.utilisation:g}))"),
-            "kv_capacity_tokens": Value(m.get("kv_capacity_tokens"), f"{f}: summary.memory.kv_capacity_tokens"),
+            "kv_capacity_tokens": kv_capacity(r, m, f),
             "peak_concurrency": Value(s.get("peak_concurrency"), f"{f}: summary.peak_concurrency"),
             "accuracy": Value(acc, f"{f}: summary.accuracy.overall.correct / requests.parquet rows with a task (unserved = not answered)"),
             "top1_agreement": Value((r.run.get("quality") or {}).get("top1_agreement"),
@@ -157,6 +168,8 @@ def fmt(key: str, v: Value) -> str:
         return v.text
     if x is None:
         return "-"
+    if key == "kv_capacity_tokens" and v.text:
+        return v.text
     if key in ("accuracy", "top1_agreement"):
         return f"{x * 100:.1f}%"
     if key == "accuracy_delta_points":

@@ -145,6 +145,21 @@ def test_model_name_with_script_is_escaped(runs, tmp_path):
     assert "&lt;script&gt;alert(1)" in html and "&lt;script&gt;alert(2)" in html
 
 
+def test_kv_held_in_host_memory_is_labelled(runs, tmp_path):
+    """A run whose engine keeps KV in host memory (moegen's plan, engine.model_stats) shows its
+    pool as host tokens, not as device KV comparable with the others'."""
+    host = tmp_path / "host-kv"
+    shutil.copytree(runs / "dummy-fast", host)
+    run = json.loads((host / "run.json").read_text())
+    run["engine"].setdefault("model_stats", {})["plan_kv_on_host"] = 1
+    run["summary"]["memory"]["kv_capacity_tokens"] = 524288
+    (host / "run.json").write_text(json.dumps(run))
+    rows = roi.executive(load_runs([runs / "dummy-fast", host]), roi.Prices())
+    texts = [roi.fmt("kv_capacity_tokens", row["kv_capacity_tokens"]) for row in rows]
+    assert texts[1] == "524,288 (host)" and "(host)" not in texts[0]
+    assert "plan_kv_on_host" in rows[1]["kv_capacity_tokens"].source
+
+
 def test_incomparable_runs_are_flagged(runs, tmp_path):
     other = make_run(tmp_path / "other-seed", seed=1)
     html = render(load_runs([runs / "dummy-fast", other]), roi.Prices())
