@@ -103,7 +103,7 @@ class PagedWeightEngine(MoEEngine):
         backend = PagedWeightBackend(stores, self.copies, self.device, self.importance, cfg.feedback_share, cfg.seed)
         backend.fetch_bits = quality  # an expert that left the device comes back at its quality floor
         if 0 in self.floors.values():
-            backend.staging_bytes = backend.lowest_bytes()
+            backend.staging_bytes = backend.staging_slot_bytes()
         self.experts = backend
         self._engine_step = 0
         self._events: list[dict[str, Any]] = []

@@ -27,31 +27,29 @@ import torch
 from torch import Tensor
 
 from engines.runtime.copies import CopyEngine, CopyHandle
-from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+from engines.runtime.experts import Dispatch, combine, segments, swiglu
+from engines.runtime.offload import HostTierBackend
 from engines.runtime.weights import DenseExperts
 
 Key = tuple[int, int]  # (layer, expert)
 
 
-class StreamingBackend(ExpertBackend):
+class StreamingBackend(HostTierBackend):
     def __init__(self, experts: dict[int, DenseExperts], slots: int, resident: set[Key], copies: CopyEngine,
                  device: torch.device) -> None:
-        super().__init__()
         shapes = {(tuple(w.gate_up.shape[1:]), tuple(w.down.shape[1:])) for w in experts.values()}
         if len(shapes) > 1:
             raise ValueError(f"streamed experts must share one shape across layers, got {sorted(shapes)}")
         streamed = sum(w.num_experts for w in experts.values()) - len(resident)
         if streamed and slots < 1:
             raise ValueError(f"{streamed} experts stream and need at least one device slot, got {slots}")
-        self.copies = copies
-        self.host = {i: DenseExperts(copies.host(w.gate_up), copies.host(w.down)) for i, w in experts.items()}
+        super().__init__(experts, copies)
         # Resident experts stay where loading put them (own storage, so the stacks can go).
         self.resident = {(i, e): (experts[i].gate_up[e].clone(), experts[i].down[e].clone()) for i, e in sorted(resident)}
         first = next(iter(experts.values()))
         n = slots if streamed else 0
         self.gate_up = torch.zeros((n, *first.gate_up.shape[1:]), dtype=first.gate_up.dtype, device=device)
         self.down = torch.zeros((n, *first.down.shape[1:]), dtype=first.down.dtype, device=device)
-        self._bytes = {i: w.expert_nbytes(0) for i, w in experts.items()}
         self._free: deque[int] = deque(range(n))
         self._queue: deque[Key] = deque()  # streamed experts queued, not yet issued, FIFO
         self._issued: dict[Key, tuple[int, CopyHandle]] = {}  # slot and copy of experts in flight or landed
@@ -59,15 +57,6 @@ class StreamingBackend(ExpertBackend):
         self._stall = 0.0  # compute's wait for expert copies this step
 
     # -- ExpertBackend -----------------------------------------------------------------------------
-    def layers(self) -> list[int]:
-        return sorted(self.host)
-
-    def num_experts(self, layer: int) -> int:
-        return self.host[layer].num_experts
-
-    def expert_bytes(self, layer: int, expert: int) -> int:
-        return self._bytes[layer]
-
     def device_bytes(self) -> int:
         """Resident experts and the ring's slots (allocated once, full or not)."""
         held = [*self.resident.values(), (self.gate_up, self.down)]

@@ -112,7 +112,7 @@ class PagedWeightBackend(ExpertBackend):
     def _fetch_width(self, key: Key) -> int:
         return self.fetch_bits.get(key) or min(b for b in self.stores[key].bits if b > 0)
 
-    def lowest_bytes(self) -> int:
+    def staging_slot_bytes(self) -> int:
         """The largest expert at its fetch width: the staging slot an on-demand fetch needs."""
         return max(store.nbytes(self._fetch_width(key)) for key, store in self.stores.items())
 

@@ -81,29 +81,16 @@ class ExpertCache:
         return slot, evicted
 
 
-class OffloadBackend(ExpertBackend):
-    """Experts in the host tier, `slots` device slots per MoE layer (see the module docstring)."""
+class HostTierBackend(ExpertBackend):
+    """Full-precision experts kept in the host tier (`host`: MoE layer -> DenseExperts) and
+    copied to device slots when used: what OffloadBackend and moegen's StreamingBackend share."""
 
-    def __init__(self, experts: dict[int, DenseExperts], slots: int, copies: CopyEngine, device: torch.device,
-                 policy: str = "lru", predictor: Predictor | None = None) -> None:
+    def __init__(self, experts: dict[int, DenseExperts], copies: CopyEngine) -> None:
         super().__init__()
-        if slots < 1:
-            raise ValueError(f"need at least one expert slot per layer, got {slots}")
-        self.copies, self.predictor = copies, predictor
-        self.host: dict[int, DenseExperts] = {}
-        self.gate_up: dict[int, Tensor] = {}
-        self.down: dict[int, Tensor] = {}
-        self.caches: dict[int, ExpertCache] = {}
-        for i, w in experts.items():
-            k = min(slots, w.num_experts)
-            self.host[i] = DenseExperts(copies.host(w.gate_up), copies.host(w.down))
-            self.gate_up[i] = torch.zeros((k, *w.gate_up.shape[1:]), dtype=w.gate_up.dtype, device=device)
-            self.down[i] = torch.zeros((k, *w.down.shape[1:]), dtype=w.down.dtype, device=device)
-            self.caches[i] = ExpertCache(k, policy)
+        self.copies = copies
+        self.host = {i: DenseExperts(copies.host(w.gate_up), copies.host(w.down)) for i, w in experts.items()}
         self._bytes = {i: w.expert_nbytes(0) for i, w in experts.items()}
-        self._tick = 0
 
-    # -- ExpertBackend ---------------------------------------------------------------------------
     def layers(self) -> list[int]:
         return sorted(self.host)
 
@@ -113,6 +100,27 @@ class OffloadBackend(ExpertBackend):
     def expert_bytes(self, layer: int, expert: int) -> int:
         return self._bytes[layer]
 
+
+class OffloadBackend(HostTierBackend):
+    """Experts in the host tier, `slots` device slots per MoE layer (see the module docstring)."""
+
+    def __init__(self, experts: dict[int, DenseExperts], slots: int, copies: CopyEngine, device: torch.device,
+                 policy: str = "lru", predictor: Predictor | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"need at least one expert slot per layer, got {slots}")
+        super().__init__(experts, copies)
+        self.predictor = predictor
+        self.gate_up: dict[int, Tensor] = {}
+        self.down: dict[int, Tensor] = {}
+        self.caches: dict[int, ExpertCache] = {}
+        for i, w in experts.items():
+            k = min(slots, w.num_experts)
+            self.gate_up[i] = torch.zeros((k, *w.gate_up.shape[1:]), dtype=w.gate_up.dtype, device=device)
+            self.down[i] = torch.zeros((k, *w.down.shape[1:]), dtype=w.down.dtype, device=device)
+            self.caches[i] = ExpertCache(k, policy)
+        self._tick = 0
+
+    # -- ExpertBackend ---------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """The slots' buffers (allocated once, full or not)."""
         return sum(t.numel() * t.element_size() for t in (*self.gate_up.values(), *self.down.values()))

@@ -8,7 +8,6 @@ bandwidth for the link model.
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from engines.base import EngineError, EngineRequest, SamplingParams
 from engines.registry import create_engine
 from harness.offline import run_offline
+from engine_runs import generate, random_requests
 from tiny_models import ARCHS, CPU32
 
 DEMO = "engines/demo_model"
@@ -23,23 +23,7 @@ DEMO_EXPERT = 3 * 128 * 64 * 4  # 98,304 bytes: gate, up, down of one demo exper
 DEMO_DENSE = 967_680
 
 
-def requests(vocab: int, n: int = 5, new: int = 10, seed: int = 0, lo: int = 3, hi: int = 90,
-             sampling: SamplingParams = SamplingParams()) -> list[EngineRequest]:
-    rng = random.Random(seed)
-    return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))), new,
-                          sampling=sampling, ignore_eos=True) for i in range(n)]
-
-
-def generate(name: str, model, reqs, **options):
-    engine = create_engine(name, {"model": str(model), **CPU32, **options})
-    engine.start()
-    steps = []
-    try:
-        done = run_offline(engine, reqs, on_step=steps.append)
-        info = engine.info()
-    finally:
-        engine.stop()
-    return {rid: c.output_ids for rid, c in done.items()}, steps, info
+requests = random_requests
 
 
 SMALL_HOST_KV = {"host_kv_gb": 0.01}

@@ -7,7 +7,6 @@ here for the transfer counters; bytes / bandwidth for the link model.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -15,29 +14,14 @@ import torch
 from engines.base import EngineError, EngineRequest
 from engines.registry import create_engine
 from engines.runtime.checkpoint import open_checkpoint
-from harness.offline import run_offline
+from engine_runs import generate, random_requests
 from tiny_models import CPU32, PLAIN_EXPERT_ARCHS, build_hf_model
 
 DEMO = "engines/demo_model"
 MOE_LAYERS = 2  # every test model has two MoE layers (qwen2_moe: layers 0 and 2; deepseek_v3, glm4_moe: 1, 2)
 
 
-def requests(vocab: int, n: int = 5, new: int = 10, seed: int = 0, lo: int = 3, hi: int = 90) -> list[EngineRequest]:
-    rng = random.Random(seed)
-    return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(lo, hi))), new,
-                          ignore_eos=True) for i in range(n)]
-
-
-def generate(name: str, model, reqs, **options):
-    engine = create_engine(name, {"model": str(model), **CPU32, **options})
-    engine.start()
-    steps = []
-    try:
-        done = run_offline(engine, reqs, on_step=steps.append)
-        info = engine.info()
-    finally:
-        engine.stop()
-    return {rid: c.output_ids for rid, c in done.items()}, steps, info
+requests = random_requests
 
 
 def total(steps, key: str) -> int:

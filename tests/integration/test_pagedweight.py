@@ -8,7 +8,6 @@ quality feedback has to find.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -16,6 +15,7 @@ from engines.base import EngineRequest
 from harness.calibration import create_calibrated
 from harness.offline import run_offline
 from harness.run import RunArgs, execute
+from engine_runs import random_requests, run_engine
 from tiny_models import CPU32
 from workloads.registry import WorkloadSpec
 
@@ -23,20 +23,13 @@ DEMO = "engines/demo_model"
 
 
 def requests(vocab: int, n: int = 6, new: int = 12, seed: int = 0) -> list[EngineRequest]:
-    rng = random.Random(seed)
-    return [EngineRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(10, 120))), new,
-                          ignore_eos=True) for i in range(n)]
+    return random_requests(vocab, n, new, seed, lo=10, hi=120)
 
 
 def generate(name: str, model, reqs, **options):
     engine = create_calibrated(name, {"model": str(model), **CPU32, **options})
-    engine.start()
-    steps = []
-    try:
-        done = run_offline(engine, reqs, on_step=steps.append)
-    finally:
-        engine.stop()
-    return {k: c.output_ids for k, c in done.items()}, steps, engine
+    outputs, steps, _ = run_engine(engine, reqs)
+    return outputs, steps, engine
 
 
 @pytest.mark.parametrize("model", ["demo", "mixtral"])
