@@ -44,7 +44,7 @@ from engines.runtime.checkpoint import Checkpoint
 from engines.runtime.config import ModelConfig
 from engines.runtime.experts import (
     Dispatch,
-    ExpertBackend,
+    StackedBackend,
     grouped_swiglu,
     segments,
     swiglu,
@@ -119,27 +119,18 @@ def calibration_set(checkpoint: Checkpoint, prompts: int | Sequence[Sequence[int
 # --- measuring --------------------------------------------------------------------------------
 
 
-class _Recorder(ExpertBackend):
+class _Recorder(StackedBackend):
     """The calibration pass's expert backend: hands each expert's routed rows to `measure`
     and returns the full-precision layer output."""
 
     def __init__(self, dense: Mapping[int, DenseExperts], measure: Callable[[int, int, Tensor], None]) -> None:
-        super().__init__()
+        super().__init__(dense)
         self.dense, self.measure = dense, measure
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
         for e, rows in segments(d).items():
             self.measure(layer, e, x[d.token_index[rows]])
         return grouped_swiglu(x, d, self.dense[layer])
-
-    def layers(self) -> list[int]:
-        return sorted(self.dense)
-
-    def num_experts(self, layer: int) -> int:
-        return self.dense[layer].num_experts
-
-    def expert_bytes(self, layer: int, expert: int) -> int:
-        return self.dense[layer].expert_nbytes(expert)
 
 
 def _prefill_batch(config: ModelConfig, lengths: list[int], dtype: torch.dtype,

@@ -42,7 +42,7 @@ from engines.quant.qweight import (
 )
 from engines.runtime.attention import AttentionBatch, PrefillSegment
 from engines.runtime.config import ModelConfig
-from engines.runtime.experts import Dispatch, ExpertBackend, grouped_swiglu
+from engines.runtime.experts import Dispatch, StackedBackend, grouped_swiglu
 from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.transfer import TransferLedger
@@ -99,27 +99,18 @@ class QuantizedModel:
     tokens: int  # calibration tokens
 
 
-class LayerQuantizer(ExpertBackend):
+class LayerQuantizer(StackedBackend):
     """The calibration pass's expert backend: in layer i's forward it quantizes layer i's
     experts from the tokens routed to them, and returns the quantized layer's output, so
     later layers calibrate on what the quantized model computes."""
 
     def __init__(self, weights: ModelWeights, dense: dict[int, DenseExperts], options: QuantizeOptions,
                  progress: Callable[[LayerReport], None] | None = None) -> None:
-        super().__init__()
+        super().__init__(dense)
         self.weights, self.dense, self.options, self.progress = weights, dense, options, progress
         self.experts: dict[int, QuantizedExperts] = {}
         self.input_scales: dict[int, Tensor] = {}
         self.reports: list[LayerReport] = []
-
-    def layers(self) -> list[int]:
-        return sorted(self.dense)
-
-    def num_experts(self, layer: int) -> int:
-        return self.dense[layer].num_experts
-
-    def expert_bytes(self, layer: int, expert: int) -> int:
-        return self.dense[layer].expert_nbytes(expert)
 
     def forward(self, i: int, h: Tensor, d: Dispatch) -> Tensor:
         dense = self.dense[i]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,36 +164,44 @@ class ExpertBackend(ABC):
         self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e in d.active)
 
 
-class ResidentBackend(ExpertBackend):
+class StackedBackend(ExpertBackend):
+    """An ExpertBackend over one stacked record per MoE layer (`stacks`: layer -> a record with
+    `num_experts` and `expert_nbytes(e)`, the same for every e of a stack): layers, expert
+    counts and per-expert bytes follow from it, the bytes computed once (looked up per expert
+    that runs, every step)."""
+
+    def __init__(self, stacks: Mapping[int, Any]) -> None:
+        super().__init__()
+        self.stacks = stacks
+        self._expert_bytes = {i: w.expert_nbytes(0) for i, w in stacks.items()}
+
+    def layers(self) -> list[int]:
+        return sorted(self.stacks)
+
+    def num_experts(self, layer: int) -> int:
+        return self.stacks[layer].num_experts
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return self._expert_bytes[layer]
+
+
+class ResidentBackend(StackedBackend):
     """Every layer's experts resident on the device in one stacked record per layer, run by
     `compute(x, dispatch, record)`: DenseExperts with `grouped_swiglu` for `moe`, packed
     QuantizedExperts with the fused kernel for the static engines. A record has
     `nbytes()`, `expert_nbytes(e)` (the same for every e of a stack) and `num_experts`."""
 
     def __init__(self, layers: dict[int, Any], compute: Callable[[Tensor, Dispatch, Any], Tensor] | None = None) -> None:
-        super().__init__()
-        self._layers = layers
+        super().__init__(layers)
         self._compute = compute or grouped_swiglu
-        # One stacked record holds experts of one shape and scheme: one size per layer, looked
-        # up per expert that runs (every step), so computed once here.
-        self._expert_bytes = {i: w.expert_nbytes(0) for i, w in layers.items()}
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
         self._count(layer, d)
-        return self._compute(x, d, self._layers[layer])
+        return self._compute(x, d, self.stacks[layer])
 
     def weights(self, layer: int) -> Any:
         """Layer `layer`'s stacked expert record (the compute's input)."""
-        return self._layers[layer]
-
-    def layers(self) -> list[int]:
-        return sorted(self._layers)
-
-    def num_experts(self, layer: int) -> int:
-        return self._layers[layer].num_experts
-
-    def expert_bytes(self, layer: int, expert: int) -> int:
-        return self._expert_bytes[layer]
+        return self.stacks[layer]
 
     def device_bytes(self) -> int:
-        return sum(w.nbytes() for w in self._layers.values())
+        return sum(w.nbytes() for w in self.stacks.values())

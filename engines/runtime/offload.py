@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engines.runtime.copies import CopyEngine, CopyHandle
-from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+from engines.runtime.experts import Dispatch, StackedBackend, combine, segments, swiglu
 from engines.runtime.weights import DenseExperts
 
 POLICIES = ("lru", "lfu")
@@ -81,24 +81,14 @@ class ExpertCache:
         return slot, evicted
 
 
-class HostTierBackend(ExpertBackend):
+class HostTierBackend(StackedBackend):
     """Full-precision experts kept in the host tier (`host`: MoE layer -> DenseExperts) and
     copied to device slots when used: what OffloadBackend and moegen's StreamingBackend share."""
 
     def __init__(self, experts: dict[int, DenseExperts], copies: CopyEngine) -> None:
-        super().__init__()
         self.copies = copies
         self.host = {i: DenseExperts(copies.host(w.gate_up), copies.host(w.down)) for i, w in experts.items()}
-        self._bytes = {i: w.expert_nbytes(0) for i, w in experts.items()}
-
-    def layers(self) -> list[int]:
-        return sorted(self.host)
-
-    def num_experts(self, layer: int) -> int:
-        return self.host[layer].num_experts
-
-    def expert_bytes(self, layer: int, expert: int) -> int:
-        return self._bytes[layer]
+        super().__init__(self.host)
 
 
 class OffloadBackend(HostTierBackend):
