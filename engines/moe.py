@@ -71,7 +71,7 @@ def budget_error(engine: str, budget: int, parts: list[tuple[str, int]]) -> Engi
         f"--budget {format_size(budget)} is too small for engine {engine} on this model: it needs at "
         f"least {format_size(minimum)} ({minimum} bytes) = "
         + " + ".join(f"{what} {format_size(n)}" for what, n in parts)
-        + (" (engine offload keeps experts on the host and needs less)" if engine not in ("offload", "moegen") else "")
+        + (" (engine offload keeps experts on the host and needs less)" if engine not in ("offload", "moegen", "full") else "")
     )
 
 

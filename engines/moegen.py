@@ -55,39 +55,39 @@ def minimum_parts(cfg: MoEGenConfig, dense: int, expert: int, kv_block: int) -> 
     return parts + ([("one KV block", kv_block)] if cfg.kv_placement == "device" else [])
 
 
-def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware) -> Plan:
+def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, name: str = "moegen") -> Plan:
     """The cost model's plan for `cfg` (its budget, batch and placement options), with the
     options that fix a part of it (expert_slots, resident_experts, micro_batch) applied and
     the prediction redone; an impossible combination is an EngineError naming the options."""
     if cfg.kv_placement not in ("auto", *PLACEMENTS):
-        raise EngineError(f"engine moegen: kv_placement must be one of auto, {', '.join(PLACEMENTS)}, "
+        raise EngineError(f"engine {name}: kv_placement must be one of auto, {', '.join(PLACEMENTS)}, "
                           f"got {cfg.kv_placement!r}")
     if cfg.budget_bytes is None:
-        raise EngineError("engine moegen needs a device budget (--budget SIZE): its plan streams what the "
+        raise EngineError(f"engine {name} needs a device budget (--budget SIZE): its plan streams what the "
                           "budget cannot hold")
     kv_block = cfg.block_size * shape.kv_bytes_per_token
     parts = minimum_parts(cfg, shape.dense_bytes, shape.expert_bytes, kv_block)
     if cfg.budget_bytes < sum(n for _, n in parts):
-        raise budget_error("moegen", cfg.budget_bytes, parts)
+        raise budget_error(name, cfg.budget_bytes, parts)
     work = Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
     placements = PLACEMENTS if cfg.kv_placement == "auto" else (cfg.kv_placement,)
     try:
         plan = choose_plan(shape, hw, cfg.budget_bytes, work, kv_block, cfg.host_scratch_mb << 20, placements)
     except ValueError as exc:
-        raise EngineError(f"engine moegen: {exc}; raise --budget or use --set kv_placement=host") from None
+        raise EngineError(f"engine {name}: {exc}; raise --budget or use --set kv_placement=host") from None
     fixed = {k: getattr(cfg, k) for k in ("expert_slots", "resident_experts", "micro_batch") if getattr(cfg, k) is not None}
     if not fixed:
         return plan
     total = shape.total_experts
     resident = fixed.get("resident_experts", plan.resident_experts)
     if not 0 <= resident <= total:
-        raise EngineError(f"engine moegen: resident_experts must be within [0, {total}], got {resident}")
+        raise EngineError(f"engine {name}: resident_experts must be within [0, {total}], got {resident}")
     if fixed.get("expert_slots", 1) < 1 or fixed.get("micro_batch", 1) < 1:
-        raise EngineError("engine moegen: expert_slots and micro_batch must be >= 1")
+        raise EngineError(f"engine {name}: expert_slots and micro_batch must be >= 1")
     slots = fixed.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
     weights = shape.dense_bytes + (slots + resident) * shape.expert_bytes
     if weights + (kv_block if plan.kv_placement == "device" else 0) > cfg.budget_bytes:
-        raise EngineError(f"engine moegen: {slots} ring slots + {resident} resident experts "
+        raise EngineError(f"engine {name}: {slots} ring slots + {resident} resident experts "
                           f"({format_size((slots + resident) * shape.expert_bytes)}) do not fit --budget "
                           f"{format_size(cfg.budget_bytes)} beside the dense weights")
     plan = dataclasses.replace(plan, resident_experts=resident, expert_slots=slots,
@@ -107,7 +107,7 @@ class MoEGenEngine(MoEEngine):
         what = ("multi-head latent attention" if mc.mla is not None else "attention sinks" if mc.attention_sinks
                 else "a non-default softmax scale" if mc.attn_scale is not None else None)
         if what:
-            raise EngineError(f"engine moegen runs grouped-query attention only; {mc.architecture} uses {what}: "
+            raise EngineError(f"engine {self.name} runs grouped-query attention only; {mc.architecture} uses {what}: "
                               "use engine moe or offload for this model")
 
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
@@ -129,7 +129,7 @@ class MoEGenEngine(MoEEngine):
     # -- the plan ------------------------------------------------------------------------------------
     def _plan(self) -> Plan:
         self.shape, self.hardware = self._shape(), self._hardware()
-        return make_plan(self.config, self.shape, self.hardware)  # type: ignore[arg-type]
+        return make_plan(self.config, self.shape, self.hardware, self.name)  # type: ignore[arg-type]
 
     def _shape(self) -> ModelShape:
         shape = model_shape(self.checkpoint.config, self.weights.embed.element_size())

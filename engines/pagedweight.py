@@ -76,35 +76,52 @@ class PagedWeightEngine(MoEEngine):
 
     # -- loading -----------------------------------------------------------------------------------
     def build_experts(self, dense: dict[int, DenseExperts]) -> ExpertBackend:
+        backend = self._paged_backend(dense)
+        self._start_arbiter(backend)
+        return backend
+
+    def _paged_backend(self, dense: dict[int, DenseExperts]) -> PagedWeightBackend:
+        """The experts' host-tier stores, their measured sensitivities and quality floors, and
+        the backend over them (nothing on the device yet)."""
         from engines.paged.formats import make_store  # noqa: PLC0415
         from engines.paged.sensitivity import load_or_measure  # noqa: PLC0415
+        from engines.quant.qweight import QuantFormatError  # noqa: PLC0415
 
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
         if cfg.budget_bytes is None:
-            raise EngineError("engine pagedweight needs a device budget (--budget SIZE)")
+            raise EngineError(f"engine {self.name} needs a device budget (--budget SIZE)")
         if cfg.representation not in REPRESENTATIONS:
-            raise EngineError(f"engine pagedweight: representation must be one of {', '.join(REPRESENTATIONS)}, "
+            raise EngineError(f"engine {self.name}: representation must be one of {', '.join(REPRESENTATIONS)}, "
                               f"got {cfg.representation!r}")
         self.bit_widths = self._parse_bits(cfg.bits, cfg.floor_bits)
         bound = cfg.max_expert_error
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0):
-            raise EngineError(f"engine pagedweight: max_expert_error must be a number > 0 (e.g. 0.01) or none, "
+            raise EngineError(f"engine {self.name}: max_expert_error must be a number > 0 (e.g. 0.01) or none, "
                               f"got {bound!r}")
         self.copies = CopyEngine(self.ledger, self.device, cfg.link_gbps)
-        stores = {(i, e): make_store(cfg.representation, w.gate_up[e], w.down[e], self.bit_widths, cfg.group_size,
-                                     self.copies.host)
-                  for i, w in dense.items() for e in range(w.num_experts)}
+        try:
+            stores = {(i, e): make_store(cfg.representation, w.gate_up[e], w.down[e], self.bit_widths,
+                                         cfg.group_size, self.copies.host)
+                      for i, w in dense.items() for e in range(w.num_experts)}
+        except QuantFormatError as exc:
+            raise EngineError(f"engine {self.name}: {exc} (set group_size to one that divides it, "
+                              "e.g. --set group_size=64)") from None
         self.sensitivity = {k: dict(v) for k, v in load_or_measure(
             self.checkpoint, dense, self.weights, cfg.representation, self.bit_widths, cfg.group_size,
             prompts=self._calibration_prompts(), device=self.device, dtype=self.dtype).items()}
         self.importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay)
-        quality = {key: self._quality_floor(key) for key in stores}
+        self.quality = quality = {key: self._quality_floor(key) for key in stores}
         self.floors: dict[Key, int] = {key: max(cfg.floor_bits, q) if cfg.floor_bits else 0 for key, q in quality.items()}
         backend = PagedWeightBackend(stores, self.copies, self.device, self.importance, cfg.feedback_share, cfg.seed)
-        backend.fetch_bits = quality  # an expert that left the device comes back at its quality floor
+        backend.fetch_bits = dict(quality)  # an expert that left the device comes back at its quality floor
         if 0 in self.floors.values():
             backend.staging_bytes = backend.staging_slot_bytes()
         self.experts = backend
+        return backend
+
+    def _start_arbiter(self, backend: PagedWeightBackend) -> None:
+        """Copy in the widths the budget allows at start and hand them to the arbiter."""
+        cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
         self._engine_step = 0
         self._events: list[dict[str, Any]] = []
         self._matrix: list[dict[str, Any]] = []
@@ -113,7 +130,6 @@ class PagedWeightEngine(MoEEngine):
                                transition_bytes_per_step=cfg.transition_bytes_per_step,
                                transfer=lambda key, a, b: self._transfer(key, a, b), floors=self.floors,
                                initial=initial)
-        return backend
 
     def _quality_floor(self, key: Key) -> int:
         """The lowest width whose measured error is within max_expert_error (16 always is)."""
@@ -128,10 +144,10 @@ class PagedWeightEngine(MoEEngine):
         try:
             prompts = json.loads(Path(cfg.calib_file).read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise EngineError(f"engine pagedweight: cannot read calib_file {cfg.calib_file}: {exc}") from None
+            raise EngineError(f"engine {self.name}: cannot read calib_file {cfg.calib_file}: {exc}") from None
         if not isinstance(prompts, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p)
                                                     for p in prompts):
-            raise EngineError(f"engine pagedweight: calib_file {cfg.calib_file} must hold a JSON list of "
+            raise EngineError(f"engine {self.name}: calib_file {cfg.calib_file} must hold a JSON list of "
                               "token-id lists")
         return prompts
 
@@ -155,10 +171,13 @@ class PagedWeightEngine(MoEEngine):
         """The widths at load: the best plan for the budget less a KV reserve, copied in now."""
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
         free = cfg.budget_bytes - self._dense_device_bytes()
-        self._check_budget(self._dense_device_bytes() + self._floor_bytes() + self._kv_block_bytes())
-        reserve = cfg.kv_reserve_bytes if cfg.kv_reserve_bytes is not None else free // 4
-        reserve = min(max(reserve, self._kv_block_bytes()), free - self._floor_bytes())
-        plan = solve_greedy(self._options(), free - reserve, self.floors)
+        self._check_budget(sum(n for _, n in self.budget_minimum()))
+        if self._kv_on_device():
+            reserve = cfg.kv_reserve_bytes if cfg.kv_reserve_bytes is not None else free // 4
+            reserve = min(max(reserve, self._kv_block_bytes()), free - self._floor_bytes())
+        else:
+            reserve = 0
+        plan = solve_greedy(self._options(), free - reserve - backend.staging_bytes, self.floors)
         for key, bits in plan.bits.items():
             if bits:
                 backend.start_move(key, bits)
@@ -180,6 +199,11 @@ class PagedWeightEngine(MoEEngine):
         return [("dense weights", self._dense_device_bytes()), (floor, self._floor_bytes()),
                 ("one KV block", self._kv_block_bytes())]
 
+    def _kv_on_device(self) -> bool:
+        """Whether the KV cache competes with the expert pages inside the budget (it does here;
+        engine full may keep it in the host tier)."""
+        return True
+
     def _weights_beside_kv(self) -> int:
         """The KV pool is as large as the budget allows with every expert at its floor; each
         step sets its capacity to what the weights leave then."""
@@ -190,8 +214,10 @@ class PagedWeightEngine(MoEEngine):
         out = {}
         for key, store in self.experts.stores.items():
             imp = self.importance[key]
+            # Never below the quality floor (with floor_bits 0 the floor in self.floors is 0:
+            # the expert may leave the device, but not sit on it at a width over the bound).
             opts = [Choice(b, store.nbytes(b), imp * (0.0 if b == 16 else self.sensitivity[key][b]))
-                    for b in self.bit_widths]
+                    for b in self.bit_widths if b >= self.quality[key]]
             if self.floors[key] == 0:
                 opts.append(Choice(0, 0, imp * MISS_COST))
             out[key] = opts
@@ -220,26 +246,36 @@ class PagedWeightEngine(MoEEngine):
         self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
                             self._engine_step)
         block = self.kv.block_bytes
-        free = cfg.budget_bytes - self._dense_device_bytes()
-        kv_bytes = min(self._kv_demand_blocks(), self.kv.allocator.num_blocks) * block
+        free = cfg.budget_bytes - self._dense_device_bytes() - backend.staging_bytes
+        kv_bytes = min(self._kv_demand_blocks(), self.kv.allocator.num_blocks) * block if self._kv_on_device() else 0
         decision = self.arbiter.plan(self._engine_step, max(0, free - kv_bytes), self._options())
         if decision.cancelled:
             backend.cancel([m.key for m in decision.cancelled])
-        moved = promotions = demotions = 0
+        moved = promotions = demotions = deferred = 0
+        # What the pages may hold while moves are in flight: a promotion's new buffers exist
+        # beside the version they replace until the commit, so one that would take the device
+        # over the budget now waits (the arbiter plans it again next step). Cached KV blocks do
+        # not count: lowering the KV capacity below drops them.
+        room = free + backend.staging_bytes - (self.kv.allocator.num_used * block if self._kv_on_device() else 0)
         for move in decision.moves:
+            if move.to_bits > move.from_bits and backend.device_bytes() + backend.move_bytes(move.key, move.to_bits) > room:
+                self.arbiter.abort([move])
+                deferred += 1
+                continue
             started = backend.start_move(move.key, move.to_bits)
             moved += started.nbytes
             promotions += move.to_bits > move.from_bits
             demotions += move.to_bits < move.from_bits
             if started.handle is None:
                 self.arbiter.commit([move], self._engine_step)
-        blocks = max(0, (free - backend.device_bytes()) // block)
-        self.kv.allocator.set_capacity(min(blocks, self.kv.allocator.num_blocks))
+        if self._kv_on_device():
+            blocks = max(0, (free + backend.staging_bytes - backend.device_bytes()) // block)
+            self.kv.allocator.set_capacity(min(blocks, self.kv.allocator.num_blocks))
         backend.step_index = self._engine_step
         backend.feedback_due = cfg.feedback_every > 0 and self._engine_step % cfg.feedback_every == cfg.feedback_every - 1
         out = super().step()
         self.importance.end_step()
-        extras = {**out.extras, **self._observe(decision.fits, moved, promotions, demotions)}
+        extras = {**out.extras, **self._observe(decision.fits, moved, promotions, demotions), "deferred_promotions": deferred}
         self._engine_step += 1
         return dataclasses.replace(out, extras=extras)
 
@@ -283,6 +319,9 @@ class PagedWeightEngine(MoEEngine):
                 higher = min(b for b in self.bit_widths if b > bits)
                 if self.floors[key] < higher:
                     self.floors[key] = higher
+                    # Its quality floor rises with it (the widths it may hold, and fetch at).
+                    self.quality[key] = max(self.quality[key], higher)
+                    backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
                     if self.arbiter.raise_floor(key, higher, self._engine_step):
                         backend.cancel([key])
                         backend.start_move(key, higher)

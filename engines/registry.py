@@ -50,6 +50,10 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "engines.moegen:MoEGenEngine",
         "moe runtime, module-based batching (MoE-Gen): KV in host memory, experts streamed per layer, cost-model plan",
     ),
+    "full": (
+        "engines.full:FullEngine",
+        "pagedweight's per-expert bit widths under moegen's module-based batching: one arbiter, one --budget",
+    ),
     "openai": (
         "engines.remote:OpenAIEngine",
         "any OpenAI-compatible server (vLLM, SGLang, TGI, pwbench serve) over HTTP, streamed (--set base_url=...)",

@@ -17,7 +17,7 @@ from typing import Any
 from harness.results import check_output, new_run_id
 from harness.run import RunArgs, execute
 
-# Row name -> (engine, options). `full` joins this list when it lands.
+# Row name -> (engine, options).
 # static-gptq: group 32 (the demo's experts are 64 wide, the default 128 does not divide it);
 # offload: one device slot per layer, the most KV full-precision experts can leave.
 SUITE: dict[str, tuple[str, dict[str, Any]]] = {
@@ -26,6 +26,7 @@ SUITE: dict[str, tuple[str, dict[str, Any]]] = {
     "offload": ("offload", {"experts_per_layer": 1}),
     "pagedweight": ("pagedweight", {}),
     "moegen": ("moegen", {}),
+    "full": ("full", {}),
 }
 BUDGET_SHARE = 0.4
 KV_TOKENS = 3000  # ~4 of rag_long's demo prompts (~690 tokens) with their answers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from engines.base import EngineRequest, SamplingParams
-from engines.registry import create_engine
+from harness.calibration import create_calibrated
 from harness.offline import run_offline
 from tiny_models import CPU32
 
@@ -32,5 +32,6 @@ def run_engine(engine, reqs: list[EngineRequest]):
 
 
 def generate(name: str, model, reqs: list[EngineRequest], **options):
-    """run_engine on engine `name` over `model` at float32 on CPU with `options`."""
-    return run_engine(create_engine(name, {"model": str(model), **CPU32, **options}), reqs)
+    """run_engine on engine `name` over `model` at float32 on CPU with `options` (calibrated on
+    the demo tasks when the engine calibrates and the model is the demo-language one)."""
+    return run_engine(create_calibrated(name, {"model": str(model), **CPU32, **options}), reqs)

@@ -12,7 +12,8 @@ then, for each share s, under the budget dense + s x (full-precision expert byte
 KV): `moe` (every expert at 16 bits, the KV cache gets the rest, when that is positive),
 `offload` (experts on the host, one device slot per layer: the most KV at full precision), `static-rtn` and
 `static-gptq` at the widest of 8/4/3/2 bits whose experts leave the peak KV room, and
-`pagedweight` with both representations. One row per engine: accuracy per task, KL and
+`pagedweight` with both representations, `moegen` and `full` (KV in the host tier when their
+plan says so: their KV capacity is then the host pool's). One row per engine: accuracy per task, KL and
 top-1 agreement against the float32 reference (measured after the run on 16 held-out
 prompts submitted at once under the same budget, so a pagedweight engine is at its most
 demoted then), peak KV held (tokens) and the pool's capacity, peak device bytes, mean bits
@@ -36,6 +37,8 @@ ENGINES = {
     "static-rtn": ("static-rtn", {"group_size": 32}), "static-gptq": ("static-gptq", {"group_size": 32}),
     "pagedweight-bitplanes": ("pagedweight", {"representation": "bitplanes"}),
     "pagedweight-requantize": ("pagedweight", {"representation": "requantize"}),
+    # module-based batching: full precision streamed (moegen), and pagedweight's widths under it (full)
+    "moegen": ("moegen", {}), "full": ("full", {}),
     # not run by default: pagedweight without quality floors (any width down to 2 bits)
     "pagedweight-unbounded": ("pagedweight", {"representation": "bitplanes", "max_expert_error": None}),
 }

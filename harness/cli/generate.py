@@ -24,7 +24,7 @@ def generate(
         list[str] | None, typer.Option("--prompt", help="A text prompt (needs tokenizer.json); repeatable.")
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: moe, or static-<method> for a quantized folder).")] = None,
+    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> for a quantized folder).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0 = off).")] = 0,

@@ -20,7 +20,7 @@ from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 @user_errors
 def run(
     workload: Annotated[str, typer.Option(help="Named workload (see `pwbench ls workloads`) or trace:PATH.")] = "rag_long",
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`). Default: with --workload rag_long, the PoC suite (every suite engine under one --budget, then the HTML report); otherwise moe, or static-<method> for a quantized folder.")] = None,
+    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`). Default: with --workload rag_long, the PoC suite (every suite engine under one --budget, then the HTML report); otherwise full, or static-<method> for a quantized folder.")] = None,
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
     requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
     duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,

@@ -18,7 +18,7 @@ from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 @app.command("serve")
 @user_errors
 def serve(
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: moe, or static-<method> for a quantized folder).")] = None,
+    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> for a quantized folder).")] = None,
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port, printed).")] = 8000,

@@ -118,7 +118,7 @@ def test_token_ids_outside_vocabulary(engine, checkpoints):
     "args, fragment",
     [
         (["--prompt-ids", "1,x"], "comma-separated integers"),
-        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, hf, moe, moegen, offload, openai, pagedweight, static-awq"),
+        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, full, hf, moe, moegen, offload, openai, pagedweight, static-awq"),
         (["--prompt-ids", "1", "--set", "block_size"], "key=value"),
         (["--prompt-ids", "1", "--set", "blocksize=4"], "valid options:"),
         (["--prompt-ids", "1", "--set", "block_size=four"], "expects int"),

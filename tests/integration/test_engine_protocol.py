@@ -9,6 +9,7 @@ import pytest
 from engines.base import EngineRequest, InvalidRequestError
 from engines.hf import HFEngine, HFEngineConfig
 from engines.moe import MoEEngine, MoEEngineConfig
+from engines.full import FullConfig, FullEngine
 from engines.moegen import MoEGenConfig, MoEGenEngine
 from tiny_models import CPU32
 
@@ -29,8 +30,12 @@ MOEGEN = partial(MoEGenConfig, budget_bytes=64 << 20, host_kv_gb=0.01, kv_placem
                  resident_experts=0)
 
 
+# full: paged experts under layer-major steps, the KV in the host tier.
+FULL = partial(FullConfig, budget_bytes=64 << 20, host_kv_gb=0.01, kv_placement="host")
+
+
 @pytest.mark.parametrize("engine_cls, cfg_cls", [(MoEEngine, MoEEngineConfig), (HFEngine, HFEngineConfig),
-                                                 (MoEGenEngine, MOEGEN)])
+                                                 (MoEGenEngine, MOEGEN), (FullEngine, FULL)])
 def test_abort_mid_decode(engine_cls, cfg_cls, checkpoints):
     folder = str(checkpoints("mixtral"))
     ref = engine_cls(cfg_cls(model=folder))
