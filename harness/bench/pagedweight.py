@@ -121,8 +121,10 @@ def print_row(run: dict, label: str) -> None:
     bits = s.get("expert_precision", {}).get("mean_bits")
     kv_token = run["engine"]["model_stats"]["kv_bytes_per_token"]
     failed = f"  FAILED {s['failed']}" if s.get("failed") else ""
-    print(f"{label:38s} {tasks}{failed}  {kl}  KV held {mem.get('peak_kv_bytes', 0) // kv_token:,.0f} "
-          f"of {run['engine']['kv_capacity_tokens']:,} tok  "
+    host = run["engine"]["model_stats"].get("plan_kv_on_host")  # moegen / full: the pool is in the host tier
+    held = "host" if host else f"{mem.get('peak_kv_bytes', 0) // kv_token:,.0f}"
+    print(f"{label:38s} {tasks}{failed}  {kl}  KV held {held} "
+          f"of {run['engine']['kv_capacity_tokens']:,} tok{' (host)' if host else ''}  "
           f"peak {mem.get('peak_device_bytes', 0):,} B  bits {'-' if bits is None else f'{bits:.2f}'}  "
           f"{s['output_tokens_per_s']:.1f} tok/s  h2d {s['engine']['h2d_bytes_per_output_token'] or 0:,.0f} B/tok")
 
