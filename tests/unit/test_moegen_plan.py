@@ -43,11 +43,14 @@ def test_one_layer_by_hand():
     assert c.h2d_bytes == 4 * 1_000_000
 
 
+TWO = ("device", "host")  # the placements of the tests below (stream/split move KV bytes too: tested further down)
+
+
 def test_more_budget_keeps_more_experts_resident_and_moves_fewer_bytes():
     work = Workload(seqs=512, context=1500)
     previous = None
     for gb in (12, 20, 40, 80, 130):
-        plan = choose_plan(MIXTRAL, H200, gb << 30, work, BLOCK)
+        plan = choose_plan(MIXTRAL, H200, gb << 30, work, BLOCK, placements=TWO)
         if previous is not None:
             assert plan.resident_experts >= previous.resident_experts
             assert plan.predicted.h2d_bytes <= previous.predicted.h2d_bytes
@@ -58,8 +61,10 @@ def test_more_budget_keeps_more_experts_resident_and_moves_fewer_bytes():
 
 def test_kv_goes_to_the_host_when_the_device_cannot_hold_the_batch():
     work = Workload(seqs=512, context=4000)  # 512 x 4000 x 128 KiB = 250 GiB of KV
-    tight = choose_plan(MIXTRAL, H200, 40 << 30, work, BLOCK)
+    tight = choose_plan(MIXTRAL, H200, 40 << 30, work, BLOCK, placements=TWO)
     assert tight.kv_placement == "host" and tight.batch_seqs == 512
+    # With every placement the KV still stays in the host tier (host, stream or split).
+    assert choose_plan(MIXTRAL, H200, 40 << 30, work, BLOCK).kv_placement != "device"
     small = Workload(seqs=8, context=512)  # 0.5 GiB of KV
     roomy = choose_plan(MIXTRAL, H200, 130 << 30, small, BLOCK)
     assert roomy.kv_placement == "device" and roomy.batch_seqs == 8 and roomy.device_kv_bytes > 0
