@@ -353,3 +353,25 @@ def test_stream_and_split_bad_input_is_one_line():
     _, steps, _ = generate("moegen", DEMO, requests(1109, n=2, new=2), kv_placement="stream",
                            budget_bytes=DEMO_DENSE + DEMO_EXPERT + staging, **SMALL_HOST_KV)
     assert all(s.device_weight_bytes + s.device_kv_bytes <= DEMO_DENSE + DEMO_EXPERT + staging for s in steps)
+
+
+def test_stream_and_split_match_moe_with_shared_prefixes_chunked_prefill_and_preemption():
+    """Cached prefix blocks are copied like any held block, a prefill chunk continuing its
+    sequence copies its earlier blocks, and a preempted sequence's recomputed prompt copies
+    none; a host pool of ~25 blocks for 8 sequences of up to 80 tokens forces preemption."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 1109) for _ in range(40)]
+    shared = [EngineRequest(f"p{i}", tuple(prefix + [rng.randrange(3, 1109) for _ in range(rng.randrange(1, 30))]), 8,
+                            ignore_eos=True) for i in range(6)]
+    tight = requests(1109, n=8, new=20, lo=30, hi=60)
+    for reqs, options in ((shared, {"max_num_batched_tokens": 48, **SMALL_HOST_KV}), (tight, {"host_kv_gb": 0.0004})):
+        expected, _, _ = generate("moe", DEMO, reqs, max_num_batched_tokens=options.get("max_num_batched_tokens", 8192))
+        for case in ({"kv_placement": "stream"}, {"kv_placement": "split", "host_share": 0.5, "micro_batch": 2}):
+            got, steps, _ = generate("moegen", DEMO, reqs, budget_bytes=8 << 20, max_model_len=256, **options, **case)
+            assert got == expected, case
+            if reqs is shared:
+                assert sum(s.cached_prompt_tokens for s in steps) > 0
+            else:
+                assert sum(s.num_preempted for s in steps) > 0
