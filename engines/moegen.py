@@ -2,7 +2,9 @@
 
 Tokens of many sequences accumulate (KV in the host tier, so the batch is not bounded by
 device memory); each step runs layer-major (engines/modbatch/executor.py): attention in
-micro-batches, then every routed expert once over all tokens routed to it. Experts not kept
+micro-batches, then every routed expert once over all tokens routed to it. Attention runs next
+to the KV (device or host placement), or on the device over KV blocks streamed from the host
+tier per micro-batch (stream), or split between the two (split). Experts not kept
 resident stream through a ring of device slots, the next layer's copies overlapping this
 layer's compute (engines/modbatch/streaming.py). The KV placement, the ring, the resident
 experts and the micro-batch size come from the cost model (engines/modbatch/cost.py) unless

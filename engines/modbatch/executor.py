@@ -11,6 +11,11 @@ overlap this layer's compute; any ExpertBackend works (resident, streamed, paged
 q/k/v cross to the host (counted d2h), K/V are written into the host pool, attention runs on
 the host CPU next to the KV, and its output crosses back (counted h2d). On a CPU run both
 sides are the same cores and the copies go through the link model; on CUDA they are real.
+
+`StreamAttention` keeps the KV pool in the host tier but attends on the device: each
+micro-batch's blocks are copied per layer into one half of a device staging buffer, the next
+micro-batch's copy issued before this one attends (`stream`); with a host share, each decode
+micro-batch's first sequences are attended as HostAttention does and the rest so (`split`).
 """
 
 from __future__ import annotations
