@@ -291,6 +291,11 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
                 plan = Plan(placement, seqs, micro, slots_used, resident, max(0, kv_bytes) if placement == "device" else 0)
                 candidates.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
     if not candidates:
+        if all(p in STREAMED for p in placements):
+            least = staging_bytes(shape, kv_block_bytes, 1 if "stream" in placements else 2, work.context, max_seq_blocks)
+            raise ValueError(f"no plan fits budget {budget}: the KV staging buffer of the smallest micro-batch "
+                             f"({least} bytes{'; split needs 2 sequences' if 'stream' not in placements else ''}) "
+                             f"and one expert slot do not fit beside the dense weights ({shape.dense_bytes})")
         raise ValueError(f"no plan fits budget {budget}: KV for one sequence of {work.context} tokens "
                          f"({per_seq_kv} bytes) does not fit beside the weights")
     return candidates
@@ -309,7 +314,7 @@ def _streamed_plans(shape: ModelShape, hw: Hardware, free: int, work: Workload, 
         balance = balanced_host_share(shape, hw, work.context)
         shares = sorted({round(balance, 4), 0.25, 0.5, 0.75})
     out = []
-    for micro in sorted({m for m in (1, 8, 32, 128, 512) if m < seqs} | {seqs}):
+    for micro in sorted({m for m in (1, 2, 8, 32, 128, 512) if m < seqs} | {seqs}):
         staged = staging_bytes(shape, kv_block_bytes, micro, work.context, max_seq_blocks)
         for slots in slot_options:
             left = free - staged - slots * shape.expert_bytes

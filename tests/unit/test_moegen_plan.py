@@ -215,6 +215,8 @@ def test_stream_needs_its_staging_buffer_in_the_budget():
     assert staged == 2 * half * BLOCK // MIXTRAL.layers
     room = MIXTRAL.dense_bytes + MIXTRAL.expert_bytes + staged
     plans = candidate_plans(MIXTRAL, H200, room, LONG, BLOCK, placements=("stream",), max_seq_blocks=half)
-    assert {(p.micro_batch, p.resident_experts, p.expert_slots) for p in plans} == {(1, 0, 1)}
+    # Micro-batches of 1 and 2 sequences of 8000 tokens (500 blocks each) fit that half; 8 do not.
+    assert {(p.micro_batch, p.resident_experts, p.expert_slots, p.staging_bytes) for p in plans} == \
+        {(1, 0, 1, staged), (2, 0, 1, staged)}
     with pytest.raises(ValueError, match="no plan fits"):
         candidate_plans(MIXTRAL, H200, room - 1, LONG, BLOCK, placements=("stream",), max_seq_blocks=half)
