@@ -349,7 +349,12 @@ def test_stream_and_split_bad_input_is_one_line():
     message = refused(rf"\({DEMO_DENSE + DEMO_EXPERT + staging} bytes\) = dense weights .* \+ one expert ring slot .* "
                       r"\+ the KV staging buffer \(2 x 128 blocks of one layer\).*kv_placement=host.*max_model_len",
                       kv_placement="stream", budget_bytes=DEMO_DENSE + DEMO_EXPERT + staging - 1)
-    assert "raise --budget" in message or "--budget" in message
+    assert "--budget" in message
+    # A micro-batch fixed larger than the budget's staging room, and a split with no room for two sequences.
+    refused(r"0 ring slots \+ 8 resident experts .* beside the dense weights and the KV staging buffer \(16.00 MiB\)",
+            kv_placement="split", budget_bytes=3 << 20, max_model_len=256, micro_batch=64, resident_experts=8)
+    refused(r"the KV staging buffer of the smallest micro-batch \(524288 bytes; split needs 2 sequences\)",
+            kv_placement="split", budget_bytes=DEMO_DENSE + DEMO_EXPERT + 2 * 16 * LAYER_BLOCK, max_model_len=256)
     _, steps, _ = generate("moegen", DEMO, requests(1109, n=2, new=2), kv_placement="stream",
                            budget_bytes=DEMO_DENSE + DEMO_EXPERT + staging, **SMALL_HOST_KV)
     assert all(s.device_weight_bytes + s.device_kv_bytes <= DEMO_DENSE + DEMO_EXPERT + staging for s in steps)
