@@ -233,7 +233,7 @@ class MoEGenEngine(MoEEngine):
         # The KV pool is on the device (device), in the host tier (host), or there with a device
         # staging buffer (stream, split): that buffer is the device's KV bytes.
         kv = (out.device_kv_bytes if self.plan.kv_placement == "device"
-              else self.staging.nbytes() if self.staging is not None else 0)
+              else self.staging.nbytes() if getattr(self, "staging", None) is not None else 0)
         return dataclasses.replace(out, device_kv_bytes=kv, extras=extras)
 
     def _model_stats(self) -> dict[str, float]:
