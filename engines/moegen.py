@@ -66,13 +66,15 @@ class MoEGenConfig(MoEEngineConfig):
     op_overhead_us: float | None = None  # dispatch cost of one torch call; None: `pwbench hw`'s, else 0
 
 
-def seq_blocks(cfg: MoEGenConfig, max_len: int) -> int:
-    """KV blocks of one sequence of the longest length: what a staging half must hold at least."""
-    return -(-(cfg.max_model_len or max_len) // cfg.block_size)
+def seq_blocks(cfg: MoEGenConfig, max_len: int | None = None) -> int:
+    """KV blocks of one sequence of the longest length (max_model_len, at most the model's
+    `max_len`): what a staging half must hold at least."""
+    longest = min(cfg.max_model_len or max_len, max_len) if max_len else (cfg.max_model_len or cfg.plan_context)
+    return -(-longest // cfg.block_size)
 
 
 def minimum_parts(cfg: MoEGenConfig, dense: int, expert: int, kv_block: int, layers: int = 1,
-                  max_len: int = 0) -> list[tuple[str, int]]:
+                  max_len: int | None = None) -> list[tuple[str, int]]:
     """What the smallest budget holds: dense weights, one ring slot, and a KV block when KV
     must be on the device, or (stream, split) a staging buffer of two halves that each hold
     one layer's blocks of one sequence of the longest length."""
@@ -87,7 +89,7 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
     """The cost model's plan for `cfg` (its budget, batch and placement options), with the
     options that fix a part of it (expert_slots, resident_experts, micro_batch, host_share)
     applied and the prediction redone; an impossible combination is an EngineError naming the
-    options. `max_len`: the model's longest sequence (max_model_len when unset)."""
+    options. `max_len`: the model's longest sequence (None: max_model_len, else plan_context)."""
     if cfg.kv_placement not in ("auto", *PLACEMENTS):
         raise EngineError(f"engine moegen: kv_placement must be one of auto, {', '.join(PLACEMENTS)}, "
                           f"got {cfg.kv_placement!r}")
@@ -99,7 +101,6 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
     if cfg.budget_bytes is None:
         raise EngineError("engine moegen needs a device budget (--budget SIZE): its plan streams what the "
                           "budget cannot hold")
-    max_len = max_len or cfg.max_model_len or cfg.plan_context
     kv_block = cfg.block_size * shape.kv_bytes_per_token
     parts = minimum_parts(cfg, shape.dense_bytes, shape.expert_bytes, kv_block, shape.layers, max_len)
     if cfg.budget_bytes < sum(n for _, n in parts):
