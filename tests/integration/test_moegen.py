@@ -380,3 +380,32 @@ def test_stream_and_split_match_moe_with_shared_prefixes_chunked_prefill_and_pre
                 assert sum(s.cached_prompt_tokens for s in steps) > 0
             else:
                 assert sum(s.num_preempted for s in steps) > 0
+
+
+@pytest.mark.parametrize("placement", ["stream", "split"])
+def test_pwbench_plan_prints_a_stream_or_split_plan_the_engine_runs(placement, tmp_path):
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    opts = {"peak_memory_gbps": "20", "peak_gflops": "100", "op_overhead_us": "5", "link_gbps": "25",
+            "max_num_seqs": "64", "plan_context": "200", "kv_placement": placement, "max_model_len": "512"}
+    budget = 8 << 20
+    sets = [x for k, v in opts.items() for x in ("--set", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), *sets],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "KV staging" in proc.stdout and f"kv_placement                       {placement}" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), "--json", *sets],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])["plan"]
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, **opts, **SMALL_HOST_KV})
+    engine.start()
+    stats = engine.info().model_stats
+    engine.stop()
+    assert printed["kv_placement"] == placement and stats["plan_kv_streamed"] == 1
+    for key in ("batch_seqs", "micro_batch", "expert_slots", "resident_experts", "staging_bytes", "host_share"):
+        assert printed[key] == stats[f"plan_{key}"], key
+    assert 0 < printed["staging_bytes"] and (placement == "stream") == (printed["host_share"] == 0)
+    assert printed["predicted_decode_step_s"] == pytest.approx(stats["plan_predicted_decode_step_s"], rel=1e-12)
