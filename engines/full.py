@@ -29,9 +29,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from engines.base import EngineError
-from engines.modbatch.cost import Plan, decode_cost
 from engines.modbatch.hardware import model_shape
-from engines.moegen import MoEGenConfig, MoEGenEngine, make_plan
+from engines.modbatch.cost import STREAMED, Plan, decode_cost
+from engines.moegen import MoEGenConfig, MoEGenEngine, make_plan, minimum_parts
 from engines.pagedweight import PagedWeightConfig, PagedWeightEngine
 from engines.paged.backend import PagedWeightBackend
 from engines.runtime.experts import ExpertBackend
@@ -112,7 +112,8 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
         self._check_budget(sum(n for _, n in self.budget_minimum()))  # in full's own terms, before the plan's
         floors = [store.nbytes(self.quality[key]) for key, store in backend.stores.items()]
         at_floor = dataclasses.replace(self.shape, expert_bytes=max(floors))
-        return make_plan(dataclasses.replace(self.config, expert_slots=1), at_floor, self.hardware, self.name)
+        return make_plan(dataclasses.replace(self.config, expert_slots=1), at_floor, self.hardware,
+                         self.checkpoint.config.max_position_embeddings, self.name)
 
     def _held_prediction(self, backend: PagedWeightBackend) -> Plan:
         """The plan's decode prediction redone for what the arbiter holds at start."""
@@ -129,14 +130,32 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
         return list(getattr(self, "_notes", []))
 
     def _kv_on_device(self) -> bool:
+        return self._placement() == "device"
+
+    def _placement(self) -> str:
         plan = getattr(self, "plan", None)  # before the plan: what kv_placement asks for
-        return plan.kv_placement == "device" if plan is not None else self.config.kv_placement == "device"
+        return plan.kv_placement if plan is not None else self.config.kv_placement
+
+    def _reserved_device_bytes(self) -> int:
+        """moegen's KV staging buffer (placements stream and split), from the plan."""
+        plan = getattr(self, "plan", None)
+        return plan.staging_bytes if plan is not None else 0
 
     def budget_minimum(self) -> list[tuple[str, int]]:
         """pagedweight's minimum (dense, experts at their floors or the staging slot, a KV
-        block), without the KV block when the plan keeps the KV in the host tier."""
+        block), without the KV block when the plan keeps the KV in the host tier, with the KV
+        staging buffer when it streams the KV to device attention."""
         parts = PagedWeightEngine.budget_minimum(self)
-        return parts if self._kv_on_device() else [p for p in parts if p[0] != "one KV block"]
+        if not self._kv_on_device():
+            parts = [p for p in parts if p[0] != "one KV block"]
+        if self._placement() in STREAMED:
+            mc = self.checkpoint.config
+            staged = [p for p in minimum_parts(self.config, 0, 0, self._kv_block_bytes(), mc.num_layers,  # type: ignore[arg-type]
+                                               mc.max_position_embeddings) if p[0].startswith("the KV staging")]
+            if self._reserved_device_bytes():
+                staged = [(staged[0][0].split(" (")[0], self._reserved_device_bytes())]
+            parts += staged
+        return parts
 
     def _model_stats(self) -> dict[str, float]:
         stats = super()._model_stats()

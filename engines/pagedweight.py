@@ -170,7 +170,7 @@ class PagedWeightEngine(MoEEngine):
     def _start_plan(self, backend: PagedWeightBackend) -> dict[Key, int]:
         """The widths at load: the best plan for the budget less a KV reserve, copied in now."""
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
-        free = cfg.budget_bytes - self._dense_device_bytes()
+        free = cfg.budget_bytes - self._dense_device_bytes() - self._reserved_device_bytes()
         self._check_budget(sum(n for _, n in self.budget_minimum()))
         if self._kv_on_device():
             reserve = cfg.kv_reserve_bytes if cfg.kv_reserve_bytes is not None else free // 4
@@ -203,6 +203,11 @@ class PagedWeightEngine(MoEEngine):
         """Whether the KV cache competes with the expert pages inside the budget (it does here;
         engine full may keep it in the host tier)."""
         return True
+
+    def _reserved_device_bytes(self) -> int:
+        """Device bytes of the budget neither pages nor KV blocks may use (engine full: moegen's
+        KV staging buffer); none here."""
+        return 0
 
     def _weights_beside_kv(self) -> int:
         """The KV pool is as large as the budget allows with every expert at its floor; each
@@ -246,7 +251,7 @@ class PagedWeightEngine(MoEEngine):
         self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
                             self._engine_step)
         block = self.kv.block_bytes
-        free = cfg.budget_bytes - self._dense_device_bytes() - backend.staging_bytes
+        free = cfg.budget_bytes - self._dense_device_bytes() - backend.staging_bytes - self._reserved_device_bytes()
         kv_bytes = min(self._kv_demand_blocks(), self.kv.allocator.num_blocks) * block if self._kv_on_device() else 0
         decision = self.arbiter.plan(self._engine_step, max(0, free - kv_bytes), self._options())
         if decision.cancelled:

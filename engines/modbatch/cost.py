@@ -8,6 +8,15 @@ layer computes (with fewer ring slots than a layer streams, only the slots' shar
 Host attention is waited for, so a layer's host and device compute add up (on a CPU run they
 are the same cores anyway); MoE-Gen's overlap of host attention with device work is not built.
 
+`stream` (KV in the host tier, decode attention on the device over blocks copied in per
+micro-batch, two staging halves): the next micro-batch's KV copy runs while this one attends,
+so a layer's attention phase takes max(device attention, KV link time), plus the first
+micro-batch's copy once per step; the host gathers the blocks into its staging copy first (2x
+their bytes at host bandwidth, on the calling thread). `split` attends a share of each decode
+micro-batch on the host (as `host`) and streams the rest: on separate processors the host
+part runs while the device part attends, max(host, max(device, link)); on one processor (a
+CPU run) they add up.
+
 Weights are read at the rate decode-shaped matmuls stream them (`pwbench hw` measures it; on
 these CPUs far below the copy bandwidth). Two facts about this runtime's kernels enter as
 such, not as fitted constants: decode
@@ -15,8 +24,9 @@ attention gathers each sequence's KV blocks into a contiguous copy before attend
 is read, written and read again: 3x its bytes), and every torch call costs a dispatch
 overhead (`Hardware.op_overhead_s`; ~30 calls per layer plus ~6 per expert that runs).
 
-`choose_plan` enumerates KV placements (device when it fits the budget, else the host tier),
-expert ring slots and resident experts within the budget, predicts a decode step of the
+`choose_plan` enumerates KV placements (device when it fits the budget, host, stream and split
+when the staging buffer fits), expert ring slots, resident experts and (stream, split) the
+micro-batch that sizes the staging buffer, and (split) the host share, within the budget, predicts a decode step of the
 workload's batch for each and keeps the one with the highest predicted tokens/s.
 """
 
@@ -25,10 +35,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-PLACEMENTS = ("device", "host")
+PLACEMENTS = ("device", "host", "stream", "split")
+STREAMED = ("stream", "split")  # KV in the host tier, copied to the device per micro-batch
 KV_READS = 3  # decode attention: gather copy (read + write) and the attention's own read
 OPS_PER_LAYER = 30  # torch calls of norms, projections, RoPE, routing, combine (counted in model.py)
 OPS_PER_EXPERT = 6  # gather rows, two matmuls, activation, product, scatter
+OPS_PER_STAGED_PART = 8  # stream/split, per micro-batch: host gather, copy, staging writes, write-back
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,8 @@ class Hardware:
     weight_bytes_per_s: float | None = None
     op_overhead_s: float = 0.0
     source: str = "given"
+    # Host and device are one processor (a CPU run): split's host and device parts add up.
+    shared_processor: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,13 +98,18 @@ class Workload:
 
 @dataclass(frozen=True)
 class Plan:
-    kv_placement: str  # device: KV blocks in the budget; host: KV in the host tier, attention on the host
+    # device: KV blocks in the budget; host: KV in the host tier, attention on the host; stream:
+    # KV in the host tier, attention on the device over staged blocks; split: host_share of each
+    # decode micro-batch as host, the rest as stream
+    kv_placement: str
     batch_seqs: int  # decode batch the plan is predicted for
     micro_batch: int  # sequences per decode-attention micro-batch
     expert_slots: int  # device ring slots that stream the non-resident experts
     resident_experts: int  # experts held on the device for the whole run
     device_kv_bytes: int  # budget left to KV blocks (device placement), else 0
     predicted: StepCost | None = None  # a decode step of batch_seqs at the workload's context
+    staging_bytes: int = 0  # stream/split: the device staging buffer (two halves), inside the budget
+    host_share: float = 0.0  # split: share of each decode micro-batch's sequences attended on the host
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,8 +149,33 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, dev_f)
     att_bytes = KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer
     att_flops = 4 * s.heads * s.head_dim * (decode_context + prefill_context)
-    micro = max(1, math.ceil(decode_seqs / max(1, plan.micro_batch))) + prefill_chunks
-    if plan.kv_placement == "host":
+    decode_parts = max(1, math.ceil(decode_seqs / max(1, plan.micro_batch)))
+    micro = decode_parts + prefill_chunks
+    link = hw.link_bytes_per_s or dev_bw
+    streamed_kv = plan.kv_placement in STREAMED
+    kv_h2d = 0.0  # stream/split: KV bytes staged per layer
+    host_gather = kv_link = first_copy = 0.0
+    staged_ops = 0
+    if streamed_kv:
+        share = plan.host_share if plan.kv_placement == "split" else 0.0
+        host_att = roof(share * KV_READS * decode_context * kv_layer, share * 4 * s.heads * s.head_dim * decode_context,
+                        hw.host_bytes_per_s, hw.host_flops_per_s) if share > 0 else 0.0
+        dev_att = roof((1 - share) * KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer,
+                       4 * s.heads * s.head_dim * ((1 - share) * decode_context + prefill_context), dev_bw, dev_f)
+        kv_h2d = (1 - share) * decode_context * kv_layer
+        kv_link = kv_h2d / link
+        host_gather = 2 * kv_h2d / hw.host_bytes_per_s  # the host's gather into its staging copy
+        first_copy = kv_link / decode_parts  # the step's first micro-batch: nothing to hide under
+        # Double buffering: micro-batch j+1's copy runs while j attends.
+        dev_part = max(dev_att, kv_link)
+        att_phase = host_att + dev_part if hw.shared_processor else max(host_att, dev_part)
+        host_rows = share * decode_seqs
+        act_h2d = host_rows * s.q_size * e
+        act_d2h = host_rows * (s.q_size + 2 * s.kv_size) * e + (T - host_rows) * 2 * s.kv_size * e
+        staged_ops = OPS_PER_STAGED_PART * decode_parts
+        if plan.kv_placement == "split":
+            staged_ops += 2 * decode_parts  # each decode micro-batch is two attention calls
+    elif plan.kv_placement == "host":
         att_t = roof(att_bytes, att_flops, hw.host_bytes_per_s, hw.host_flops_per_s)
         act_h2d = T * s.q_size * e  # attention output back to the device; q/k/v went d2h
         act_d2h = T * (s.q_size + 2 * s.kv_size) * e
@@ -142,27 +186,32 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw, dev_f)
     streamed = s.total_experts - plan.resident_experts
     per_layer_streamed = streamed / s.moe_layers if s.moe_layers else 0
-    link = hw.link_bytes_per_s or dev_bw
     expert_link = min(per_layer_streamed, active) * s.expert_bytes / link
     act_link = (act_h2d + act_d2h) / link
-    overhead = hw.op_overhead_s * (OPS_PER_LAYER + 2 * micro + OPS_PER_EXPERT * active)
+    overhead = hw.op_overhead_s * (OPS_PER_LAYER + 2 * micro + staged_ops + OPS_PER_EXPERT * active)
     layer_total = 0.0
     compute = host = link_busy = 0.0
     for layer in range(s.layers):
         moe = layer < s.moe_layers  # MoE layers first: only counts matter here
-        c = dense_t + overhead + (expert_t if moe else 0.0) + (att_t if plan.kv_placement == "device" else 0.0)
-        h = att_t if plan.kv_placement == "host" else 0.0
-        lk = (expert_link if moe else 0.0) + act_link
+        lk = (expert_link if moe else 0.0) + act_link + kv_link
         # The ring overlaps a share of the next layer's copies with this layer's compute.
         hidden = min(1.0, plan.expert_slots / per_layer_streamed) if per_layer_streamed else 1.0
         serial = (1 - hidden) * (expert_link if moe else 0.0)
-        # Host attention is synchronous in this executor (the layer waits for it), so host and
-        # device work add up; the copies of the next layer's experts run beside both.
-        layer_total += max(c + h, lk - serial) + serial
+        if streamed_kv:
+            c = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + dev_att
+            h = host_att
+            busy = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + att_phase
+        else:
+            c = dense_t + overhead + (expert_t if moe else 0.0) + (att_t if plan.kv_placement == "device" else 0.0)
+            h = att_t if plan.kv_placement == "host" else 0.0
+            # Host attention is synchronous in this executor (the layer waits for it), so host and
+            # device work add up; the copies of the next layer's experts run beside both.
+            busy = c + h
+        layer_total += max(busy, lk - serial) + serial
         compute, host, link_busy = compute + c, host + h, link_busy + lk
     head = roof(s.head_bytes, 2 * (decode_seqs + prefill_chunks) * s.hidden * s.vocab, w_bw, dev_f)
-    h2d = int(s.moe_layers * min(per_layer_streamed, active) * s.expert_bytes) + s.layers * act_h2d
-    return StepCost(compute + head, host, link_busy, layer_total + head, h2d)
+    h2d = int(s.moe_layers * min(per_layer_streamed, active) * s.expert_bytes) + int(s.layers * (act_h2d + kv_h2d))
+    return StepCost(compute + head, host, link_busy, layer_total + head + first_copy, h2d)
 
 
 def decode_cost(shape: ModelShape, hw: Hardware, plan: Plan, seqs: int, context: int) -> StepCost:
@@ -170,16 +219,40 @@ def decode_cost(shape: ModelShape, hw: Hardware, plan: Plan, seqs: int, context:
 
 
 def choose_plan(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv_block_bytes: int,
-                host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS) -> Plan:
+                host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS,
+                max_seq_blocks: int = 0, host_share: float | None = None) -> Plan:
     """The plan with the highest predicted decode tokens/s within `budget` (see module doc);
     ties go to fewer bytes over the link, then to fewer ring slots."""
-    plans = candidate_plans(shape, hw, budget, work, kv_block_bytes, host_scratch_bytes, placements)
+    plans = candidate_plans(shape, hw, budget, work, kv_block_bytes, host_scratch_bytes, placements,
+                            max_seq_blocks, host_share)
     return max(plans, key=lambda p: (round(p.tokens_per_s, 6), -p.predicted.h2d_bytes, -p.expert_slots))
 
 
+def staging_bytes(shape: ModelShape, kv_block_bytes: int, micro: int, context: int, max_seq_blocks: int = 0) -> int:
+    """stream/split's device staging buffer: two halves, each one layer's KV blocks of `micro`
+    sequences of `context` tokens, and at least `max_seq_blocks` (one sequence of the longest
+    length, which cannot be cut)."""
+    block_tokens = max(1, kv_block_bytes // max(1, shape.kv_bytes_per_token))
+    half = max(micro * math.ceil(max(1, context) / block_tokens), max_seq_blocks, 1)
+    return 2 * half * (kv_block_bytes // shape.layers)
+
+
+def balanced_host_share(shape: ModelShape, hw: Hardware, context: int) -> float:
+    """split's host share where host attention of a share of the sequences takes as long as
+    streaming the others' KV over the link (per sequence, so independent of the batch)."""
+    kv = max(1, context) * (shape.kv_bytes_per_token // shape.layers)
+    host = roof(KV_READS * kv, 4 * shape.heads * shape.head_dim * max(1, context), hw.host_bytes_per_s,
+                hw.host_flops_per_s)
+    wire = kv / (hw.link_bytes_per_s or hw.device_bytes_per_s)
+    return wire / (host + wire)
+
+
 def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv_block_bytes: int,
-                    host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS) -> list[Plan]:
-    """Every plan choose_plan weighs, each with its predicted decode step."""
+                    host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS,
+                    max_seq_blocks: int = 0, host_share: float | None = None) -> list[Plan]:
+    """Every plan choose_plan weighs, each with its predicted decode step. `max_seq_blocks`: the
+    fewest blocks a staging half may hold (stream, split); `host_share`: split's share, fixed
+    (None: the balance of host and link time and a few shares around it)."""
     free = budget - shape.dense_bytes
     if free < shape.expert_bytes:
         raise ValueError(f"budget {budget} holds no expert slot beside the dense weights ({shape.dense_bytes})")
@@ -188,6 +261,10 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
     candidates: list[Plan] = []
     slot_options = sorted({1, max(1, shape.experts // 2), shape.experts, 2 * shape.experts})
     for placement in placements:
+        if placement in STREAMED:
+            candidates += _streamed_plans(shape, hw, free, work, kv_block_bytes, placement, slot_options,
+                                          max_seq_blocks, host_share)
+            continue
         for slots in slot_options:
             left = free - slots * shape.expert_bytes
             if left < 0:
@@ -214,6 +291,42 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
                 plan = Plan(placement, seqs, micro, slots_used, resident, max(0, kv_bytes) if placement == "device" else 0)
                 candidates.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
     if not candidates:
+        if all(p in STREAMED for p in placements):
+            least = staging_bytes(shape, kv_block_bytes, 1 if "stream" in placements else 2, work.context, max_seq_blocks)
+            raise ValueError(f"no plan fits budget {budget}: the KV staging buffer of the smallest micro-batch "
+                             f"({least} bytes{'; split needs 2 sequences' if 'stream' not in placements else ''}) "
+                             f"and one expert slot do not fit beside the dense weights ({shape.dense_bytes})")
         raise ValueError(f"no plan fits budget {budget}: KV for one sequence of {work.context} tokens "
                          f"({per_seq_kv} bytes) does not fit beside the weights")
     return candidates
+
+
+def _streamed_plans(shape: ModelShape, hw: Hardware, free: int, work: Workload, kv_block_bytes: int, placement: str,
+                    slot_options: list[int], max_seq_blocks: int, host_share: float | None) -> list[Plan]:
+    """stream/split plans: per micro-batch size (it sizes the staging buffer) and ring size,
+    everything the staging buffer and the ring leave goes to resident experts."""
+    seqs = work.seqs
+    if placement == "stream":
+        shares = [0.0]
+    elif host_share is not None:
+        shares = [host_share]
+    else:
+        balance = balanced_host_share(shape, hw, work.context)
+        shares = sorted({round(balance, 4), 0.25, 0.5, 0.75})
+    out = []
+    for micro in sorted({m for m in (1, 2, 8, 32, 128, 512) if m < seqs} | {seqs}):
+        staged = staging_bytes(shape, kv_block_bytes, micro, work.context, max_seq_blocks)
+        for slots in slot_options:
+            left = free - staged - slots * shape.expert_bytes
+            if left < 0:
+                continue
+            resident = min(shape.total_experts, left // shape.expert_bytes)
+            slots_used = 0 if resident == shape.total_experts else slots
+            for share in shares:
+                if host_share is None and placement == "split":
+                    share = round(share * micro) / micro  # the executor splits whole sequences
+                    if share in (0.0, 1.0):
+                        continue  # that is stream or host
+                plan = Plan(placement, seqs, micro, slots_used, resident, 0, staging_bytes=staged, host_share=share)
+                out.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
+    return out

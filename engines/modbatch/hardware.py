@@ -72,7 +72,7 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
         host_bytes_per_s=float(host["memory_bandwidth_bytes_per_s"]),
         host_flops_per_s=float(host["matmul_flops_per_s"]),
         link_bytes_per_s=link_bytes_per_s, op_overhead_s=op_overhead_s, source=source,
-        weight_bytes_per_s=peaks.get("skinny_matmul_bytes_per_s"),
+        weight_bytes_per_s=peaks.get("skinny_matmul_bytes_per_s"), shared_processor=on_cpu,
     )
 
 

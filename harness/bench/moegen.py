@@ -108,7 +108,9 @@ def main() -> None:
             print(f"offload / moegen h2d bytes per output token: "
                   f"{o['engine']['h2d_bytes_per_output_token'] / g['engine']['h2d_bytes_per_output_token']:.1f}x; "
                   f"moegen / offload output tok/s: {g['output_tokens_per_s'] / o['output_tokens_per_s']:.2f}x")
-            print(f"moegen plan: KV on {'host' if stats['plan_kv_on_host'] else 'device'}, batch {stats['plan_batch_seqs']:.0f}, "
+            where = ("host, streamed to the device" if stats.get("plan_kv_streamed") else "host") if stats["plan_kv_on_host"] \
+                else "device"
+            print(f"moegen plan: KV on {where}, batch {stats['plan_batch_seqs']:.0f}, "
                   f"micro-batch {stats['plan_micro_batch']:.0f}, ring {stats['plan_expert_slots']:.0f} slots, "
                   f"{stats['plan_resident_experts']:.0f}/{layers * experts} experts resident; "
                   f"predicted / measured, all steps {g['plan']['predicted_over_measured']:.2f}, decode steps "

@@ -18,6 +18,8 @@ from harness.cli.common import BUDGET_HELP, user_errors
 from harness.errors import HarnessError
 
 PLANNED_ENGINES = ("moegen",)
+PLACEMENT_WORDS = {"device": "on device", "host": "on host", "stream": "streamed to the device",
+                   "split": "split host/streamed"}
 
 
 @app.command("plan")
@@ -38,7 +40,7 @@ def plan(
     from engines.demo import demo_model_path
     from engines.modbatch.cost import Workload, candidate_plans
     from engines.modbatch.hardware import cpu_model, hardware, model_shape
-    from engines.moegen import MoEGenConfig, make_plan
+    from engines.moegen import MoEGenConfig, make_plan, seq_blocks
     from engines.registry import build_config, parse_set_options
     from engines.runtime.checkpoint import read_json
     from engines.runtime.config import parse_config
@@ -80,11 +82,12 @@ def plan(
                   host if host.get("memory_bandwidth_bytes_per_s") else None, op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
     if given:
         hw = dataclasses.replace(hw, source=peaks["source"])
-    chosen = make_plan(cfg, shape, hw)
+    chosen = make_plan(cfg, shape, hw, mc.max_position_embeddings)
     work = Workload(cfg.max_num_seqs, cfg.plan_context)
     alternatives = {}
     for p in candidate_plans(shape, hw, cfg.budget_bytes, work, cfg.block_size * shape.kv_bytes_per_token,
-                             cfg.host_scratch_mb << 20):
+                             cfg.host_scratch_mb << 20, max_seq_blocks=seq_blocks(cfg, mc.max_position_embeddings),
+                             host_share=cfg.host_share):
         best = alternatives.get(p.kv_placement)
         if best is None or p.tokens_per_s > best.tokens_per_s:
             alternatives[p.kv_placement] = p
@@ -99,19 +102,23 @@ def plan(
     typer.echo(f"  peaks: {hw.device_bytes_per_s / 1e9:,.1f} GB/s, {hw.device_flops_per_s / 1e9:,.0f} GFLOP/s"
                + (f", link {hw.link_bytes_per_s / 1e9:,.1f} GB/s" if hw.link_bytes_per_s else ", no link modelled")
                + f" ({hw.source})")
+    kv = (f"KV staging {format_size(chosen.staging_bytes)} (KV pool in the host tier)" if chosen.staging_bytes
+          else f"KV {format_size(chosen.device_kv_bytes)}")
     typer.echo(f"  device: dense {format_size(shape.dense_bytes)} + ring {chosen.expert_slots} x {format_size(e)} + "
-               f"resident {chosen.resident_experts}/{shape.total_experts} experts + KV {format_size(chosen.device_kv_bytes)}")
+               f"resident {chosen.resident_experts}/{shape.total_experts} experts + {kv}")
     for key, value in row.items():
         typer.echo(f"  {key:34s} {value:,.6g}" if isinstance(value, float) else f"  {key:34s} {value}")
     for placement, p in sorted(alternatives.items()):
-        typer.echo(f"  best with KV on {placement:6s}: {p.batch_seqs} seqs, {p.tokens_per_s:,.1f} tok/s predicted")
+        typer.echo(f"  best with KV {PLACEMENT_WORDS[placement]:30s}: {p.batch_seqs} seqs, micro-batch {p.micro_batch}, "
+                   f"{p.tokens_per_s:,.1f} tok/s predicted")
 
 
 def plan_row(p) -> dict:
     c = p.predicted
     return {"kv_placement": p.kv_placement, "batch_seqs": p.batch_seqs, "micro_batch": p.micro_batch,
             "expert_slots": p.expert_slots, "resident_experts": p.resident_experts,
-            "device_kv_bytes": p.device_kv_bytes, "predicted_decode_step_s": c.total_s,
+            "device_kv_bytes": p.device_kv_bytes, "staging_bytes": p.staging_bytes, "host_share": p.host_share,
+            "predicted_decode_step_s": c.total_s,
             "predicted_compute_s": c.compute_s, "predicted_host_s": c.host_s, "predicted_link_s": c.link_s,
             "predicted_tokens_per_s": p.tokens_per_s, "predicted_h2d_bytes_per_step": c.h2d_bytes,
             "predicted_h2d_bytes_per_token": c.h2d_bytes / p.batch_seqs}

@@ -224,3 +224,188 @@ def test_pwbench_plan_prints_the_plan_the_engine_runs(tmp_path):
         assert printed[key] == stats[f"plan_{key}"], key
     assert printed["predicted_decode_step_s"] == pytest.approx(stats["plan_predicted_decode_step_s"], rel=1e-12)
     assert printed["expert_slots"] + printed["resident_experts"] <= 5
+
+
+# -- KV streamed to the device (stream) and the host/device split of a micro-batch (split) ------------
+
+LAYER_BLOCK = 16 * 2 * 2 * 32 * 4  # 8,192 bytes: one layer's K and V of a 16-token block (2 KV heads x 32)
+NEW_KV = 2 * 2 * 32 * 4  # 512 bytes: one token's K and V of one layer
+
+
+@pytest.mark.parametrize("arch", [*(a for a in ARCHS if a not in REFUSED), "demo"])
+def test_stream_and_split_give_the_same_greedy_tokens_as_moe(arch, checkpoints):
+    model = DEMO if arch == "demo" else checkpoints(arch)
+    reqs = requests(1109 if arch == "demo" else 257)
+    expected, _, _ = generate("moe", model, reqs)
+    big = 64 << 20
+    for case in ({"kv_placement": "stream"},
+                 {"kv_placement": "stream", "micro_batch": 2, "expert_slots": 1, "resident_experts": 0},
+                 # a staging half of 8 blocks (one 128-token sequence): decode runs are cut to fit it
+                 {"kv_placement": "stream", "micro_batch": 4, "plan_context": 16, "max_model_len": 128},
+                 {"kv_placement": "split"},
+                 {"kv_placement": "split", "host_share": 0.5, "micro_batch": 2},
+                 {"kv_placement": "split", "host_share": 0.34, "micro_batch": 3, "max_num_batched_tokens": 64}):
+        got, steps, info = generate("moegen", model, reqs, budget_bytes=big, **SMALL_HOST_KV, **case)
+        assert got == expected, (arch, case)
+        stats = info.model_stats
+        assert stats["plan_kv_on_host"] == 1 and stats["plan_kv_streamed"] == 1
+        assert all(s.device_kv_bytes == stats["plan_staging_bytes"] > 0 for s in steps)
+        assert all(s.device_weight_bytes + s.device_kv_bytes <= big for s in steps)
+
+
+def test_seeded_sampling_matches_moe_with_stream_and_split():
+    reqs = requests(1109, n=4, new=12, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=7))
+    expected, _, _ = generate("moe", DEMO, reqs)
+    for case in ({"kv_placement": "stream"}, {"kv_placement": "split", "host_share": 0.5, "micro_batch": 2}):
+        got, _, _ = generate("moegen", DEMO, reqs, budget_bytes=8 << 20, max_model_len=256, **SMALL_HOST_KV, **case)
+        assert got == expected, case
+
+
+def test_stream_copies_each_micro_batchs_kv_blocks_per_layer():
+    """3 sequences of 16-token prompts, every expert resident (nothing else crosses), one
+    sequence per micro-batch. The prefill step copies no KV (each chunk starts its sequence)
+    and sends its 48 tokens' K/V down; each decode step copies, per layer and sequence, the
+    blocks holding its earlier tokens: 1 block for the first decode (16 tokens), then 2, and
+    sends the 3 new tokens' K/V down."""
+    reqs = [EngineRequest(f"r{i}", tuple(range(10 + i, 26 + i)), 4, ignore_eos=True) for i in range(3)]
+    _, steps, info = generate("moegen", DEMO, reqs, budget_bytes=8 << 20, kv_placement="stream", micro_batch=1,
+                              resident_experts=8, max_model_len=256, **SMALL_HOST_KV)
+    layers = 2
+    assert info.model_stats["plan_staging_bytes"] == 2 * (256 // 16) * LAYER_BLOCK  # two halves of a 256-token sequence
+    assert [s.num_decode_tokens for s in steps] == [0, 3, 3, 3]
+    assert [s.h2d_bytes for s in steps] == [0] + [layers * 3 * blocks * LAYER_BLOCK for blocks in (1, 2, 2)]
+    assert [s.d2h_bytes for s in steps] == [layers * 48 * NEW_KV] + [layers * 3 * NEW_KV] * 3
+    assert [s.h2d_transfers for s in steps] == [0] + [layers * 3 * 2] * 3  # K and V per micro-batch and layer
+
+
+def test_split_moves_the_host_rows_activations_and_streams_the_others_kv():
+    """4 sequences in one micro-batch, host_share 0.5: per layer the first 2 send q, k, v down
+    and get the attention output back (as `host`), the other 2 have their blocks copied up
+    and their new K/V sent down (as `stream`)."""
+    reqs = [EngineRequest(f"r{i}", tuple(range(10 + i, 26 + i)), 3, ignore_eos=True) for i in range(4)]
+    _, steps, _ = generate("moegen", DEMO, reqs, budget_bytes=8 << 20, kv_placement="split", host_share=0.5,
+                           micro_batch=4, resident_experts=8, max_model_len=256, **SMALL_HOST_KV)
+    layers, q, o = 2, 128 * 4, 128 * 4
+    assert [s.num_decode_tokens for s in steps] == [0, 4, 4]
+    for s, blocks in zip(steps[1:], (1, 2)):
+        assert s.h2d_bytes == layers * (2 * o + 2 * blocks * LAYER_BLOCK)
+        assert s.d2h_bytes == layers * (2 * (q + NEW_KV) + 2 * NEW_KV)
+
+
+def test_the_next_micro_batchs_kv_copy_is_issued_before_this_one_attends(monkeypatch):
+    """Double buffering, by the order of calls: when micro-batch j of a layer attends, the copy
+    of j+1 (or of the next layer's first) has been issued already."""
+    import engines.modbatch.executor as executor  # noqa: PLC0415
+
+    events = []
+    attend = executor.paged_attention
+    monkeypatch.setattr(executor, "paged_attention", lambda *a, **k: (events.append("attend"), attend(*a, **k))[1])
+    reqs = [EngineRequest(f"r{i}", tuple(range(10 + i, 30 + i)), 3, ignore_eos=True) for i in range(3)]
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": 8 << 20, "kv_placement": "stream",
+                                      "micro_batch": 1, "resident_experts": 8, "max_model_len": 256, **SMALL_HOST_KV})
+    engine.start()
+    h2d = engine.copies.h2d
+    engine.copies.h2d = lambda pairs, tag="weights": (events.append(f"copy:{tag}"), h2d(pairs, tag))[1]
+    steps = []
+    run_offline(engine, reqs, on_step=lambda s: (steps.append(s), events.append("step")))
+    engine.stop()
+    decode = [e for e in "|".join(events).split("step")[1:] if "attend" in e][0].strip("|").split("|")
+    # 2 layers x 3 micro-batches: copy 0, copy 1 before the first attention, then one ahead each time.
+    assert decode == ["copy:kv", "copy:kv", "attend", "copy:kv", "attend", "copy:kv", "attend", "copy:kv",
+                      "attend", "copy:kv", "attend", "attend"]
+
+
+def test_a_slower_link_shows_the_kv_copies_busy_time_and_stall():
+    reqs = requests(1109, n=6, new=3, lo=20, hi=40)
+    options = {"budget_bytes": 8 << 20, "kv_placement": "stream", "micro_batch": 2, "resident_experts": 8,
+               "max_model_len": 256, **SMALL_HOST_KV}
+    gbps = 0.002
+    base, base_steps, _ = generate("moegen", DEMO, reqs, **options)
+    got, steps, _ = generate("moegen", DEMO, reqs, link_gbps=gbps, **options)
+    assert got == base
+    moved = sum(s.h2d_bytes + s.d2h_bytes for s in steps)
+    assert moved == sum(s.h2d_bytes + s.d2h_bytes for s in base_steps)  # the link changes time, not decisions
+    busy = sum(s.copy_busy_s for s in steps)
+    assert busy == pytest.approx(moved / (gbps * 1e9), rel=1e-6)  # every KV and activation copy crossed it
+    assert sum(s.copy_stall_s for s in steps) > 0
+    predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
+    assert 0 < predicted_loss <= busy * (1 + 1e-6)
+
+
+def test_stream_and_split_bad_input_is_one_line():
+    def refused(match, **options):
+        engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": 8 << 20, **SMALL_HOST_KV, **options})
+        with pytest.raises(EngineError, match=match) as err:
+            engine.start()
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    refused("kv_placement must be one of auto, device, host, stream, split, got 'gpu'", kv_placement="gpu")
+    refused(r"host_share must be within \[0, 1\]", kv_placement="split", host_share=1.5)
+    refused(r"host_share must be within \[0, 1\]", kv_placement="split", host_share=-0.1)
+    refused("host_share applies to kv_placement=split", kv_placement="stream", host_share=0.5)
+    # The staging buffer: two halves of one 2048-token sequence's blocks (128 x 8 KiB each).
+    staging = 2 * 128 * LAYER_BLOCK
+    message = refused(rf"\({DEMO_DENSE + DEMO_EXPERT + staging} bytes\) = dense weights .* \+ one expert ring slot .* "
+                      r"\+ the KV staging buffer \(2 x 128 blocks of one layer\).*kv_placement=host.*max_model_len",
+                      kv_placement="stream", budget_bytes=DEMO_DENSE + DEMO_EXPERT + staging - 1)
+    assert "--budget" in message
+    # A micro-batch fixed larger than the budget's staging room, and a split with no room for two sequences.
+    refused(r"0 ring slots \+ 8 resident experts .* beside the dense weights and the KV staging buffer \(16.00 MiB\)",
+            kv_placement="split", budget_bytes=3 << 20, max_model_len=256, micro_batch=64, resident_experts=8)
+    refused(r"the KV staging buffer of the smallest micro-batch \(524288 bytes; split needs 2 sequences\)",
+            kv_placement="split", budget_bytes=DEMO_DENSE + DEMO_EXPERT + 2 * 16 * LAYER_BLOCK, max_model_len=256)
+    _, steps, _ = generate("moegen", DEMO, requests(1109, n=2, new=2), kv_placement="stream",
+                           budget_bytes=DEMO_DENSE + DEMO_EXPERT + staging, **SMALL_HOST_KV)
+    assert all(s.device_weight_bytes + s.device_kv_bytes <= DEMO_DENSE + DEMO_EXPERT + staging for s in steps)
+
+
+def test_stream_and_split_match_moe_with_shared_prefixes_chunked_prefill_and_preemption():
+    """Cached prefix blocks are copied like any held block, a prefill chunk continuing its
+    sequence copies its earlier blocks, and a preempted sequence's recomputed prompt copies
+    none; a host pool of ~25 blocks for 8 sequences of up to 80 tokens forces preemption."""
+    import random  # noqa: PLC0415
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 1109) for _ in range(40)]
+    shared = [EngineRequest(f"p{i}", tuple(prefix + [rng.randrange(3, 1109) for _ in range(rng.randrange(1, 30))]), 8,
+                            ignore_eos=True) for i in range(6)]
+    tight = requests(1109, n=8, new=20, lo=30, hi=60)
+    for reqs, options in ((shared, {"max_num_batched_tokens": 48, **SMALL_HOST_KV}), (tight, {"host_kv_gb": 0.0004})):
+        expected, _, _ = generate("moe", DEMO, reqs, max_num_batched_tokens=options.get("max_num_batched_tokens", 8192))
+        for case in ({"kv_placement": "stream"}, {"kv_placement": "split", "host_share": 0.5, "micro_batch": 2}):
+            got, steps, _ = generate("moegen", DEMO, reqs, budget_bytes=8 << 20, max_model_len=256, **options, **case)
+            assert got == expected, case
+            if reqs is shared:
+                assert sum(s.cached_prompt_tokens for s in steps) > 0
+            else:
+                assert sum(s.num_preempted for s in steps) > 0
+
+
+@pytest.mark.parametrize("placement", ["stream", "split"])
+def test_pwbench_plan_prints_a_stream_or_split_plan_the_engine_runs(placement, tmp_path):
+    import json  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    opts = {"peak_memory_gbps": "20", "peak_gflops": "100", "op_overhead_us": "5", "link_gbps": "25",
+            "max_num_seqs": "64", "plan_context": "200", "kv_placement": placement, "max_model_len": "512"}
+    budget = 8 << 20
+    sets = [x for k, v in opts.items() for x in ("--set", f"{k}={v}")]
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), *sets],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "KV staging" in proc.stdout and f"kv_placement                       {placement}" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), "--json", *sets],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])["plan"]
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, **opts, **SMALL_HOST_KV})
+    engine.start()
+    stats = engine.info().model_stats
+    engine.stop()
+    assert printed["kv_placement"] == placement and stats["plan_kv_streamed"] == 1
+    for key in ("batch_seqs", "micro_batch", "expert_slots", "resident_experts", "staging_bytes", "host_share"):
+        assert printed[key] == stats[f"plan_{key}"], key
+    assert 0 < printed["staging_bytes"] and (placement == "stream") == (printed["host_share"] == 0)
+    assert printed["predicted_decode_step_s"] == pytest.approx(stats["plan_predicted_decode_step_s"], rel=1e-12)

@@ -10,7 +10,17 @@ import dataclasses
 
 import pytest
 
-from engines.modbatch.cost import KV_READS, Hardware, ModelShape, Plan, Workload, candidate_plans, choose_plan, step_cost
+from engines.modbatch.cost import (
+    KV_READS,
+    Hardware,
+    ModelShape,
+    Plan,
+    Workload,
+    candidate_plans,
+    choose_plan,
+    staging_bytes,
+    step_cost,
+)
 
 MB = 1 << 20
 # Mixtral-8x7B-like in bf16: 32 layers x 8 experts of 3 x 4096 x 14336 x 2 bytes (352 MB).
@@ -43,11 +53,14 @@ def test_one_layer_by_hand():
     assert c.h2d_bytes == 4 * 1_000_000
 
 
+TWO = ("device", "host")  # the placements of the tests below (stream/split move KV bytes too: tested further down)
+
+
 def test_more_budget_keeps_more_experts_resident_and_moves_fewer_bytes():
     work = Workload(seqs=512, context=1500)
     previous = None
     for gb in (12, 20, 40, 80, 130):
-        plan = choose_plan(MIXTRAL, H200, gb << 30, work, BLOCK)
+        plan = choose_plan(MIXTRAL, H200, gb << 30, work, BLOCK, placements=TWO)
         if previous is not None:
             assert plan.resident_experts >= previous.resident_experts
             assert plan.predicted.h2d_bytes <= previous.predicted.h2d_bytes
@@ -58,8 +71,10 @@ def test_more_budget_keeps_more_experts_resident_and_moves_fewer_bytes():
 
 def test_kv_goes_to_the_host_when_the_device_cannot_hold_the_batch():
     work = Workload(seqs=512, context=4000)  # 512 x 4000 x 128 KiB = 250 GiB of KV
-    tight = choose_plan(MIXTRAL, H200, 40 << 30, work, BLOCK)
+    tight = choose_plan(MIXTRAL, H200, 40 << 30, work, BLOCK, placements=TWO)
     assert tight.kv_placement == "host" and tight.batch_seqs == 512
+    # With every placement the KV still stays in the host tier (host, stream or split).
+    assert choose_plan(MIXTRAL, H200, 40 << 30, work, BLOCK).kv_placement != "device"
     small = Workload(seqs=8, context=512)  # 0.5 GiB of KV
     roomy = choose_plan(MIXTRAL, H200, 130 << 30, small, BLOCK)
     assert roomy.kv_placement == "device" and roomy.batch_seqs == 8 and roomy.device_kv_bytes > 0
@@ -96,3 +111,112 @@ def test_a_slower_link_never_speeds_a_plan_up_and_the_chosen_plan_is_the_best_ca
 def test_a_budget_without_room_for_one_expert_is_refused():
     with pytest.raises(ValueError, match="holds no expert slot"):
         choose_plan(MIXTRAL, H200, MIXTRAL.dense_bytes + 1, Workload(8, 100), BLOCK)
+
+
+# -- stream and split ---------------------------------------------------------------------------------
+
+TOY = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                 head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                 head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+TOY_HW = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                  link_bytes_per_s=1e8)
+
+
+def test_stream_one_layer_by_hand():
+    """10 sequences of 50 tokens in 2 micro-batches of 5, every expert resident (no expert link):
+    200,000 KV bytes cross per layer, the second micro-batch's copy hidden under the first's
+    attention, the first's (half) exposed once per step."""
+    plan = Plan("stream", 10, 5, expert_slots=0, resident_experts=4, device_kv_bytes=0, staging_bytes=1)
+    c = step_cost(TOY, TOY_HW, plan, decode_seqs=10, prefill_tokens=0, decode_context=500, prefill_context=0)
+    dense = 1_000 / 1e9  # bytes-bound (6e-7 s of FLOPs)
+    attention = KV_READS * 500 * 400 / 1e9  # 600 us on the device over the staged blocks
+    kv_link = 500 * 400 / 1e8  # 2 ms: the layer's KV over the link
+    gather = 2 * 500 * 400 / 1e9  # 400 us: the host's gather into its staging copy
+    experts = 4 * 1e6 / 1e9  # 4 ms, all resident
+    act_link = 10 * 2 * 50 * 4 / 1e8  # the new K/V back to the host pool
+    head = 4_000 / 1e9
+    assert c.link_s == pytest.approx(kv_link + act_link)
+    assert c.compute_s == pytest.approx(dense + experts + gather + attention + head)
+    assert c.total_s == pytest.approx(dense + experts + gather + max(attention, kv_link) + head + kv_link / 2)
+    assert c.h2d_bytes == 500 * 400
+    assert c.host_s == 0
+
+
+def test_split_one_layer_by_hand():
+    """The same batch with host_share 0.5: the host attends 5 sequences (q/k/v down, output up)
+    while the device attends the other 5 over their streamed KV (half the bytes): max of the
+    two on separate processors, their sum on one."""
+    plan = Plan("split", 10, 5, expert_slots=0, resident_experts=4, device_kv_bytes=0, staging_bytes=1, host_share=0.5)
+    c = step_cost(TOY, TOY_HW, plan, decode_seqs=10, prefill_tokens=0, decode_context=500, prefill_context=0)
+    host = KV_READS * 250 * 400 / 1e9  # 300 us
+    device = KV_READS * 250 * 400 / 1e9  # 300 us
+    kv_link = 250 * 400 / 1e8  # 1 ms
+    gather = 2 * 250 * 400 / 1e9
+    act = (5 * 100 * 4 + 5 * (100 + 2 * 50) * 4 + 5 * 2 * 50 * 4) / 1e8  # host rows' o up and q/k/v down; device rows' k/v down
+    rest = 1_000 / 1e9 + 4 * 1e6 / 1e9 + gather
+    head = 4_000 / 1e9
+    assert c.host_s == pytest.approx(host)
+    assert c.link_s == pytest.approx(kv_link + act)
+    assert c.total_s == pytest.approx(rest + max(host, max(device, kv_link)) + head + kv_link / 2)
+    assert c.h2d_bytes == 5 * 100 * 4 + 250 * 400
+    shared = step_cost(TOY, dataclasses.replace(TOY_HW, shared_processor=True), plan, 10, 0, 500, 0)
+    assert shared.total_s == pytest.approx(rest + host + max(device, kv_link) + head + kv_link / 2)
+
+
+LONG = Workload(seqs=256, context=8000)  # 256 x 8000 x 128 KiB = 250 GiB of KV; 20 GiB holds 16 sequences
+
+
+def best_per_placement(hw, budget, work=LONG):
+    best = {}
+    for p in candidate_plans(MIXTRAL, hw, budget, work, BLOCK):
+        if p.kv_placement not in best or p.tokens_per_s > best[p.kv_placement].tokens_per_s:
+            best[p.kv_placement] = p
+    return best
+
+
+def test_stream_is_chosen_when_the_link_is_fast_the_host_slow_and_device_kv_does_not_fit():
+    hw = dataclasses.replace(H200, link_bytes_per_s=400e9, host_flops_per_s=5e9)
+    plan = choose_plan(MIXTRAL, hw, 20 << 30, LONG, BLOCK)
+    assert plan.kv_placement == "stream" and plan.batch_seqs == 256
+    best = best_per_placement(hw, 20 << 30)
+    assert best["device"].batch_seqs < 256 and best["device"].tokens_per_s < plan.tokens_per_s
+    # The staging buffer is inside the budget, beside the weights.
+    assert 0 < plan.staging_bytes
+    assert MIXTRAL.dense_bytes + plan.staging_bytes + (plan.expert_slots + plan.resident_experts) * MIXTRAL.expert_bytes \
+        <= 20 << 30
+
+
+def test_host_is_chosen_when_the_link_is_slow():
+    hw = dataclasses.replace(H200, link_bytes_per_s=5e9)
+    plan = choose_plan(MIXTRAL, hw, 20 << 30, LONG, BLOCK)
+    assert plan.kv_placement == "host"
+    best = best_per_placement(hw, 20 << 30)
+    assert best["stream"].tokens_per_s < best["split"].tokens_per_s < plan.tokens_per_s
+
+
+def test_split_is_chosen_when_host_and_link_are_comparable_and_beats_both():
+    """H200 figures: host attention (3 reads at 200 GB/s) and streaming (1 read at 55 GB/s)
+    take about as long per sequence, so running about half the sequences on each side (in
+    parallel: separate processors) is faster than either alone."""
+    plan = choose_plan(MIXTRAL, H200, 20 << 30, LONG, BLOCK)
+    assert plan.kv_placement == "split" and 0.3 < plan.host_share < 0.7
+    best = best_per_placement(H200, 20 << 30)
+    assert plan.tokens_per_s > max(best["host"].tokens_per_s, best["stream"].tokens_per_s)
+    assert plan.predicted.total_s < min(best["host"].predicted.total_s, best["stream"].predicted.total_s)
+    # A fixed share is kept as given.
+    fixed = choose_plan(MIXTRAL, H200, 20 << 30, LONG, BLOCK, placements=("split",), host_share=0.25)
+    assert fixed.host_share == 0.25 and fixed.tokens_per_s < plan.tokens_per_s
+
+
+def test_stream_needs_its_staging_buffer_in_the_budget():
+    """A staging half holds at least one sequence of the longest length (max_seq_blocks)."""
+    half = 2048  # blocks of one layer: a 32k-token sequence
+    staged = staging_bytes(MIXTRAL, BLOCK, 1, 8000, half)
+    assert staged == 2 * half * BLOCK // MIXTRAL.layers
+    room = MIXTRAL.dense_bytes + MIXTRAL.expert_bytes + staged
+    plans = candidate_plans(MIXTRAL, H200, room, LONG, BLOCK, placements=("stream",), max_seq_blocks=half)
+    # Micro-batches of 1 and 2 sequences of 8000 tokens (500 blocks each) fit that half; 8 do not.
+    assert {(p.micro_batch, p.resident_experts, p.expert_slots, p.staging_bytes) for p in plans} == \
+        {(1, 0, 1, staged), (2, 0, 1, staged)}
+    with pytest.raises(ValueError, match="no plan fits"):
+        candidate_plans(MIXTRAL, H200, room - 1, LONG, BLOCK, placements=("stream",), max_seq_blocks=half)
