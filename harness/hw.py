@@ -78,6 +78,26 @@ def measure(device: str = "cpu") -> dict[str, Any]:
 
         out[f"matmul_{str(dtype).removeprefix('torch.')}_flops_per_s"] = 2 * size**3 / _timeit(mm)
     out["matmul_flops_per_s"] = out[f"matmul_{str(dtypes[0]).removeprefix('torch.')}_flops_per_s"]
+    # The same matmul with few rows (a decode batch, an expert's share of it): below the peak.
+    b = torch.randn(size, size, device=dev).to(dtypes[0])
+    at_rows = {}
+    for rows in (8, 32, 128, 512):
+        a = torch.randn(rows, size, device=dev).to(dtypes[0])
+
+        def few() -> None:
+            torch.mm(a, b)
+            sync()
+
+        at_rows[str(rows)] = 2 * rows * size * size / _timeit(few)
+    out["matmul_flops_at_rows"] = {**at_rows, str(size): out["matmul_flops_per_s"]}
+    # Greedy sampling: a row-wise argmax over a decode batch's logits (256 rows x 32,000).
+    logits = torch.randn(256, 32000, device=dev)
+
+    def argmax() -> None:
+        torch.argmax(logits, dim=-1)
+        sync()
+
+    out["argmax_bytes_per_s"] = logits.numel() * 4 / _timeit(argmax)
     # Decode-shaped matmuls: a few rows against many distinct weight matrices (each read once,
     # not cached), as experts run in a decode step; the rate weights stream through them.
     rows, w = 8, torch.randn(64, 1536, 512, device=dev)

@@ -38,8 +38,11 @@ from dataclasses import dataclass, replace
 PLACEMENTS = ("device", "host", "stream", "split")
 STREAMED = ("stream", "split")  # KV in the host tier, copied to the device per micro-batch
 KV_READS = 3  # decode attention: gather copy (read + write) and the attention's own read
-OPS_PER_LAYER = 30  # torch calls of norms, projections, RoPE, routing, combine (counted in model.py)
-OPS_PER_EXPERT = 6  # gather rows, two matmuls, activation, product, scatter
+# Python-level torch calls (views and slices included) per layer of a decode step, and per
+# expert that runs, counted with a TorchFunctionMode over moegen's decode steps on the
+# Mixtral-shaped bench model (1, 2, 4, 16 and 256 sequences: ~182 per layer + ~7.5 per expert).
+OPS_PER_LAYER = 180
+OPS_PER_EXPERT = 8
 OPS_PER_STAGED_PART = 8  # stream/split, per micro-batch: host gather, copy, staging writes, write-back
 
 
@@ -57,6 +60,26 @@ class Hardware:
     source: str = "given"
     # Host and device are one processor (a CPU run): split's host and device parts add up.
     shared_processor: bool = False
+    # Matmul FLOP/s at a few row counts ((rows, FLOP/s), `pwbench hw`'s `matmul_flops_at_rows`):
+    # few-row matmuls run below the peak. Empty: every matmul at device_flops_per_s.
+    flops_at_rows: tuple[tuple[int, float], ...] = ()
+    # The rate greedy sampling (a row-wise argmax) reads logits, `pwbench hw`'s
+    # `argmax_bytes_per_s` (on CPUs far below the copy bandwidth); None: not counted.
+    sample_bytes_per_s: float | None = None
+
+    def matmul_flops(self, rows: float) -> float:
+        """The device's FLOP/s for a matmul of `rows` rows: interpolated in log(rows) between the
+        measured points, flat beyond them."""
+        pts = sorted(self.flops_at_rows)
+        if not pts:
+            return self.device_flops_per_s
+        if rows <= pts[0][0]:
+            return pts[0][1]
+        for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return f0 + w * (f1 - f0)
+        return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -146,11 +169,12 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     e = s.dtype_bytes
     kv_layer = s.kv_bytes_per_token // s.layers
     proj_flops = 2 * T * s.hidden * (2 * s.q_size + 2 * s.kv_size)
-    dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, dev_f)
-    att_bytes = KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer
-    att_flops = 4 * s.heads * s.head_dim * (decode_context + prefill_context)
     decode_parts = max(1, math.ceil(decode_seqs / max(1, plan.micro_batch)))
     micro = decode_parts + prefill_chunks
+    # Projections run per attention micro-batch; each expert over its share of the assignments.
+    dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, hw.matmul_flops(T / micro))
+    att_bytes = KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer
+    att_flops = 4 * s.heads * s.head_dim * (decode_context + prefill_context)
     link = hw.link_bytes_per_s or dev_bw
     streamed_kv = plan.kv_placement in STREAMED
     kv_h2d = 0.0  # stream/split: KV bytes staged per layer
@@ -183,7 +207,8 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         att_t = roof(att_bytes, att_flops, dev_bw, dev_f)
         act_h2d = act_d2h = 0
     active = min(s.experts, T * s.top_k)
-    expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw, dev_f)
+    expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw,
+                    hw.matmul_flops(T * s.top_k / active))
     streamed = s.total_experts - plan.resident_experts
     per_layer_streamed = streamed / s.moe_layers if s.moe_layers else 0
     expert_link = min(per_layer_streamed, active) * s.expert_bytes / link
@@ -209,7 +234,10 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
             busy = c + h
         layer_total += max(busy, lk - serial) + serial
         compute, host, link_busy = compute + c, host + h, link_busy + lk
-    head = roof(s.head_bytes, 2 * (decode_seqs + prefill_chunks) * s.hidden * s.vocab, w_bw, dev_f)
+    head_rows = decode_seqs + prefill_chunks
+    head = roof(s.head_bytes, 2 * head_rows * s.hidden * s.vocab, w_bw, hw.matmul_flops(head_rows))
+    if hw.sample_bytes_per_s:  # the sampled rows' logits, read by the argmax
+        head += head_rows * s.vocab * e / hw.sample_bytes_per_s
     h2d = int(s.moe_layers * min(per_layer_streamed, active) * s.expert_bytes) + int(s.layers * (act_h2d + kv_h2d))
     return StepCost(compute + head, host, link_busy, layer_total + head + first_copy, h2d)
 

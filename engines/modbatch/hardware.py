@@ -73,6 +73,8 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
         host_flops_per_s=float(host["matmul_flops_per_s"]),
         link_bytes_per_s=link_bytes_per_s, op_overhead_s=op_overhead_s, source=source,
         weight_bytes_per_s=peaks.get("skinny_matmul_bytes_per_s"), shared_processor=on_cpu,
+        flops_at_rows=tuple((int(r), float(f)) for r, f in (peaks.get("matmul_flops_at_rows") or {}).items()),
+        sample_bytes_per_s=peaks.get("argmax_bytes_per_s"),
     )
 
 

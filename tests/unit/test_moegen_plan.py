@@ -220,3 +220,23 @@ def test_stream_needs_its_staging_buffer_in_the_budget():
         {(1, 0, 1, staged), (2, 0, 1, staged)}
     with pytest.raises(ValueError, match="no plan fits"):
         candidate_plans(MIXTRAL, H200, room - 1, LONG, BLOCK, placements=("stream",), max_seq_blocks=half)
+
+
+def test_few_row_matmuls_and_greedy_sampling_cost_what_pwbench_hw_measured():
+    """With `pwbench hw`'s rate-by-rows points, a matmul's FLOP/s is interpolated in log(rows)
+    (flat beyond the points), and the head pays its logits' argmax at the measured rate."""
+    hw = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                  link_bytes_per_s=None, flops_at_rows=((8, 1e11), (128, 5e11), (1024, 1e12)), sample_bytes_per_s=2e8)
+    assert hw.matmul_flops(4) == 1e11 and hw.matmul_flops(8) == 1e11 and hw.matmul_flops(4096) == 1e12
+    assert hw.matmul_flops(32) == pytest.approx(1e11 + 0.5 * 4e11)  # halfway from 8 to 128 in log(rows)
+    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    plan = Plan("device", 32, 32, expert_slots=0, resident_experts=4, device_kv_bytes=0)
+    c = step_cost(shape, hw, plan, decode_seqs=32, prefill_tokens=0, decode_context=32 * 50, prefill_context=0)
+    rate32, rate16 = hw.matmul_flops(32), hw.matmul_flops(16)  # projections: 32 rows; experts: 32 x 2 / 4
+    dense = max(1_000 / 1e9, 2 * 32 * 100 * (2 * 100 + 2 * 50) / rate32)
+    attention = max(KV_READS * 1600 * 400 / 1e9, 4 * 2 * 50 * 1600 / 1e12)
+    experts = max(4 * 1e6 / 1e9, 32 * 2 * 6 * 100 * 200 / rate16)
+    head = max(4_000 / 1e9, 2 * 32 * 100 * 1000 / rate32) + 32 * 1000 * 4 / 2e8
+    assert c.compute_s == pytest.approx(dense + attention + experts + head)
