@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from harness.suite import SUITE
 from result_folders import pwbench
 
 
+@pytest.mark.slow  # over a minute on 2 cores
 def test_suite_runs_every_engine_under_one_budget_then_the_report(tmp_path):
     out = tmp_path / "suite"
     proc = pwbench("run", "--workload", "rag_long", "--requests", "2", "--warmup", "0", "--no-quality",

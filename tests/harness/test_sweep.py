@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from result_folders import pwbench
 
 GRID = """workload = "offline_batch"
@@ -21,6 +23,7 @@ decode_ms_per_token = 15.0
 """
 
 
+@pytest.mark.slow  # over a minute on 2 cores
 def test_interrupted_sweep_resumes_only_missing_points(tmp_path):
     (tmp_path / "grid.toml").write_text(GRID)
     out = tmp_path / "sweep"
