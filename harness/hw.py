@@ -98,6 +98,23 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         sync()
 
     out["argmax_bytes_per_s"] = logits.numel() * 4 / _timeit(argmax)
+    # The elementwise kernels of an expert layer at decode-batch sizes, as the runtime runs them:
+    # gather 512 assignment rows of 256 tokens, the activation and the product over [512, 768]
+    # halves, the weighted scatter-add back (bytes read + written, summed).
+    hid = torch.randn(256, 512, device=dev)
+    rows = torch.randint(0, 256, (512,), device=dev)
+    gate, up = torch.randn(512, 768, device=dev), torch.randn(512, 768, device=dev)
+    down_out, acc = torch.randn(512, 512, device=dev), torch.zeros(256, 512, device=dev)
+
+    def elementwise() -> None:
+        for _ in range(10):
+            hid[rows]
+            torch.nn.functional.silu(gate) * up
+            acc.index_add_(0, rows, down_out)
+        sync()
+
+    moved = 2 * 512 * 512 + 2 * 512 * 768 + 3 * 512 * 768 + 3 * 512 * 512  # elements: gather, silu, product, scatter
+    out["elementwise_bytes_per_s"] = 10 * moved * 4 / _timeit(elementwise)
     # Decode-shaped matmuls: a few rows against many distinct weight matrices (each read once,
     # not cached), as experts run in a decode step; the rate weights stream through them.
     rows, w = 8, torch.randn(64, 1536, 512, device=dev)

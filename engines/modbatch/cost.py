@@ -17,12 +17,16 @@ micro-batch on the host (as `host`) and streams the rest: on separate processors
 part runs while the device part attends, max(host, max(device, link)); on one processor (a
 CPU run) they add up.
 
-Weights are read at the rate decode-shaped matmuls stream them (`pwbench hw` measures it; on
-these CPUs far below the copy bandwidth). Two facts about this runtime's kernels enter as
-such, not as fitted constants: decode
-attention gathers each sequence's KV blocks into a contiguous copy before attending (the KV
-is read, written and read again: 3x its bytes), and every torch call costs a dispatch
-overhead (`Hardware.op_overhead_s`; ~30 calls per layer plus ~6 per expert that runs).
+Every rate is a `pwbench hw` measurement of this machine (or a datasheet's), none fitted to
+the engine: weights are read at the rate decode-shaped matmuls stream them (on these CPUs far
+below the copy bandwidth); a matmul's FLOP/s depend on its rows (few-row matmuls run below the
+peak); greedy sampling's argmax reads the logits at its own rate; activations move through
+the elementwise kernels at the rate a small product runs. Facts about this runtime's kernels
+enter as counts: decode attention gathers each sequence's KV blocks into a contiguous copy
+before attending (the KV is read, written and read again: 3x its bytes); the elementwise
+kernels' activation elements per token and per expert assignment (ACT_*); every torch call
+costs a dispatch overhead (`Hardware.op_overhead_s`; 180 calls per layer plus 8 per expert
+that runs, counted).
 
 `choose_plan` enumerates KV placements (device when it fits the budget, host, stream and split
 when the staging buffer fits), expert ring slots, resident experts and (stream, split) the
@@ -43,6 +47,11 @@ KV_READS = 3  # decode attention: gather copy (read + write) and the attention's
 # Mixtral-shaped bench model (1, 2, 4, 16 and 256 sequences: ~182 per layer + ~7.5 per expert).
 OPS_PER_LAYER = 180
 OPS_PER_EXPERT = 8
+# Activations read and written by the elementwise kernels of a layer (norms, RoPE, residual
+# adds; per expert assignment: gathering its row, the activation and product over the gate and
+# up halves, weighting and scattering its output), in elements, counted from model.py and
+# experts.py: per token 14 x hidden + 6 x (q + kv) + q; per assignment 6 x hidden + 5 x intermediate.
+ACT_PER_TOKEN_HIDDEN, ACT_PER_TOKEN_QKV, ACT_PER_ASSIGNMENT_HIDDEN, ACT_PER_ASSIGNMENT_INTERMEDIATE = 14, 6, 6, 5
 OPS_PER_STAGED_PART = 8  # stream/split, per micro-batch: host gather, copy, staging writes, write-back
 
 
@@ -66,6 +75,10 @@ class Hardware:
     # The rate greedy sampling (a row-wise argmax) reads logits, `pwbench hw`'s
     # `argmax_bytes_per_s` (on CPUs far below the copy bandwidth); None: not counted.
     sample_bytes_per_s: float | None = None
+    # The rate the elementwise kernels move activations (`pwbench hw`'s `elementwise_bytes_per_s`:
+    # an expert layer's gather, activation, product and scatter-add at decode-batch sizes);
+    # None: activations not counted.
+    elementwise_bytes_per_s: float | None = None
 
     def matmul_flops(self, rows: float) -> float:
         """The device's FLOP/s for a matmul of `rows` rows: interpolated in log(rows) between the
@@ -207,13 +220,21 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         att_t = roof(att_bytes, att_flops, dev_bw, dev_f)
         act_h2d = act_d2h = 0
     active = min(s.experts, T * s.top_k)
+    act_t = 0.0  # per layer: activations through the elementwise kernels (attention block, MLP)
+    if hw.elementwise_bytes_per_s:
+        per_token = ACT_PER_TOKEN_HIDDEN * s.hidden + ACT_PER_TOKEN_QKV * (s.q_size + s.kv_size) + s.q_size
+        per_assignment = ACT_PER_ASSIGNMENT_HIDDEN * s.hidden + ACT_PER_ASSIGNMENT_INTERMEDIATE * s.intermediate
+        act_t = T * per_token * e / hw.elementwise_bytes_per_s
+        expert_act_t = T * s.top_k * per_assignment * e / hw.elementwise_bytes_per_s
+    else:
+        expert_act_t = 0.0
     expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw,
-                    hw.matmul_flops(T * s.top_k / active))
+                    hw.matmul_flops(T * s.top_k / active)) + expert_act_t
     streamed = s.total_experts - plan.resident_experts
     per_layer_streamed = streamed / s.moe_layers if s.moe_layers else 0
     expert_link = min(per_layer_streamed, active) * s.expert_bytes / link
     act_link = (act_h2d + act_d2h) / link
-    overhead = hw.op_overhead_s * (OPS_PER_LAYER + 2 * micro + staged_ops + OPS_PER_EXPERT * active)
+    overhead = hw.op_overhead_s * (OPS_PER_LAYER + 2 * micro + staged_ops + OPS_PER_EXPERT * active) + act_t
     layer_total = 0.0
     compute = host = link_busy = 0.0
     for layer in range(s.layers):

@@ -74,7 +74,7 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
         link_bytes_per_s=link_bytes_per_s, op_overhead_s=op_overhead_s, source=source,
         weight_bytes_per_s=peaks.get("skinny_matmul_bytes_per_s"), shared_processor=on_cpu,
         flops_at_rows=tuple((int(r), float(f)) for r, f in (peaks.get("matmul_flops_at_rows") or {}).items()),
-        sample_bytes_per_s=peaks.get("argmax_bytes_per_s"),
+        sample_bytes_per_s=peaks.get("argmax_bytes_per_s"), elementwise_bytes_per_s=peaks.get("elementwise_bytes_per_s"),
     )
 
 

@@ -240,3 +240,20 @@ def test_few_row_matmuls_and_greedy_sampling_cost_what_pwbench_hw_measured():
     experts = max(4 * 1e6 / 1e9, 32 * 2 * 6 * 100 * 200 / rate16)
     head = max(4_000 / 1e9, 2 * 32 * 100 * 1000 / rate32) + 32 * 1000 * 4 / 2e8
     assert c.compute_s == pytest.approx(dense + attention + experts + head)
+
+
+def test_activations_move_through_elementwise_kernels_at_the_measured_rate():
+    """With `elementwise_bytes_per_s`, each layer also pays its activations: per token
+    14 x hidden + 6 x (q + kv) + q elements, per expert assignment 6 x hidden + 5 x intermediate."""
+    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    base = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                    link_bytes_per_s=None)
+    plan = Plan("device", 10, 10, expert_slots=0, resident_experts=4, device_kv_bytes=0)
+    args = dict(decode_seqs=10, prefill_tokens=0, decode_context=500, prefill_context=0)
+    without = step_cost(shape, base, plan, **args)
+    with_act = step_cost(shape, dataclasses.replace(base, elementwise_bytes_per_s=5e8), plan, **args)
+    per_token = 14 * 100 + 6 * (100 + 50) + 100
+    per_assignment = 6 * 100 + 5 * 200
+    assert with_act.compute_s - without.compute_s == pytest.approx((10 * per_token + 20 * per_assignment) * 4 / 5e8)
