@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from engines.base import EngineError
 from engines.modbatch.hardware import model_shape
 from engines.modbatch.cost import STREAMED, Plan, decode_cost
-from engines.moegen import MoEGenConfig, MoEGenEngine, make_plan, minimum_parts
+from engines.moegen import MoEGenConfig, MoEGenEngine, make_plan, plan_workload, staging_minimum
 from engines.pagedweight import PagedWeightConfig, PagedWeightEngine
 from engines.paged.backend import PagedWeightBackend
 from engines.runtime.experts import ExpertBackend
@@ -74,11 +74,11 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         mc = open_checkpoint(cfg.model).config
-        shape = model_shape(mc, torch.empty((), dtype=dtype).element_size())
-        weights = shape.dense_bytes + shape.total_experts * shape.expert_bytes
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * cfg.gpu_memory_utilization)
+        shape = model_shape(mc, torch.empty((), dtype=dtype).element_size())
+        weights = shape.dense_bytes + shape.total_experts * shape.expert_bytes
         block = PagedKVCache.model_block_bytes(mc, cfg.block_size, dtype)
         sizing = KVSizing(cfg.block_size, cfg.kv_cache_gb, cfg.kv_blocks, cfg.gpu_memory_utilization,
                           cfg.max_num_seqs, cfg.max_model_len or mc.max_position_embeddings)
@@ -123,8 +123,8 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
         self.shape = shape = dataclasses.replace(self.shape, expert_bytes=per_expert)  # for step predictions
         plan = dataclasses.replace(self.plan, resident_experts=resident,
                                    expert_slots=int(resident < len(held)))
-        work_context = min(self.config.plan_context, self.config.max_model_len or self.config.plan_context)
-        return dataclasses.replace(plan, predicted=decode_cost(shape, self.hardware, plan, plan.batch_seqs, work_context))
+        context = plan_workload(self.config).context  # type: ignore[arg-type]
+        return dataclasses.replace(plan, predicted=decode_cost(shape, self.hardware, plan, plan.batch_seqs, context))
 
     def notes(self) -> list[str]:
         return list(getattr(self, "_notes", []))
@@ -148,13 +148,12 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
         parts = PagedWeightEngine.budget_minimum(self)
         if not self._kv_on_device():
             parts = [p for p in parts if p[0] != "one KV block"]
-        if self._placement() in STREAMED:
+        if self._reserved_device_bytes():  # the plan's staging buffer
+            parts.append(("the KV staging buffer", self._reserved_device_bytes()))
+        elif self._placement() in STREAMED:  # before the plan: the smallest one
             mc = self.checkpoint.config
-            staged = [p for p in minimum_parts(self.config, 0, 0, self._kv_block_bytes(), mc.num_layers,  # type: ignore[arg-type]
-                                               mc.max_position_embeddings) if p[0].startswith("the KV staging")]
-            if self._reserved_device_bytes():
-                staged = [(staged[0][0].split(" (")[0], self._reserved_device_bytes())]
-            parts += staged
+            parts.append(staging_minimum(self.config, self._kv_block_bytes(), mc.num_layers,  # type: ignore[arg-type]
+                                         mc.max_position_embeddings))
         return parts
 
     def _model_stats(self) -> dict[str, float]:

@@ -80,9 +80,21 @@ def minimum_parts(cfg: MoEGenConfig, dense: int, expert: int, kv_block: int, lay
     one layer's blocks of one sequence of the longest length."""
     parts = [("dense weights", dense), ("one expert ring slot", expert)]
     if cfg.kv_placement in STREAMED:
-        blocks = seq_blocks(cfg, max_len)
-        parts.append((f"the KV staging buffer (2 x {blocks} blocks of one layer)", 2 * blocks * (kv_block // layers)))
+        parts.append(staging_minimum(cfg, kv_block, layers, max_len))
     return parts + ([("one KV block", kv_block)] if cfg.kv_placement == "device" else [])
+
+
+def staging_minimum(cfg: MoEGenConfig, kv_block: int, layers: int = 1, max_len: int | None = None) -> tuple[str, int]:
+    """The smallest KV staging buffer (stream, split): two halves that each hold one layer's
+    blocks of one sequence of the longest length."""
+    blocks = seq_blocks(cfg, max_len)
+    return f"the KV staging buffer (2 x {blocks} blocks of one layer)", 2 * blocks * (kv_block // layers)
+
+
+def plan_workload(cfg: MoEGenConfig) -> Workload:
+    """What the plan optimises for: max_num_seqs sequences of plan_context tokens (at most
+    max_model_len)."""
+    return Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
 
 
 def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int | None = None,
@@ -109,7 +121,7 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
         if cfg.kv_placement in STREAMED:  # name the other fix too
             err = EngineError(f"{err}; or use --set kv_placement=host (no staging buffer) or a smaller max_model_len")
         raise err
-    work = Workload(cfg.max_num_seqs, min(cfg.plan_context, cfg.max_model_len or cfg.plan_context))
+    work = plan_workload(cfg)
     placements = PLACEMENTS if cfg.kv_placement == "auto" else (cfg.kv_placement,)
     min_blocks = seq_blocks(cfg, max_len)
     try:

@@ -251,9 +251,11 @@ class PagedWeightEngine(MoEEngine):
         self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
                             self._engine_step)
         block = self.kv.block_bytes
-        free = cfg.budget_bytes - self._dense_device_bytes() - backend.staging_bytes - self._reserved_device_bytes()
-        kv_bytes = min(self._kv_demand_blocks(), self.kv.allocator.num_blocks) * block if self._kv_on_device() else 0
-        decision = self.arbiter.plan(self._engine_step, max(0, free - kv_bytes), self._options())
+        # What the pages, the staging slot and (device placement) the KV blocks share.
+        pages = cfg.budget_bytes - self._dense_device_bytes() - self._reserved_device_bytes()
+        on_device = self._kv_on_device()
+        kv_bytes = min(self._kv_demand_blocks(), self.kv.allocator.num_blocks) * block if on_device else 0
+        decision = self.arbiter.plan(self._engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self._options())
         if decision.cancelled:
             backend.cancel([m.key for m in decision.cancelled])
         moved = promotions = demotions = deferred = 0
@@ -261,20 +263,23 @@ class PagedWeightEngine(MoEEngine):
         # beside the version they replace until the commit, so one that would take the device
         # over the budget now waits (the arbiter plans it again next step). Cached KV blocks do
         # not count: lowering the KV capacity below drops them.
-        room = free + backend.staging_bytes - (self.kv.allocator.num_used * block if self._kv_on_device() else 0)
+        room = pages - (self.kv.allocator.num_used * block if on_device else 0)
+        used = backend.device_bytes()  # walked once; a promotion adds its new buffers
         for move in decision.moves:
-            if move.to_bits > move.from_bits and backend.device_bytes() + backend.move_bytes(move.key, move.to_bits) > room:
+            promote = move.to_bits > move.from_bits
+            if promote and used + backend.move_bytes(move.key, move.to_bits) > room:
                 self.arbiter.abort([move])
                 deferred += 1
                 continue
             started = backend.start_move(move.key, move.to_bits)
+            used = used + started.nbytes if promote else backend.device_bytes()  # a demotion may free parts
             moved += started.nbytes
-            promotions += move.to_bits > move.from_bits
+            promotions += promote
             demotions += move.to_bits < move.from_bits
             if started.handle is None:
                 self.arbiter.commit([move], self._engine_step)
-        if self._kv_on_device():
-            blocks = max(0, (free + backend.staging_bytes - backend.device_bytes()) // block)
+        if on_device:
+            blocks = max(0, (pages - backend.device_bytes()) // block)
             self.kv.allocator.set_capacity(min(blocks, self.kv.allocator.num_blocks))
         backend.step_index = self._engine_step
         backend.feedback_due = cfg.feedback_every > 0 and self._engine_step % cfg.feedback_every == cfg.feedback_every - 1

@@ -220,14 +220,12 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         att_t = roof(att_bytes, att_flops, dev_bw, dev_f)
         act_h2d = act_d2h = 0
     active = min(s.experts, T * s.top_k)
-    act_t = 0.0  # per layer: activations through the elementwise kernels (attention block, MLP)
-    if hw.elementwise_bytes_per_s:
-        per_token = ACT_PER_TOKEN_HIDDEN * s.hidden + ACT_PER_TOKEN_QKV * (s.q_size + s.kv_size) + s.q_size
-        per_assignment = ACT_PER_ASSIGNMENT_HIDDEN * s.hidden + ACT_PER_ASSIGNMENT_INTERMEDIATE * s.intermediate
-        act_t = T * per_token * e / hw.elementwise_bytes_per_s
-        expert_act_t = T * s.top_k * per_assignment * e / hw.elementwise_bytes_per_s
-    else:
-        expert_act_t = 0.0
+    # Per layer: activations through the elementwise kernels (every token; each expert assignment).
+    per_s = 1 / hw.elementwise_bytes_per_s if hw.elementwise_bytes_per_s else 0.0
+    per_token = ACT_PER_TOKEN_HIDDEN * s.hidden + ACT_PER_TOKEN_QKV * (s.q_size + s.kv_size) + s.q_size
+    per_assignment = ACT_PER_ASSIGNMENT_HIDDEN * s.hidden + ACT_PER_ASSIGNMENT_INTERMEDIATE * s.intermediate
+    act_t = T * per_token * e * per_s
+    expert_act_t = T * s.top_k * per_assignment * e * per_s
     expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw,
                     hw.matmul_flops(T * s.top_k / active)) + expert_act_t
     streamed = s.total_experts - plan.resident_experts

@@ -52,12 +52,25 @@ def test_moegen_gives_the_same_greedy_tokens_as_moe(arch, checkpoints):
     for case in ({"kv_placement": "host", "expert_slots": 1, "resident_experts": 0},
                  {"kv_placement": "host", "expert_slots": 3, "resident_experts": 2, "micro_batch": 2},
                  {"kv_placement": "device", "expert_slots": 2, "resident_experts": 1, "max_num_batched_tokens": 64},
-                 {}):  # the plan's own choice
+                 {},  # the plan's own choice
+                 # KV streamed to the device (stream) and the host/device split of a micro-batch (split)
+                 {"kv_placement": "stream"},
+                 {"kv_placement": "stream", "micro_batch": 2, "expert_slots": 1, "resident_experts": 0},
+                 # a staging half of 8 blocks (one 128-token sequence): decode runs are cut to fit it
+                 {"kv_placement": "stream", "micro_batch": 4, "plan_context": 16, "max_model_len": 128},
+                 {"kv_placement": "split"},
+                 {"kv_placement": "split", "host_share": 0.5, "micro_batch": 2},
+                 {"kv_placement": "split", "host_share": 0.34, "micro_batch": 3, "max_num_batched_tokens": 64}):
         got, steps, info = generate("moegen", model, reqs, budget_bytes=big, **SMALL_HOST_KV, **case)
         assert got == expected, (arch, case)
+        stats = info.model_stats
         if case.get("kv_placement") == "host":
             assert all(s.device_kv_bytes == 0 for s in steps)
-            assert info.model_stats["plan_kv_on_host"] == 1
+            assert stats["plan_kv_on_host"] == 1
+        if case.get("kv_placement") in ("stream", "split"):
+            assert stats["plan_kv_on_host"] == 1 and stats["plan_kv_streamed"] == 1
+            assert all(s.device_kv_bytes == stats["plan_staging_bytes"] > 0 for s in steps)
+            assert all(s.device_weight_bytes + s.device_kv_bytes <= big for s in steps)
         if case.get("resident_experts") == 0:
             assert sum(s.extras["streamed_experts"] for s in steps) > 0
 
@@ -230,27 +243,6 @@ def test_pwbench_plan_prints_the_plan_the_engine_runs(tmp_path):
 
 LAYER_BLOCK = 16 * 2 * 2 * 32 * 4  # 8,192 bytes: one layer's K and V of a 16-token block (2 KV heads x 32)
 NEW_KV = 2 * 2 * 32 * 4  # 512 bytes: one token's K and V of one layer
-
-
-@pytest.mark.parametrize("arch", [*(a for a in ARCHS if a not in REFUSED), "demo"])
-def test_stream_and_split_give_the_same_greedy_tokens_as_moe(arch, checkpoints):
-    model = DEMO if arch == "demo" else checkpoints(arch)
-    reqs = requests(1109 if arch == "demo" else 257)
-    expected, _, _ = generate("moe", model, reqs)
-    big = 64 << 20
-    for case in ({"kv_placement": "stream"},
-                 {"kv_placement": "stream", "micro_batch": 2, "expert_slots": 1, "resident_experts": 0},
-                 # a staging half of 8 blocks (one 128-token sequence): decode runs are cut to fit it
-                 {"kv_placement": "stream", "micro_batch": 4, "plan_context": 16, "max_model_len": 128},
-                 {"kv_placement": "split"},
-                 {"kv_placement": "split", "host_share": 0.5, "micro_batch": 2},
-                 {"kv_placement": "split", "host_share": 0.34, "micro_batch": 3, "max_num_batched_tokens": 64}):
-        got, steps, info = generate("moegen", model, reqs, budget_bytes=big, **SMALL_HOST_KV, **case)
-        assert got == expected, (arch, case)
-        stats = info.model_stats
-        assert stats["plan_kv_on_host"] == 1 and stats["plan_kv_streamed"] == 1
-        assert all(s.device_kv_bytes == stats["plan_staging_bytes"] > 0 for s in steps)
-        assert all(s.device_weight_bytes + s.device_kv_bytes <= big for s in steps)
 
 
 def test_seeded_sampling_matches_moe_with_stream_and_split():
