@@ -8,6 +8,7 @@ measured peaks when this machine has them cached, datasheet ones otherwise, and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import time
@@ -41,14 +42,16 @@ def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | Non
     return None
 
 
-def _timeit(fn, repeats: int = 5) -> float:
+def _timeit(fn, repeats: int = 5, min_s: float = 0.1) -> float:
+    """Median time of `fn` over at least `repeats` calls and `min_s` seconds (these machines
+    are noisy: a median of a few milliseconds' calls follows a neighbour's burst)."""
     fn()  # warm up
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < min_s:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]  # median: these machines are noisy
+    return sorted(times)[len(times) // 2]
 
 
 def measure(device: str = "cpu") -> dict[str, Any]:
@@ -79,22 +82,32 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         out[f"matmul_{str(dtype).removeprefix('torch.')}_flops_per_s"] = 2 * size**3 / _timeit(mm)
     out["matmul_flops_per_s"] = out[f"matmul_{str(dtypes[0]).removeprefix('torch.')}_flops_per_s"]
     # The same matmul with few rows (a decode batch, an expert's share of it): below the peak.
-    b = torch.randn(size, size, device=dev).to(dtypes[0])
+    # A step reads each weight once, from memory, not from a cache that the previous call
+    # filled: the calls rotate through copies of the weight larger together than the caches
+    # (96 MiB; on these CPUs the cached rate is 10-25% higher).
+    elem = torch.empty((), dtype=dtypes[0]).element_size()
+    copies = max(2, -(-(96 << 20) // (size * size * elem)))
+    weights = [torch.randn(size, size, device=dev).to(dtypes[0]) for _ in range(copies)]
     at_rows = {}
     for rows in (8, 32, 128, 512):
         a = torch.randn(rows, size, device=dev).to(dtypes[0])
+        turn = itertools.cycle(weights)
 
         def few() -> None:
-            torch.mm(a, b)
+            torch.mm(a, next(turn))
             sync()
 
         at_rows[str(rows)] = 2 * rows * size * size / _timeit(few)
     out["matmul_flops_at_rows"] = {**at_rows, str(size): out["matmul_flops_per_s"]}
-    # Greedy sampling: a row-wise argmax over a decode batch's logits (256 rows x 32,000).
+    del weights
+    # Greedy sampling as the runtime does it: a row-wise argmax over a decode batch's logits
+    # (256 rows x 32,000).
+    from engines.runtime.sampling import greedy  # noqa: PLC0415
+
     logits = torch.randn(256, 32000, device=dev)
 
     def argmax() -> None:
-        torch.argmax(logits, dim=-1)
+        greedy(logits)
         sync()
 
     out["argmax_bytes_per_s"] = logits.numel() * 4 / _timeit(argmax)
@@ -115,6 +128,23 @@ def measure(device: str = "cpu") -> dict[str, Any]:
 
     moved = 2 * 512 * 512 + 2 * 512 * 768 + 3 * 512 * 768 + 3 * 512 * 512  # elements: gather, silu, product, scatter
     out["elementwise_bytes_per_s"] = 10 * moved * 4 / _timeit(elementwise)
+    # Decode attention as the runtime runs it (engines/runtime/attention.py): each sequence's KV
+    # blocks gathered out of the paged pool, then SDPA with one query per sequence (4 query
+    # heads per KV head) under its length mask; 256 sequences of 64 keys, 4 KV heads of 64,
+    # blocks of 16. The rate: K and V bytes attended (each once) per second.
+    seqs, ctx, kvh, hd, bs = 256, 64, 4, 64, 16
+    k_pool, v_pool = (torch.randn(kvh, 4096, bs, hd, device=dev) for _ in range(2))
+    tables = torch.randperm(4096, device=dev)[: seqs * ctx // bs]
+    q = torch.randn(kvh, seqs, 4, hd, device=dev)
+    mask = torch.ones(1, seqs, 1, ctx, dtype=torch.bool, device=dev)
+
+    def decode_attention() -> None:
+        k = torch.index_select(k_pool, 1, tables).view(kvh, seqs, ctx, hd)
+        v = torch.index_select(v_pool, 1, tables).view(kvh, seqs, ctx, hd)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        sync()
+
+    out["decode_attention_bytes_per_s"] = 2 * kvh * seqs * ctx * hd * 4 / _timeit(decode_attention)
     # Decode-shaped matmuls: a few rows against many distinct weight matrices (each read once,
     # not cached), as experts run in a decode step; the rate weights stream through them.
     rows, w = 8, torch.randn(64, 1536, 512, device=dev)

@@ -79,6 +79,12 @@ class Hardware:
     # an expert layer's gather, activation, product and scatter-add at decode-batch sizes);
     # None: activations not counted.
     elementwise_bytes_per_s: float | None = None
+    # The rate decode attention gets through KV (bytes of K and V attended, each once, per
+    # second) as this runtime runs it (gather the blocks, then attend), on the device and on the
+    # host, `pwbench hw`'s `decode_attention_bytes_per_s`; None: KV_READS x the KV bytes at the
+    # memory bandwidth.
+    attention_bytes_per_s: float | None = None
+    host_attention_bytes_per_s: float | None = None
 
     def matmul_flops(self, rows: float) -> float:
         """The device's FLOP/s for a matmul of `rows` rows: interpolated in log(rows) between the
@@ -169,6 +175,23 @@ def roof(nbytes: float, flops: float, bw: float, rate: float) -> float:
     return max(nbytes / bw, flops / rate)
 
 
+def attention_s(shape: ModelShape, hw: Hardware, on_host: bool, decode_keys: float, prefill_tokens: float = 0,
+                prefill_keys: float = 0) -> float:
+    """One layer's attention on the host or the device: decode queries over `decode_keys` keys
+    in all (at the measured decode-attention rate, else KV_READS x their bytes at the
+    bandwidth), prefill queries writing `prefill_tokens` keys and attending `prefill_keys`
+    key-query pairs."""
+    kv_layer = shape.kv_bytes_per_token // shape.layers
+    per_key = 4 * shape.heads * shape.head_dim  # FLOPs per attended key (scores and values)
+    bw, rate = (hw.host_bytes_per_s, hw.host_flops_per_s) if on_host else (hw.device_bytes_per_s, hw.device_flops_per_s)
+    measured = hw.host_attention_bytes_per_s if on_host else hw.attention_bytes_per_s
+    if measured is None:
+        return roof(KV_READS * decode_keys * kv_layer + prefill_tokens * kv_layer, per_key * (decode_keys + prefill_keys),
+                    bw, rate)
+    prefill = roof(prefill_tokens * kv_layer, per_key * prefill_keys, bw, rate) if prefill_tokens else 0.0
+    return decode_keys * kv_layer / measured + prefill
+
+
 def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, prefill_tokens: int,
               decode_context: int, prefill_context: int, prefill_chunks: int = 0) -> StepCost:
     """One step: `decode_seqs` decode tokens attending `decode_context` keys in all (summed over
@@ -177,7 +200,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     s, T = shape, decode_seqs + prefill_tokens
     if T == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0)
-    dev_bw, dev_f = hw.device_bytes_per_s, hw.device_flops_per_s
+    dev_bw = hw.device_bytes_per_s
     w_bw = min(dev_bw, hw.weight_bytes_per_s or dev_bw)  # weights go through matmuls; KV through copies
     e = s.dtype_bytes
     kv_layer = s.kv_bytes_per_token // s.layers
@@ -186,8 +209,6 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     micro = decode_parts + prefill_chunks
     # Projections run per attention micro-batch; each expert over its share of the assignments.
     dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, hw.matmul_flops(T / micro))
-    att_bytes = KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer
-    att_flops = 4 * s.heads * s.head_dim * (decode_context + prefill_context)
     link = hw.link_bytes_per_s or dev_bw
     streamed_kv = plan.kv_placement in STREAMED
     kv_h2d = 0.0  # stream/split: KV bytes staged per layer
@@ -195,10 +216,8 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     staged_ops = 0
     if streamed_kv:
         share = plan.host_share if plan.kv_placement == "split" else 0.0
-        host_att = roof(share * KV_READS * decode_context * kv_layer, share * 4 * s.heads * s.head_dim * decode_context,
-                        hw.host_bytes_per_s, hw.host_flops_per_s) if share > 0 else 0.0
-        dev_att = roof((1 - share) * KV_READS * decode_context * kv_layer + prefill_tokens * kv_layer,
-                       4 * s.heads * s.head_dim * ((1 - share) * decode_context + prefill_context), dev_bw, dev_f)
+        host_att = attention_s(s, hw, True, share * decode_context) if share > 0 else 0.0
+        dev_att = attention_s(s, hw, False, (1 - share) * decode_context, prefill_tokens, prefill_context)
         kv_h2d = (1 - share) * decode_context * kv_layer
         kv_link = kv_h2d / link
         host_gather = 2 * kv_h2d / hw.host_bytes_per_s  # the host's gather into its staging copy
@@ -213,11 +232,11 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         if plan.kv_placement == "split":
             staged_ops += 2 * decode_parts  # each decode micro-batch is two attention calls
     elif plan.kv_placement == "host":
-        att_t = roof(att_bytes, att_flops, hw.host_bytes_per_s, hw.host_flops_per_s)
+        att_t = attention_s(s, hw, True, decode_context, prefill_tokens, prefill_context)
         act_h2d = T * s.q_size * e  # attention output back to the device; q/k/v went d2h
         act_d2h = T * (s.q_size + 2 * s.kv_size) * e
     else:
-        att_t = roof(att_bytes, att_flops, dev_bw, dev_f)
+        att_t = attention_s(s, hw, False, decode_context, prefill_tokens, prefill_context)
         act_h2d = act_d2h = 0
     active = min(s.experts, T * s.top_k)
     # Per layer: activations through the elementwise kernels (every token; each expert assignment).
@@ -288,8 +307,7 @@ def balanced_host_share(shape: ModelShape, hw: Hardware, context: int) -> float:
     """split's host share where host attention of a share of the sequences takes as long as
     streaming the others' KV over the link (per sequence, so independent of the batch)."""
     kv = max(1, context) * (shape.kv_bytes_per_token // shape.layers)
-    host = roof(KV_READS * kv, 4 * shape.heads * shape.head_dim * max(1, context), hw.host_bytes_per_s,
-                hw.host_flops_per_s)
+    host = attention_s(shape, hw, True, max(1, context))
     wire = kv / (hw.link_bytes_per_s or hw.device_bytes_per_s)
     return wire / (host + wire)
 

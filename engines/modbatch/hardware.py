@@ -75,6 +75,8 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
         weight_bytes_per_s=peaks.get("skinny_matmul_bytes_per_s"), shared_processor=on_cpu,
         flops_at_rows=tuple((int(r), float(f)) for r, f in (peaks.get("matmul_flops_at_rows") or {}).items()),
         sample_bytes_per_s=peaks.get("argmax_bytes_per_s"), elementwise_bytes_per_s=peaks.get("elementwise_bytes_per_s"),
+        attention_bytes_per_s=peaks.get("decode_attention_bytes_per_s"),
+        host_attention_bytes_per_s=host.get("decode_attention_bytes_per_s"),
     )
 
 

@@ -37,7 +37,9 @@ class Executor:
         return self.model.forward(batch.token_ids, batch.positions, batch.attn, batch.logit_rows)
 
     def sample(self, batch: StepBatch, out: ForwardResult) -> StepResult:
-        rows = out.logits[[i for _, i in batch.sampled]]
+        picked = [i for _, i in batch.sampled]
+        # A decode step samples every logit row in order: no gathered copy of the logits then.
+        rows = out.logits if picked == list(range(out.logits.shape[0])) else out.logits[picked]
         states: list[SeqState] = [c.seq.state for c, _ in batch.sampled]  # type: ignore[misc]
         params = [c.seq.request.sampling for c, _ in batch.sampled]
         # Copying the chosen ids back is the step's device sync: the work is done when it returns.

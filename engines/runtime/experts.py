@@ -79,7 +79,7 @@ def swiglu(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None
     gate) * (up + 1)."""
     gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
     if clamp is None:
-        return F.linear(F.silu(gate) * up, down, down_bias)
+        return F.linear(F.silu(gate).mul_(up), down, down_bias)
     limit, alpha = clamp
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return F.linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, down_bias)

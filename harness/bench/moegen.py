@@ -3,8 +3,10 @@
     python -m harness.bench.moegen [--requests 128] [--input-len 128] [--output-len 32]
                                    [--decode-seqs 256] [--link-gbps 25] [--parts bytes,decode]
 
-Measures this machine's peaks first (`pwbench hw`'s measurement, into a temporary cache, so
-the runs' efficiency figures and moegen's plan use them). Then, on a random Mixtral-shaped
+Measures this machine's peaks (`pwbench hw`'s measurement, into a temporary cache, so the
+runs' efficiency figures and moegen's plan use them) right before each engine's run, and in
+the decode part right after it too: the speed of a shared machine drifts by a fifth within
+seconds, so each roofline uses the mean of the peaks measured on either side of its run. Then, on a random Mixtral-shaped
 checkpoint (hidden 512, 8 experts, top-2, 8 layers; harness.bench.engines.build_model):
 
 - **bytes**: `offline_batch` (every request at t=0, fixed lengths) through `moe` (no budget,
@@ -40,8 +42,23 @@ def run_one(tmp: Path, model: str, spec, engine: str, options: dict, tag: str) -
     return run
 
 
-def decode_p50(folder: Path) -> tuple[float, float]:
-    """Median decode-only step time and the median roofline time of those steps (s)."""
+def fresh_peaks() -> dict:
+    """This machine's peaks measured now, cached for the next engine's start (its plan)."""
+    from harness.hw import measure, save_cached  # noqa: PLC0415
+
+    peaks = measure("cpu")
+    save_cached(peaks)
+    return peaks
+
+
+def mean_peaks(a: dict, b: dict) -> dict:
+    keys = ("memory_bandwidth_bytes_per_s", "matmul_flops_per_s")
+    return {k: (a[k] + b[k]) / 2 for k in keys}
+
+
+def decode_p50(folder: Path, peaks: dict | None = None) -> tuple[float, float]:
+    """Median decode-only step time and the median roofline time of those steps (s), at
+    `peaks` (default: the ones the run recorded)."""
     import pandas as pd  # noqa: PLC0415
 
     from harness.results import read_run  # noqa: PLC0415
@@ -49,7 +66,7 @@ def decode_p50(folder: Path) -> tuple[float, float]:
     run = read_run(folder)
     steps = pd.read_parquet(folder / "steps.parquet")
     dec = steps[(steps["prefill_tokens"] == 0) & (steps["decode_tokens"] > 0)]
-    m, peaks = run["engine"]["model_stats"], run["environment"]["peaks"]
+    m, peaks = run["engine"]["model_stats"], peaks or run["environment"]["peaks"]
     read = dec["weight_bytes_read"] + dec["context_tokens"] * m["kv_bytes_per_token"]
     flops = 2 * m["active_params_per_token"] * dec["decode_tokens"]
     roof = pd.concat([read / peaks["memory_bandwidth_bytes_per_s"], flops / peaks["matmul_flops_per_s"]], axis=1).max(axis=1)
@@ -70,13 +87,14 @@ def main() -> None:
         os.environ["PWBENCH_CACHE"] = str(tmp / "cache")
         from harness.bench.engines import build_model  # noqa: PLC0415
         from harness.bench.offload import sizes  # noqa: PLC0415
-        from harness.hw import measure, save_cached  # noqa: PLC0415
         from workloads.registry import WorkloadSpec  # noqa: PLC0415
 
-        peaks = measure("cpu")
-        save_cached(peaks)
-        print(f"peaks: {peaks['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, {peaks['matmul_flops_per_s'] / 1e9:.0f} "
-              f"GFLOP/s, {peaks['op_overhead_s'] * 1e6:.1f} us per torch call")
+        def show(peaks: dict) -> str:
+            return (f"{peaks['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, {peaks['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
+                    + (f", {peaks['op_overhead_s'] * 1e6:.1f} us per torch call" if "op_overhead_s" in peaks else ""))
+
+        print(f"peaks: {show(fresh_peaks())}")
+
         model = str(tmp / "mixtral-shaped")
         build_model(Path(model))
         dense, per_expert, layers, experts = sizes(model)
@@ -96,6 +114,8 @@ def main() -> None:
             for engine, options in (("moe", {}), ("offload", {"budget_bytes": budget, **link}),
                                     ("moegen", {"budget_bytes": budget, "plan_context": context,
                                                 "max_num_seqs": args.requests, "host_kv_gb": 0.5, **link})):
+                if engine == "moegen":
+                    print(f"peaks before moegen's start (its plan): {show(fresh_peaks())}")
                 run = run_one(tmp, model, spec, engine, options, f"bytes-{engine}")
                 s = run["summary"]
                 results[engine] = run
@@ -122,14 +142,20 @@ def main() -> None:
             n = args.decode_seqs
             spec = WorkloadSpec("offline_batch", requests=n, input_range=(32, 32), output_tokens=64)
             full = dense + layers * experts * per_expert + (1 << 20)
-            print(f"\ndecode: {n} requests x 32 in / 64 out at t=0; roofline = max(bytes / "
-                  f"{peaks['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, FLOPs / {peaks['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s)")
-            print(f"{'engine':8s} {'decode tok/s':>12s} {'step p50 ms':>12s} {'roofline ms':>12s} {'of roofline':>12s} {'predicted ms':>13s}")
+            print(f"\ndecode: {n} requests x 32 in / 64 out at t=0; roofline = max(bytes / bandwidth, FLOPs / FLOP rate) "
+                  f"at the mean of the peaks measured before and after each run")
+            rows = []
             for engine, options in (("moe", {"max_num_seqs": n}),
                                     ("moegen", {"max_num_seqs": n, "budget_bytes": full, "kv_placement": "host",
                                                 "plan_context": 64, "host_kv_gb": 0.5})):
+                before = fresh_peaks()
                 run = run_one(tmp, model, spec, engine, options, f"decode-{engine}")
-                step, roof = decode_p50(tmp / f"decode-{engine}")
+                after = fresh_peaks()
+                print(f"{engine}: peaks before {show(before)}; after {show(after)}")
+                step, roof = decode_p50(tmp / f"decode-{engine}", mean_peaks(before, after))
+                rows.append((engine, run, step, roof))
+            print(f"{'engine':8s} {'decode tok/s':>12s} {'step p50 ms':>12s} {'roofline ms':>12s} {'of roofline':>12s} {'predicted ms':>13s}")
+            for engine, run, step, roof in rows:
                 plan = run["summary"].get("plan", {})
                 print(f"{engine:8s} {run['summary']['engine']['decode_tokens_per_s']:12.1f} {step * 1e3:12.1f} "
                       f"{roof * 1e3:12.1f} {roof / step:12.0%} {(plan.get('decode_predicted_step_s_p50') or 0) * 1e3:13.1f}")

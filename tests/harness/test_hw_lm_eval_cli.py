@@ -41,6 +41,11 @@ def test_hw_cpu_measures_prints_caches_and_feeds_runs(tmp_path):
     assert 1e8 < m["memory_bandwidth_bytes_per_s"] < 1e13
     assert 1e8 < m["matmul_flops_per_s"] < 1e14 and m["matmul_flops_per_s"] == m["matmul_float32_flops_per_s"]
     assert "h2d_bytes_per_s" not in m  # nothing to measure without a device
+    # The cost model's rates: decode attention (gather + SDPA), greedy's argmax, the elementwise
+    # kernels; matmuls on weights read from memory run slower with 8 rows than with 512.
+    for key in ("decode_attention_bytes_per_s", "argmax_bytes_per_s", "elementwise_bytes_per_s"):
+        assert 1e7 < m[key] < 1e13, key
+    assert m["matmul_flops_at_rows"]["8"] < m["matmul_flops_at_rows"]["512"]
     assert json.loads((cache / "hw.json").read_text()) == {name: m}
 
     # The table: the device, then every rate in G, the numbers of the entry it cached.

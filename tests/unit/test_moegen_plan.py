@@ -53,6 +53,31 @@ def test_one_layer_by_hand():
     assert c.h2d_bytes == 4 * 1_000_000
 
 
+def test_measured_decode_attention_rate_prices_the_kv_once():
+    """With `pwbench hw`'s decode-attention rate the attention term is the KV bytes attended
+    (each once) over that rate, on whichever processor attends; prefill keeps its roofline."""
+    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    base = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                    link_bytes_per_s=1e8)
+    rated = dataclasses.replace(base, attention_bytes_per_s=5e7, host_attention_bytes_per_s=2.5e7)
+    for placement, rate in (("device", 5e7), ("host", 2.5e7)):
+        plan = Plan(placement, 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
+        before = step_cost(shape, base, plan, 10, 0, 10 * 50, 0)
+        after = step_cost(shape, rated, plan, 10, 0, 10 * 50, 0)
+        # 500 keys x 400 B: 600 us as KV_READS x bytes at 1 GB/s, 4 ms (device) or 8 ms (host) measured.
+        assert after.total_s - before.total_s == pytest.approx(500 * 400 / rate - KV_READS * 500 * 400 / 1e9)
+    # A prefill chunk of 20 tokens (210 causal key-query pairs) adds its own roofline to the measured decode part.
+    plan = Plan("device", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
+    mixed = step_cost(shape, rated, plan, 10, 20, 10 * 50, 210, prefill_chunks=1)
+    alone = step_cost(shape, dataclasses.replace(rated, attention_bytes_per_s=None), plan, 10, 20, 10 * 50, 210,
+                      prefill_chunks=1)
+    old = max((KV_READS * 500 + 20) * 400 / 1e9, 4 * 2 * 50 * 710 / 1e12)
+    new = 500 * 400 / 5e7 + max(20 * 400 / 1e9, 4 * 2 * 50 * 210 / 1e12)
+    assert mixed.total_s - alone.total_s == pytest.approx(new - old)
+
+
 TWO = ("device", "host")  # the placements of the tests below (stream/split move KV bytes too: tested further down)
 
 

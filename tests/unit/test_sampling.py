@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engines.base import InvalidRequestError, SamplingParams
-from engines.runtime.sampling import filter_logits, make_generator, sample
+from engines.runtime.sampling import GREEDY_BLOCK, filter_logits, greedy, make_generator, sample
 
 CPU = torch.device("cpu")
 
@@ -29,6 +29,23 @@ def test_greedy_rows_take_argmax():
     logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 0.0, 0.0]])
     params = [SamplingParams(), SamplingParams(temperature=1.0, top_k=1)]
     assert sample(logits, params, [None, None]).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("vocab", [32000, 8 * GREEDY_BLOCK, 1000, 50])
+def test_greedy_is_torch_argmax_with_ties_nan_and_inf(vocab):
+    # The two-pass CPU choice against torch.argmax itself: ties across and inside blocks go to
+    # the first index, a NaN wins (the first NaN), a row of -inf picks 0.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, vocab, generator=g)
+    x[1, vocab - 1] = x[1, 3] = x[1].max() + 1  # tie across blocks
+    x[2, 5] = x[2, 6] = x[2].max() + 1  # tie inside a block
+    x[3, vocab // 2] = float("nan")
+    x[3, vocab - 2] = float("nan")
+    x[4] = float("-inf")
+    x[5, 0] = float("inf")
+    x[6] = 0.0  # every position ties
+    assert torch.equal(greedy(x), torch.argmax(x, dim=-1))
+    assert greedy(x)[1].item() == 3 and greedy(x)[2].item() == 5
 
 
 def test_frequencies_follow_tempered_softmax():
