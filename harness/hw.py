@@ -44,14 +44,45 @@ def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | Non
 
 def _timeit(fn, repeats: int = 5, min_s: float = 0.1) -> float:
     """Median time of `fn` over at least `repeats` calls and `min_s` seconds (these machines
-    are noisy: a median of a few milliseconds' calls follows a neighbour's burst)."""
-    fn()  # warm up
+    are noisy: a median of a few milliseconds' calls follows a neighbour's burst), after three
+    calls that warm it up (the first calls of a large gather fault its pages in: ~3x slower)."""
+    for _ in range(3):
+        fn()
     times: list[float] = []
     while len(times) < repeats or sum(times) < min_s:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+class PeakProbe:
+    """The roofline's two peaks on this CPU in a few tens of milliseconds (a 64 MiB copy and
+    a 1024^3 float32 matmul, each the median of three), so a benchmark can pair every step
+    with the machine's speed right after it: a shared machine's speed drifts by a fifth
+    within seconds, more than any one measurement taken at a run's start can stand for."""
+
+    def __init__(self) -> None:
+        import torch  # noqa: PLC0415
+
+        self.src = torch.ones((64 << 20) // 4)
+        self.dst = torch.empty_like(self.src)
+        self.a, self.b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        self()  # first touch of the buffers, outside any measurement
+
+    def __call__(self) -> dict[str, float]:
+        import torch  # noqa: PLC0415
+
+        def median(fn) -> float:
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return sorted(times)[1]
+
+        return {"memory_bandwidth_bytes_per_s": 2 * self.src.numel() * 4 / median(lambda: self.dst.copy_(self.src)),
+                "matmul_flops_per_s": 2 * 1024**3 / median(lambda: torch.mm(self.a, self.b))}
 
 
 def measure(device: str = "cpu") -> dict[str, Any]:
@@ -111,23 +142,30 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         sync()
 
     out["argmax_bytes_per_s"] = logits.numel() * 4 / _timeit(argmax)
-    # The elementwise kernels of an expert layer at decode-batch sizes, as the runtime runs them:
-    # gather 512 assignment rows of 256 tokens, the activation and the product over [512, 768]
-    # halves, the weighted scatter-add back (bytes read + written, summed).
-    hid = torch.randn(256, 512, device=dev)
-    rows = torch.randint(0, 256, (512,), device=dev)
-    gate, up = torch.randn(512, 768, device=dev), torch.randn(512, 768, device=dev)
-    down_out, acc = torch.randn(512, 512, device=dev), torch.zeros(256, 512, device=dev)
+    # The elementwise kernels of an expert layer as the runtime runs them, at a decode batch's
+    # size (256 tokens: their activations stay in cache) and a prefill step's (8192 tokens:
+    # they stream through memory, ~2.5x slower here): gather 2 assignment rows per token, the
+    # activation and the product over the [2T, 768] halves, the weighted scatter-add back
+    # (bytes read + written, summed).
+    at_tokens = {}
+    for tokens in (256, 8192):
+        hid = torch.randn(tokens, 512, device=dev)
+        rows = torch.randint(0, tokens, (2 * tokens,), device=dev)
+        gate, up = torch.randn(2 * tokens, 768, device=dev), torch.randn(2 * tokens, 768, device=dev)
+        down_out, acc = torch.randn(2 * tokens, 512, device=dev), torch.zeros(tokens, 512, device=dev)
+        reps = max(1, 2560 // tokens)
 
-    def elementwise() -> None:
-        for _ in range(10):
-            hid[rows]
-            torch.nn.functional.silu(gate) * up
-            acc.index_add_(0, rows, down_out)
-        sync()
+        def elementwise() -> None:
+            for _ in range(reps):
+                hid[rows]
+                torch.nn.functional.silu(gate) * up
+                acc.index_add_(0, rows, down_out)
+            sync()
 
-    moved = 2 * 512 * 512 + 2 * 512 * 768 + 3 * 512 * 768 + 3 * 512 * 512  # elements: gather, silu, product, scatter
-    out["elementwise_bytes_per_s"] = 10 * moved * 4 / _timeit(elementwise)
+        moved = 2 * tokens * (2 * 512 + 2 * 768 + 3 * 768 + 3 * 512)  # elements: gather, silu, product, scatter
+        at_tokens[str(tokens)] = reps * moved * 4 / _timeit(elementwise)
+    out["elementwise_bytes_per_s"] = at_tokens["256"]
+    out["elementwise_bytes_per_s_at_tokens"] = at_tokens
     # Decode attention as the runtime runs it (engines/runtime/attention.py): each sequence's KV
     # blocks gathered out of the paged pool, then SDPA with one query per sequence (4 query
     # heads per KV head) under its length mask; 256 sequences of 64 keys, 4 KV heads of 64,
@@ -145,6 +183,17 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         sync()
 
     out["decode_attention_bytes_per_s"] = 2 * kvh * seqs * ctx * hd * 4 / _timeit(decode_attention)
+    # Prefill attention: causal SDPA over one 128-token chunk (16 query heads over 4 KV heads of
+    # 64), as the runtime calls it per chunk; FLOPs 4 x heads x head_dim per key-query pair.
+    n = 128
+    qp, kp, vp = torch.randn(1, 16, n, hd, device=dev), torch.randn(1, 4, n, hd, device=dev), torch.randn(1, 4, n, hd, device=dev)
+
+    def prefill_attention() -> None:
+        for _ in range(10):
+            torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
+        sync()
+
+    out["prefill_attention_flops_per_s"] = 10 * 4 * 16 * hd * n * (n + 1) / 2 / _timeit(prefill_attention)
     # Decode-shaped matmuls: a few rows against many distinct weight matrices (each read once,
     # not cached), as experts run in a decode step; the rate weights stream through them.
     rows, w = 8, torch.randn(64, 1536, 512, device=dev)

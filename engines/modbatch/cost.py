@@ -7,6 +7,8 @@ max(its compute, its weights' link time), because the next layer's experts copy 
 layer computes (with fewer ring slots than a layer streams, only the slots' share overlaps).
 Host attention is waited for, so a layer's host and device compute add up (on a CPU run they
 are the same cores anyway); MoE-Gen's overlap of host attention with device work is not built.
+On a CPU run the link is modelled but every copy is still a memcpy on the same cores (twice
+its bytes at the memory bandwidth), which adds to the layer's compute.
 
 `stream` (KV in the host tier, decode attention on the device over blocks copied in per
 micro-batch, two staging halves): the next micro-batch's KV copy runs while this one attends,
@@ -79,26 +81,44 @@ class Hardware:
     # an expert layer's gather, activation, product and scatter-add at decode-batch sizes);
     # None: activations not counted.
     elementwise_bytes_per_s: float | None = None
+    # The same at a few step sizes ((tokens, bytes/s), `elementwise_bytes_per_s_at_tokens`):
+    # a prefill step's activations stream through memory, slower than a decode step's cached
+    # ones. Empty: every step at elementwise_bytes_per_s.
+    elementwise_at_tokens: tuple[tuple[int, float], ...] = ()
     # The rate decode attention gets through KV (bytes of K and V attended, each once, per
     # second) as this runtime runs it (gather the blocks, then attend), on the device and on the
     # host, `pwbench hw`'s `decode_attention_bytes_per_s`; None: KV_READS x the KV bytes at the
     # memory bandwidth.
     attention_bytes_per_s: float | None = None
     host_attention_bytes_per_s: float | None = None
+    # Causal prefill attention's FLOP/s over one chunk as the runtime calls it (`pwbench hw`'s
+    # `prefill_attention_flops_per_s`; small chunks run far below the matmul peak); None: the
+    # processor's FLOP rate.
+    prefill_attention_flops_per_s: float | None = None
+    host_prefill_attention_flops_per_s: float | None = None
 
     def matmul_flops(self, rows: float) -> float:
         """The device's FLOP/s for a matmul of `rows` rows: interpolated in log(rows) between the
         measured points, flat beyond them."""
-        pts = sorted(self.flops_at_rows)
-        if not pts:
-            return self.device_flops_per_s
-        if rows <= pts[0][0]:
-            return pts[0][1]
-        for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
-            if rows <= r1:
-                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
-                return f0 + w * (f1 - f0)
-        return pts[-1][1]
+        return _log_interpolate(self.flops_at_rows, rows, self.device_flops_per_s)
+
+    def elementwise_rate(self, tokens: float) -> float | None:
+        """The elementwise kernels' bytes/s in a step of `tokens` tokens (None: not counted)."""
+        return _log_interpolate(self.elementwise_at_tokens, tokens, self.elementwise_bytes_per_s)
+
+
+def _log_interpolate(points: tuple[tuple[int, float], ...], x: float, default):
+    """Measured (x, value) points interpolated in log(x), flat beyond them; `default` if none."""
+    pts = sorted(points)
+    if not pts:
+        return default
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, v0), (x1, v1) in zip(pts, pts[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return v0 + w * (v1 - v0)
+    return pts[-1][1]
 
 
 @dataclass(frozen=True)
@@ -180,16 +200,19 @@ def attention_s(shape: ModelShape, hw: Hardware, on_host: bool, decode_keys: flo
     """One layer's attention on the host or the device: decode queries over `decode_keys` keys
     in all (at the measured decode-attention rate, else KV_READS x their bytes at the
     bandwidth), prefill queries writing `prefill_tokens` keys and attending `prefill_keys`
-    key-query pairs."""
+    key-query pairs (at the measured causal-attention FLOP rate, else the processor's)."""
     kv_layer = shape.kv_bytes_per_token // shape.layers
     per_key = 4 * shape.heads * shape.head_dim  # FLOPs per attended key (scores and values)
     bw, rate = (hw.host_bytes_per_s, hw.host_flops_per_s) if on_host else (hw.device_bytes_per_s, hw.device_flops_per_s)
     measured = hw.host_attention_bytes_per_s if on_host else hw.attention_bytes_per_s
-    if measured is None:
+    causal = hw.host_prefill_attention_flops_per_s if on_host else hw.prefill_attention_flops_per_s
+    if measured is None and causal is None:
         return roof(KV_READS * decode_keys * kv_layer + prefill_tokens * kv_layer, per_key * (decode_keys + prefill_keys),
                     bw, rate)
-    prefill = roof(prefill_tokens * kv_layer, per_key * prefill_keys, bw, rate) if prefill_tokens else 0.0
-    return decode_keys * kv_layer / measured + prefill
+    prefill = roof(prefill_tokens * kv_layer, per_key * prefill_keys, bw, causal or rate) if prefill_tokens else 0.0
+    decode = decode_keys * kv_layer / measured if measured else roof(KV_READS * decode_keys * kv_layer,
+                                                                      per_key * decode_keys, bw, rate)
+    return decode + prefill
 
 
 def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, prefill_tokens: int,
@@ -206,7 +229,9 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     kv_layer = s.kv_bytes_per_token // s.layers
     proj_flops = 2 * T * s.hidden * (2 * s.q_size + 2 * s.kv_size)
     decode_parts = max(1, math.ceil(decode_seqs / max(1, plan.micro_batch)))
-    micro = decode_parts + prefill_chunks
+    # Attention micro-batches: the decode runs, then the prefill chunks, each its own where
+    # their KV is staged per chunk (stream, split), else all together.
+    micro = decode_parts + (prefill_chunks if plan.kv_placement in STREAMED else min(1, prefill_chunks))
     # Projections run per attention micro-batch; each expert over its share of the assignments.
     dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, hw.matmul_flops(T / micro))
     link = hw.link_bytes_per_s or dev_bw
@@ -227,6 +252,9 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         att_phase = host_att + dev_part if hw.shared_processor else max(host_att, dev_part)
         host_rows = share * decode_seqs
         act_h2d = host_rows * s.q_size * e
+        # Host rows' q/k/v down and output up are waited for; the device rows' new K/V go down
+        # beside the step (written into the host pool at its end).
+        act_wait = host_rows * (2 * s.q_size + 2 * s.kv_size) * e
         act_d2h = host_rows * (s.q_size + 2 * s.kv_size) * e + (T - host_rows) * 2 * s.kv_size * e
         staged_ops = OPS_PER_STAGED_PART * decode_parts
         if plan.kv_placement == "split":
@@ -235,12 +263,14 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         att_t = attention_s(s, hw, True, decode_context, prefill_tokens, prefill_context)
         act_h2d = T * s.q_size * e  # attention output back to the device; q/k/v went d2h
         act_d2h = T * (s.q_size + 2 * s.kv_size) * e
+        act_wait = act_h2d + act_d2h  # the layer waits for its attention's round trip
     else:
         att_t = attention_s(s, hw, False, decode_context, prefill_tokens, prefill_context)
-        act_h2d = act_d2h = 0
+        act_h2d = act_d2h = act_wait = 0
     active = min(s.experts, T * s.top_k)
     # Per layer: activations through the elementwise kernels (every token; each expert assignment).
-    per_s = 1 / hw.elementwise_bytes_per_s if hw.elementwise_bytes_per_s else 0.0
+    ew = hw.elementwise_rate(T)
+    per_s = 1 / ew if ew else 0.0
     per_token = ACT_PER_TOKEN_HIDDEN * s.hidden + ACT_PER_TOKEN_QKV * (s.q_size + s.kv_size) + s.q_size
     per_assignment = ACT_PER_ASSIGNMENT_HIDDEN * s.hidden + ACT_PER_ASSIGNMENT_INTERMEDIATE * s.intermediate
     act_t = T * per_token * e * per_s
@@ -259,13 +289,16 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
         lk = (expert_link if moe else 0.0) + act_link + kv_link
         # The ring overlaps a share of the next layer's copies with this layer's compute.
         hidden = min(1.0, plan.expert_slots / per_layer_streamed) if per_layer_streamed else 1.0
-        serial = (1 - hidden) * (expert_link if moe else 0.0)
+        serial = (1 - hidden) * (expert_link if moe else 0.0) + act_wait / link
+        # On one processor (a CPU run) every copy is also a memcpy on its cores (read + write
+        # at the measured bandwidth), done by the link thread beside compute: it adds up.
+        memcpy = 2 * lk * link / dev_bw if hw.shared_processor else 0.0
         if streamed_kv:
-            c = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + dev_att
+            c = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + dev_att + memcpy
             h = host_att
-            busy = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + att_phase
+            busy = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + att_phase + memcpy
         else:
-            c = dense_t + overhead + (expert_t if moe else 0.0) + (att_t if plan.kv_placement == "device" else 0.0)
+            c = dense_t + overhead + (expert_t if moe else 0.0) + (att_t if plan.kv_placement == "device" else 0.0) + memcpy
             h = att_t if plan.kv_placement == "host" else 0.0
             # Host attention is synchronous in this executor (the layer waits for it), so host and
             # device work add up; the copies of the next layer's experts run beside both.

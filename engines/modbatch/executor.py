@@ -53,15 +53,17 @@ def slice_decodes(attn: AttentionBatch, lo: int, hi: int) -> AttentionBatch:
 def split_attention(attn: AttentionBatch, micro_batch: int) -> list[MicroBatch]:
     """Cut a step's attention layout into micro-batches: decode rows in runs of at most
     `micro_batch` sequences (a decode group split where a run ends, each piece's block tables
-    trimmed to its longest context), then one per prefill chunk. Rows are rebased to 0."""
+    trimmed to its longest context), then every prefill chunk together (their rows follow the
+    decodes': the projections run once over all of them, attention per chunk inside). Rows
+    are rebased to 0."""
     out: list[MicroBatch] = []
     for lo in range(0, attn.num_decode, micro_batch):
         hi = min(lo + micro_batch, attn.num_decode)
         out.append((lo, hi, slice_decodes(attn, lo, hi)))
-    for seg in attn.prefills:
-        lo, hi = seg.row, seg.row + seg.length
-        piece = PrefillSegment(0, seg.length, seg.start_pos, seg.table)
-        out.append((lo, hi, AttentionBatch(attn.slots[lo:hi], 0, prefills=[piece])))
+    if attn.prefills:
+        lo, hi = attn.prefills[0].row, attn.prefills[-1].row + attn.prefills[-1].length
+        pieces = [PrefillSegment(seg.row - lo, seg.length, seg.start_pos, seg.table) for seg in attn.prefills]
+        out.append((lo, hi, AttentionBatch(attn.slots[lo:hi], 0, prefills=pieces)))
     return out
 
 

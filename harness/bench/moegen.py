@@ -4,9 +4,10 @@
                                    [--decode-seqs 256] [--link-gbps 25] [--parts bytes,decode]
 
 Measures this machine's peaks (`pwbench hw`'s measurement, into a temporary cache, so the
-runs' efficiency figures and moegen's plan use them) right before each engine's run, and in
-the decode part right after it too: the speed of a shared machine drifts by a fifth within
-seconds, so each roofline uses the mean of the peaks measured on either side of its run. Then, on a random Mixtral-shaped
+runs' efficiency figures and moegen's plan use them) right before each engine's run. The
+speed of a shared machine drifts by a fifth within seconds, so in the decode part every
+decode step is paired with the two peaks probed right after it (harness.hw.PeakProbe, outside
+the step's time) and its roofline uses those. Then, on a random Mixtral-shaped
 checkpoint (hidden 512, 8 experts, top-2, 8 layers; harness.bench.engines.build_model):
 
 - **bytes**: `offline_batch` (every request at t=0, fixed lengths) through `moe` (no budget,
@@ -18,7 +19,8 @@ checkpoint (hidden 512, 8 experts, top-2, 8 layers; harness.bench.engines.build_
   through `moe` and `moegen` (at a budget holding every expert; KV on the host), each
   engine's decode step time (p50) against this machine's roofline for that step:
   max(bytes read / bandwidth, FLOPs / FLOP rate), bytes and FLOPs as the summary's MBU/MFU
-  count them.
+  count them, at the peaks probed right after the step; "of roofline" is the median of the
+  steps' roofline / step time.
 
 Timings are from this one run on a shared machine; bytes and plans are exact.
 """
@@ -31,12 +33,12 @@ import tempfile
 from pathlib import Path
 
 
-def run_one(tmp: Path, model: str, spec, engine: str, options: dict, tag: str) -> dict:
+def run_one(tmp: Path, model: str, spec, engine: str, options: dict, tag: str, on_step=None) -> dict:
     from harness.run import RunArgs, execute  # noqa: PLC0415
 
     _, run = execute(RunArgs(workload=spec, engine=engine, model=model,
                              engine_options={"device": "cpu", "dtype": "float32", **options},
-                             output=str(tmp / tag), warmup=1, quality=False))
+                             output=str(tmp / tag), warmup=1, quality=False), on_step=on_step)
     if run["status"] != "complete":
         raise SystemExit(f"{engine}: {run['status']} {run.get('error')}")
     return run
@@ -51,14 +53,10 @@ def fresh_peaks() -> dict:
     return peaks
 
 
-def mean_peaks(a: dict, b: dict) -> dict:
-    keys = ("memory_bandwidth_bytes_per_s", "matmul_flops_per_s")
-    return {k: (a[k] + b[k]) / 2 for k in keys}
-
-
-def decode_p50(folder: Path, peaks: dict | None = None) -> tuple[float, float]:
-    """Median decode-only step time and the median roofline time of those steps (s), at
-    `peaks` (default: the ones the run recorded)."""
+def decode_p50(folder: Path, probes: dict[int, dict] | None = None) -> tuple[float, float, float]:
+    """Median decode-only step time, the median roofline time of those steps and the median
+    of roofline / step time (s, s, share), at the peaks probed after each step (`probes`, by
+    step index) or else the ones the run recorded."""
     import pandas as pd  # noqa: PLC0415
 
     from harness.results import read_run  # noqa: PLC0415
@@ -66,11 +64,15 @@ def decode_p50(folder: Path, peaks: dict | None = None) -> tuple[float, float]:
     run = read_run(folder)
     steps = pd.read_parquet(folder / "steps.parquet")
     dec = steps[(steps["prefill_tokens"] == 0) & (steps["decode_tokens"] > 0)]
-    m, peaks = run["engine"]["model_stats"], peaks or run["environment"]["peaks"]
+    m, peaks = run["engine"]["model_stats"], run["environment"]["peaks"]
+    bw, rate = (pd.Series(peaks[k], index=dec.index) for k in ("memory_bandwidth_bytes_per_s", "matmul_flops_per_s"))
+    if probes is not None:
+        bw = pd.Series([probes[i]["memory_bandwidth_bytes_per_s"] for i in dec.index], index=dec.index)
+        rate = pd.Series([probes[i]["matmul_flops_per_s"] for i in dec.index], index=dec.index)
     read = dec["weight_bytes_read"] + dec["context_tokens"] * m["kv_bytes_per_token"]
     flops = 2 * m["active_params_per_token"] * dec["decode_tokens"]
-    roof = pd.concat([read / peaks["memory_bandwidth_bytes_per_s"], flops / peaks["matmul_flops_per_s"]], axis=1).max(axis=1)
-    return float(dec["duration_s"].median()), float(roof.median())
+    roof = pd.concat([read / bw, flops / rate], axis=1).max(axis=1)
+    return float(dec["duration_s"].median()), float(roof.median()), float((roof / dec["duration_s"]).median())
 
 
 def main() -> None:
@@ -142,23 +144,32 @@ def main() -> None:
             n = args.decode_seqs
             spec = WorkloadSpec("offline_batch", requests=n, input_range=(32, 32), output_tokens=64)
             full = dense + layers * experts * per_expert + (1 << 20)
-            print(f"\ndecode: {n} requests x 32 in / 64 out at t=0; roofline = max(bytes / bandwidth, FLOPs / FLOP rate) "
-                  f"at the mean of the peaks measured before and after each run")
-            rows = []
+            print(f"\ndecode: {n} requests x 32 in / 64 out at t=0; each decode step's roofline = max(bytes / bandwidth, "
+                  f"FLOPs / FLOP rate) at the peaks probed right after it")
+            from harness.hw import PeakProbe  # noqa: PLC0415
+
+            probe, rows = PeakProbe(), []
             for engine, options in (("moe", {"max_num_seqs": n}),
                                     ("moegen", {"max_num_seqs": n, "budget_bytes": full, "kv_placement": "host",
                                                 "plan_context": 64, "host_kv_gb": 0.5})):
-                before = fresh_peaks()
-                run = run_one(tmp, model, spec, engine, options, f"decode-{engine}")
-                after = fresh_peaks()
-                print(f"{engine}: peaks before {show(before)}; after {show(after)}")
-                step, roof = decode_p50(tmp / f"decode-{engine}", mean_peaks(before, after))
-                rows.append((engine, run, step, roof))
+                print(f"peaks before {engine}'s start: {show(fresh_peaks())}")
+                probes: dict[int, dict] = {}
+
+                def after_step(records) -> None:
+                    s = records.steps[-1]
+                    if s["prefill_tokens"] == 0 and s["decode_tokens"] > 0:
+                        probes[len(records.steps) - 1] = probe()
+
+                run = run_one(tmp, model, spec, engine, options, f"decode-{engine}", after_step)
+                rates = sorted(p["matmul_flops_per_s"] for p in probes.values())
+                print(f"{engine}: matmul peak probed after its decode steps {rates[0] / 1e9:.0f}-{rates[-1] / 1e9:.0f} "
+                      f"GFLOP/s (median {rates[len(rates) // 2] / 1e9:.0f})")
+                rows.append((engine, run, *decode_p50(tmp / f"decode-{engine}", probes)))
             print(f"{'engine':8s} {'decode tok/s':>12s} {'step p50 ms':>12s} {'roofline ms':>12s} {'of roofline':>12s} {'predicted ms':>13s}")
-            for engine, run, step, roof in rows:
+            for engine, run, step, roof, share in rows:
                 plan = run["summary"].get("plan", {})
                 print(f"{engine:8s} {run['summary']['engine']['decode_tokens_per_s']:12.1f} {step * 1e3:12.1f} "
-                      f"{roof * 1e3:12.1f} {roof / step:12.0%} {(plan.get('decode_predicted_step_s_p50') or 0) * 1e3:13.1f}")
+                      f"{roof * 1e3:12.1f} {share:12.0%} {(plan.get('decode_predicted_step_s_p50') or 0) * 1e3:13.1f}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,47 @@ def test_measured_decode_attention_rate_prices_the_kv_once():
     assert mixed.total_s - alone.total_s == pytest.approx(new - old)
 
 
+def test_on_one_processor_copies_are_memcpys_beside_compute():
+    """A CPU run (shared_processor): each copied byte is also read and written by a memcpy on
+    the cores that compute, so the layer's compute grows by 2 x bytes / bandwidth."""
+    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    gpu = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                   link_bytes_per_s=1e10)
+    cpu = dataclasses.replace(gpu, shared_processor=True)
+    plan = Plan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
+    apart = step_cost(shape, gpu, plan, 10, 0, 10 * 50, 0)
+    shared = step_cost(shape, cpu, plan, 10, 0, 10 * 50, 0)
+    # 4 experts of 1 MB streamed: 4 ms of link (hidden under 4.6 ms of compute), 8 ms of memcpy.
+    assert shared.compute_s - apart.compute_s == pytest.approx(2 * 4e6 / 1e9)
+    assert shared.total_s - apart.total_s == pytest.approx(2 * 4e6 / 1e9)
+    assert shared.link_s == apart.link_s
+
+
+def test_host_attentions_round_trip_is_waited_for_and_activations_slow_with_the_step():
+    """Host placement: the layer waits for q/k/v to go down and the output to come up (serial,
+    not hidden under compute); the elementwise rate is interpolated in log(tokens) between
+    its measured step sizes."""
+    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    hw = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                  link_bytes_per_s=1e7)
+    host = Plan("host", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
+    device = dataclasses.replace(host, kv_placement="device")
+    c_host, c_dev = (step_cost(shape, hw, p, 10, 0, 10 * 50, 0) for p in (host, device))
+    trip = 10 * (100 + 100 + 2 * 50) * 4 / 1e7  # 1.2 ms: q/k/v down, output up, nothing to hide under
+    attention = max(KV_READS * 500 * 400 / 1e9, 4 * 2 * 50 * 500 / 1e12)  # the same on either side here
+    assert c_host.total_s - c_dev.total_s == pytest.approx(trip)
+    assert c_host.host_s == pytest.approx(attention) and c_dev.host_s == 0
+
+    ew = dataclasses.replace(hw, elementwise_bytes_per_s=20e9, elementwise_at_tokens=((256, 20e9), (8192, 5e9)))
+    assert ew.elementwise_rate(100) == 20e9 and ew.elementwise_rate(10**5) == 5e9
+    assert ew.elementwise_rate(1448) == pytest.approx(12.5e9, rel=1e-3)  # halfway in log(tokens)
+    assert hw.elementwise_rate(256) is None
+
+
 TWO = ("device", "host")  # the placements of the tests below (stream/split move KV bytes too: tested further down)
 
 
@@ -182,10 +223,12 @@ def test_split_one_layer_by_hand():
     head = 4_000 / 1e9
     assert c.host_s == pytest.approx(host)
     assert c.link_s == pytest.approx(kv_link + act)
-    assert c.total_s == pytest.approx(rest + max(host, max(device, kv_link)) + head + kv_link / 2)
+    wait = 5 * (2 * 100 + 2 * 50) * 4 / 1e8  # the host rows' round trip is waited for
+    assert c.total_s == pytest.approx(rest + max(host, max(device, kv_link)) + head + kv_link / 2 + wait)
     assert c.h2d_bytes == 5 * 100 * 4 + 250 * 400
     shared = step_cost(TOY, dataclasses.replace(TOY_HW, shared_processor=True), plan, 10, 0, 500, 0)
-    assert shared.total_s == pytest.approx(rest + host + max(device, kv_link) + head + kv_link / 2)
+    memcpy = 2 * (kv_link + act) * 1e8 / 1e9  # one processor: the copies' memcpys (read + write) add up too
+    assert shared.total_s == pytest.approx(rest + host + max(device, kv_link) + head + kv_link / 2 + memcpy + wait)
 
 
 LONG = Workload(seqs=256, context=8000)  # 256 x 8000 x 128 KiB = 250 GiB of KV; 20 GiB holds 16 sequences
