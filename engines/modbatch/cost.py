@@ -21,14 +21,17 @@ CPU run) they add up.
 
 Every rate is a `pwbench hw` measurement of this machine (or a datasheet's), none fitted to
 the engine: weights are read at the rate decode-shaped matmuls stream them (on these CPUs far
-below the copy bandwidth); a matmul's FLOP/s depend on its rows (few-row matmuls run below the
-peak); greedy sampling's argmax reads the logits at its own rate; activations move through
-the elementwise kernels at the rate a small product runs. Facts about this runtime's kernels
-enter as counts: decode attention gathers each sequence's KV blocks into a contiguous copy
-before attending (the KV is read, written and read again: 3x its bytes); the elementwise
-kernels' activation elements per token and per expert assignment (ACT_*); every torch call
-costs a dispatch overhead (`Hardware.op_overhead_s`; 180 calls per layer plus 8 per expert
-that runs, counted).
+below the copy bandwidth); a matmul's FLOP/s depend on its rows (few-row matmuls on weights
+read from memory run below the peak); decode attention gets through the KV at the rate the
+runtime's gather + SDPA does (without that measurement: the KV read, written and read again,
+3x its bytes, at the bandwidth), causal prefill attention at its own FLOP rate; greedy
+sampling's argmax reads the logits at its own rate; activations move through the elementwise
+kernels at the rate measured for the step's size (a decode step's stay in cache, a prefill
+step's stream through memory). Facts about this runtime's kernels enter as counts: the
+elementwise kernels' activation elements per token and per expert assignment (ACT_*); every
+torch call costs a dispatch overhead (`Hardware.op_overhead_s`; 180 calls per layer plus 8 per
+expert that runs, counted). Left out: the Python between calls beyond that overhead and the
+scheduler's per-sequence bookkeeping (on this CPU ~10% of a 256-sequence decode step).
 
 `choose_plan` enumerates KV placements (device when it fits the budget, host, stream and split
 when the staging buffer fits), expert ring slots, resident experts and (stream, split) the
