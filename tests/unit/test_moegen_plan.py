@@ -31,15 +31,18 @@ MIXTRAL = ModelShape(layers=32, moe_layers=32, experts=8, top_k=2, hidden=4096, 
 H200 = Hardware(device_bytes_per_s=4.8e12, device_flops_per_s=790e12, host_bytes_per_s=200e9, host_flops_per_s=2e12,
                 link_bytes_per_s=55e9)
 BLOCK = 16 * MIXTRAL.kv_bytes_per_token
+# A one-layer toy, every number chosen so each module's roofline side is known by hand.
+TOY = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
+                 head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
+                 head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+TOY_HW = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
+                  link_bytes_per_s=1e8)
 
 
 def test_one_layer_by_hand():
     """A one-layer toy, every number chosen so each module's roofline side is known."""
-    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
-    hw = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
-                  link_bytes_per_s=1e8)
+    shape = TOY
+    hw = TOY_HW
     plan = Plan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
     c = step_cost(shape, hw, plan, decode_seqs=10, prefill_tokens=0, decode_context=10 * 50, prefill_context=0)
     dense = max(1_000 / 1e9, 2 * 10 * 100 * (2 * 100 + 2 * 50) / 1e12)  # 1 us (bytes)
@@ -56,11 +59,8 @@ def test_one_layer_by_hand():
 def test_measured_decode_attention_rate_prices_the_kv_once():
     """With `pwbench hw`'s decode-attention rate the attention term is the KV bytes attended
     (each once) over that rate, on whichever processor attends; prefill keeps its roofline."""
-    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
-    base = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
-                    link_bytes_per_s=1e8)
+    shape = TOY
+    base = TOY_HW
     rated = dataclasses.replace(base, attention_bytes_per_s=5e7, host_attention_bytes_per_s=2.5e7)
     for placement, rate in (("device", 5e7), ("host", 2.5e7)):
         plan = Plan(placement, 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
@@ -81,11 +81,8 @@ def test_measured_decode_attention_rate_prices_the_kv_once():
 def test_on_one_processor_copies_are_memcpys_beside_compute():
     """A CPU run (shared_processor): each copied byte is also read and written by a memcpy on
     the cores that compute, so the layer's compute grows by 2 x bytes / bandwidth."""
-    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
-    gpu = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
-                   link_bytes_per_s=1e10)
+    shape = TOY
+    gpu = dataclasses.replace(TOY_HW, link_bytes_per_s=1e10)
     cpu = dataclasses.replace(gpu, shared_processor=True)
     plan = Plan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
     apart = step_cost(shape, gpu, plan, 10, 0, 10 * 50, 0)
@@ -100,11 +97,8 @@ def test_host_attentions_round_trip_is_waited_for_and_activations_slow_with_the_
     """Host placement: the layer waits for q/k/v to go down and the output to come up (serial,
     not hidden under compute); the elementwise rate is interpolated in log(tokens) between
     its measured step sizes."""
-    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
-    hw = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
-                  link_bytes_per_s=1e7)
+    shape = TOY
+    hw = dataclasses.replace(TOY_HW, link_bytes_per_s=1e7)
     host = Plan("host", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
     device = dataclasses.replace(host, kv_placement="device")
     c_host, c_dev = (step_cost(shape, hw, p, 10, 0, 10 * 50, 0) for p in (host, device))
@@ -180,13 +174,6 @@ def test_a_budget_without_room_for_one_expert_is_refused():
 
 
 # -- stream and split ---------------------------------------------------------------------------------
-
-TOY = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                 head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                 head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
-TOY_HW = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
-                  link_bytes_per_s=1e8)
-
 
 def test_stream_one_layer_by_hand():
     """10 sequences of 50 tokens in 2 micro-batches of 5, every expert resident (no expert link):
@@ -297,9 +284,7 @@ def test_few_row_matmuls_and_greedy_sampling_cost_what_pwbench_hw_measured():
                   link_bytes_per_s=None, flops_at_rows=((8, 1e11), (128, 5e11), (1024, 1e12)), sample_bytes_per_s=2e8)
     assert hw.matmul_flops(4) == 1e11 and hw.matmul_flops(8) == 1e11 and hw.matmul_flops(4096) == 1e12
     assert hw.matmul_flops(32) == pytest.approx(1e11 + 0.5 * 4e11)  # halfway from 8 to 128 in log(rows)
-    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    shape = TOY
     plan = Plan("device", 32, 32, expert_slots=0, resident_experts=4, device_kv_bytes=0)
     c = step_cost(shape, hw, plan, decode_seqs=32, prefill_tokens=0, decode_context=32 * 50, prefill_context=0)
     rate32, rate16 = hw.matmul_flops(32), hw.matmul_flops(16)  # projections: 32 rows; experts: 32 x 2 / 4
@@ -313,9 +298,7 @@ def test_few_row_matmuls_and_greedy_sampling_cost_what_pwbench_hw_measured():
 def test_activations_move_through_elementwise_kernels_at_the_measured_rate():
     """With `elementwise_bytes_per_s`, each layer also pays its activations: per token
     14 x hidden + 6 x (q + kv) + q elements, per expert assignment 6 x hidden + 5 x intermediate."""
-    shape = ModelShape(layers=1, moe_layers=1, experts=4, top_k=2, hidden=100, q_size=100, kv_size=50, heads=2,
-                       head_dim=50, intermediate=200, vocab=1000, dense_bytes=10_000, layer_dense_bytes=1_000,
-                       head_bytes=4_000, expert_bytes=1_000_000, kv_bytes_per_token=400, dtype_bytes=4)
+    shape = TOY
     base = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
                     link_bytes_per_s=None)
     plan = Plan("device", 10, 10, expert_slots=0, resident_experts=4, device_kv_bytes=0)
