@@ -138,10 +138,13 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
         raise EngineError(f"engine {name}: resident_experts must be within [0, {total}], got {resident}")
     if fixed.get("expert_slots", 1) < 1 or fixed.get("micro_batch", 1) < 1:
         raise EngineError(f"engine {name}: expert_slots and micro_batch must be >= 1")
-    slots = fixed.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
     micro = fixed.get("micro_batch", plan.micro_batch)
     staged = (staging_bytes(shape, kv_block, micro, work.context, min_blocks) if plan.kv_placement in STREAMED
               else 0)
+    if "expert_slots" in fixed and "resident_experts" not in fixed:  # the ring as fixed; residents in what is left
+        left = cfg.budget_bytes - shape.dense_bytes - staged - (kv_block if plan.kv_placement == "device" else 0)
+        resident = max(0, min(resident, left // shape.expert_bytes - fixed["expert_slots"]))
+    slots = fixed.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
     weights = shape.dense_bytes + (slots + resident) * shape.expert_bytes
     if weights + staged + (kv_block if plan.kv_placement == "device" else 0) > cfg.budget_bytes:
         beside = f"the dense weights and the KV staging buffer ({format_size(staged)})" if staged else "the dense weights"

@@ -32,7 +32,7 @@ from typing import Any
 from engines.base import EngineError, StepOutput
 from engines.moe import MoEEngine, MoEEngineConfig
 from engines.paged.arbiter import Arbiter, Choice, solve_greedy
-from engines.paged.backend import PagedWeightBackend
+from engines.paged.backend import FETCH_SLOTS, PagedWeightBackend
 from engines.paged.importance import Importance, Key
 from engines.runtime.copies import CopyEngine
 from engines.runtime.experts import ExpertBackend
@@ -115,7 +115,7 @@ class PagedWeightEngine(MoEEngine):
         backend = PagedWeightBackend(stores, self.copies, self.device, self.importance, cfg.feedback_share, cfg.seed)
         backend.fetch_bits = dict(quality)  # an expert that left the device comes back at its quality floor
         if 0 in self.floors.values():
-            backend.staging_bytes = backend.staging_slot_bytes()
+            backend.staging_bytes = FETCH_SLOTS * backend.staging_slot_bytes()
         self.experts = backend
         return backend
 
@@ -185,7 +185,7 @@ class PagedWeightEngine(MoEEngine):
         return dict(plan.bits)
 
     def _floor_bytes(self) -> int:
-        """Every expert at its floor, plus the on-demand staging slot when a floor is 0."""
+        """Every expert at its floor, plus the on-demand staging slots when a floor is 0."""
         backend: PagedWeightBackend = self.experts  # type: ignore[assignment]
         return backend.staging_bytes + sum(store.nbytes(self.floors[k]) if self.floors[k] else 0
                                            for k, store in backend.stores.items())
@@ -195,7 +195,7 @@ class PagedWeightEngine(MoEEngine):
         widths = sorted(set(self.floors.values()))
         floor = (f"every routed expert at its floor ({'/'.join(map(str, widths))} bits: floor_bits {cfg.floor_bits}, "
                  f"max_expert_error {cfg.max_expert_error})" if cfg.floor_bits else
-                 "a staging slot for one expert fetched on demand at its quality floor")
+                 f"{FETCH_SLOTS} staging slots for experts fetched on demand at their quality floor")
         return [("dense weights", self._dense_device_bytes()), (floor, self._floor_bytes()),
                 ("one KV block", self._kv_block_bytes())]
 
@@ -251,7 +251,7 @@ class PagedWeightEngine(MoEEngine):
         self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
                             self._engine_step)
         block = self.kv.block_bytes
-        # What the pages, the staging slot and (device placement) the KV blocks share.
+        # What the pages, the staging slots and (device placement) the KV blocks share.
         pages = cfg.budget_bytes - self._dense_device_bytes() - self._reserved_device_bytes()
         on_device = self._kv_on_device()
         kv_bytes = min(self._kv_demand_blocks(), self.kv.allocator.num_blocks) * block if on_device else 0

@@ -26,6 +26,7 @@ engine turns them into sensitivity updates and fallbacks).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -35,6 +36,10 @@ from torch import Tensor
 from engines.paged.importance import Importance, Key
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+
+
+# Staging slots for experts fetched on demand: one copies while the other's expert computes.
+FETCH_SLOTS = 2
 
 
 @dataclass
@@ -83,8 +88,8 @@ class PagedWeightBackend(ExpertBackend):
         self.step_index = 0
         self.feedback_due = False
         self.feedback = FeedbackSample()
-        # Room for one expert fetched on demand at its lowest width (set when a floor is 0 bits):
-        # counted in device_bytes, and such experts run one at a time, so it is never exceeded.
+        # Room for FETCH_SLOTS experts fetched on demand at their fetch width (set when a floor
+        # is 0 bits): counted in device_bytes; at most that many are on the device at once.
         self.staging_bytes = 0
         self.fetch_bits: dict[Key, int] = {}  # width of an on-demand fetch (default: the lowest)
         self._layers = sorted({layer for layer, _ in self.stores})
@@ -113,7 +118,8 @@ class PagedWeightBackend(ExpertBackend):
         return self.fetch_bits.get(key) or min(b for b in self.stores[key].bits if b > 0)
 
     def staging_slot_bytes(self) -> int:
-        """The largest expert at its fetch width: the staging slot an on-demand fetch needs."""
+        """The largest expert at its fetch width: one staging slot of an on-demand fetch (the
+        backend needs FETCH_SLOTS of them)."""
         return max(store.nbytes(self._fetch_width(key)) for key, store in self.stores.items())
 
     def bits(self, key: Key) -> int:
@@ -185,15 +191,14 @@ class PagedWeightBackend(ExpertBackend):
                 return move.held
         return None
 
-    def _fetch(self, key: Key) -> Held:
-        """An expert at 0 bits, fetched on demand into the staging slot at its fetch width (the
-        engine's quality floor; else the lowest): copied, used for one call, not kept."""
+    def _fetch(self, key: Key) -> tuple[Held, CopyHandle]:
+        """Issue the on-demand copy of an expert at 0 bits into a staging slot at its fetch
+        width (the engine's quality floor; else the lowest): used for one call, not kept."""
         store = self.stores[key]
         lowest = self._fetch_width(key)
         parts, pairs = store.device_tensors(lowest, self.device)
-        self.copies.h2d(pairs, tag="expert_pages").wait()
         self._stats["on_demand_fetches"] += 1
-        return Held(lowest, parts)
+        return Held(lowest, parts), self.copies.h2d(pairs, tag="expert_pages")
 
     # -- compute -----------------------------------------------------------------------------------
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
@@ -203,13 +208,16 @@ class PagedWeightBackend(ExpertBackend):
         xs = x[d.token_index]
         out = torch.empty_like(xs)
         groups: dict[int, list[tuple[int, Held]]] = {}
+        missing: list[int] = []
         for e in rows:
             held = self._resident((layer, e))
-            if held is None:  # one at a time through the staging slot
-                fetched = self._fetch((layer, e))
-                out[rows[e]] = self.stores[(layer, e)].forward(fetched.parts, fetched.bits, xs[rows[e]])
-                continue
-            groups.setdefault(held.bits, []).append((e, held))
+            if held is None:
+                missing.append(e)
+            else:
+                groups.setdefault(held.bits, []).append((e, held))
+        # Experts off the device: the first FETCH_SLOTS copies go out before the resident experts
+        # compute, then each fetched one computes while the next copies into the slot it freed.
+        inflight = deque((e, *self._fetch((layer, e))) for e in missing[:FETCH_SLOTS])
         for bits, members in sorted(groups.items()):
             if bits == 16:  # the master itself: exactly the resident backend's computation
                 for e, held in members:
@@ -219,6 +227,15 @@ class PagedWeightBackend(ExpertBackend):
             ys = store.group_forward([h.parts for _, h in members], bits, [xs[rows[e]] for e, _ in members])
             for (e, _), y in zip(members, ys):
                 out[rows[e]] = y
+        queued = iter(missing[FETCH_SLOTS:])
+        while inflight:
+            e, fetched, handle = inflight.popleft()
+            handle.wait()
+            out[rows[e]] = self.stores[(layer, e)].forward(fetched.parts, fetched.bits, xs[rows[e]])
+            del fetched  # its slot is free: at most FETCH_SLOTS fetched experts on the device
+            nxt = next(queued, None)
+            if nxt is not None:
+                inflight.append((nxt, *self._fetch((layer, nxt))))
         if self.feedback_due:
             self._check(layer, xs, out, rows, groups)
         return combine(x, d, out)

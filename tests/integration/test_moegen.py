@@ -157,6 +157,27 @@ def test_budget_errors_name_the_minimum_and_the_fix():
         engine.start()
 
 
+def test_a_fixed_ring_takes_its_slots_first_and_residents_fill_what_is_left():
+    """expert_slots alone: the plan's resident experts shrink to fit beside the fixed ring
+    (room for 5 experts: 3 slots + 2 resident), instead of an error."""
+    budget = DEMO_DENSE + 5 * DEMO_EXPERT + DEMO_EXPERT // 2
+    free = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, "kv_placement": "host", **SMALL_HOST_KV})
+    free.start()
+    try:
+        chosen = free.plan
+    finally:
+        free.stop()
+    engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, "kv_placement": "host",
+                                      "expert_slots": 3, **SMALL_HOST_KV})
+    engine.start()
+    try:
+        plan = engine.plan
+    finally:
+        engine.stop()
+    assert chosen.expert_slots + chosen.resident_experts == 5 and chosen.resident_experts > 2
+    assert (plan.expert_slots, plan.resident_experts) == (3, 2)
+
+
 def test_the_plan_is_in_the_engine_info_and_every_step_has_a_prediction():
     reqs = requests(1109, n=4, new=4)
     _, steps, info = generate("moegen", DEMO, reqs, budget_bytes=DEMO_DENSE + 3 * DEMO_EXPERT, **SMALL_HOST_KV)

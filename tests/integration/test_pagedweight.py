@@ -134,7 +134,7 @@ def test_feedback_finds_a_corrupted_expert_and_pins_it_up(tmp_path, monkeypatch)
 
 def test_an_expert_at_0_bits_runs_through_the_staging_slot_at_its_quality_floor(tmp_path, monkeypatch):
     """floor_bits=0: an expert that left the device is fetched on demand at its quality floor
-    into one staging slot (counted in the device bytes and the budget minimum) and gives
+    through the staging slots (counted in the device bytes and the budget minimum) and gives
     exactly what the same expert held at that width gives; the fetch's bytes are counted."""
     import torch  # noqa: PLC0415
 
@@ -149,9 +149,10 @@ def test_an_expert_at_0_bits_runs_through_the_staging_slot_at_its_quality_floor(
         store = backend.stores[key]
         lowest = backend.fetch_bits[key]  # its quality floor (max_expert_error)
         assert lowest == min(b for b in store.bits if b == 16 or engine.sensitivity[key][b] <= 0.01)
-        assert backend.staging_bytes == max(s.nbytes(backend.fetch_bits[k]) for k, s in backend.stores.items())
+        slot = max(s.nbytes(backend.fetch_bits[k]) for k, s in backend.stores.items())
+        assert backend.staging_bytes == 2 * slot  # one copying while the other computes
         minimum = dict(engine.budget_minimum())
-        assert minimum["a staging slot for one expert fetched on demand at its quality floor"] == backend.staging_bytes
+        assert minimum["2 staging slots for experts fetched on demand at their quality floor"] == backend.staging_bytes
         held_bytes = backend.device_bytes()
         x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
         ids = torch.tensor([[2, 0], [2, 1], [3, 2], [2, 3], [0, 1]])
@@ -171,6 +172,57 @@ def test_an_expert_at_0_bits_runs_through_the_staging_slot_at_its_quality_floor(
     assert h2d_after - h2d_before == store.transfer_bytes(0, lowest)
     assert backend.step_stats()["on_demand_fetches"] >= 1
     assert backend.device_bytes() < held_bytes + store.nbytes(lowest)  # the fetched copy was not kept
+
+
+def test_on_demand_fetches_pipeline_through_two_slots(tmp_path, monkeypatch):
+    """Four routed experts, none on the device: two copies go out before any computes, and
+    each later copy is issued as soon as an expert's compute freed its slot, so expert k+1
+    copies while expert k computes and never more than two fetched experts are on the device.
+    The result is what the same experts held at their fetch widths give."""
+    import torch  # noqa: PLC0415
+
+    from engines.runtime.experts import dispatch  # noqa: PLC0415
+
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 2_000_000, "floor_bits": 0})
+    engine.start()
+    log: list[tuple[str, int]] = []
+    try:
+        backend = engine.experts
+        keys = [(1, e) for e in range(4)]
+        x = torch.randn(6, 128, generator=torch.Generator().manual_seed(1))
+        ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+        d = dispatch(ids, torch.full((6, 2), 0.5), torch.bincount(ids.flatten(), minlength=4).tolist())
+        for k in keys:
+            backend.start_move(k, backend.fetch_bits[k])
+        backend.commit()
+        held = backend.forward(1, x, d)
+        for k in keys:
+            backend.start_move(k, 0)
+        assert all(backend.bits(k) == 0 for k in keys)
+
+        copies, issued = backend.copies, []
+        h2d = copies.h2d
+
+        def logged_h2d(pairs, tag):
+            handle, n = h2d(pairs, tag=tag), len(issued)
+            issued.append(handle)
+            log.append(("issue", n))
+            wait = handle.wait
+
+            def logged_wait():
+                log.append(("wait", n))
+                return wait()
+            handle.wait = logged_wait
+            return handle
+        copies.h2d = logged_h2d
+        fetched = backend.forward(1, x, d)
+        copies.h2d = h2d
+    finally:
+        engine.stop()
+    assert torch.equal(fetched, held)
+    assert log == [("issue", 0), ("issue", 1), ("wait", 0), ("issue", 2), ("wait", 1), ("issue", 3),
+                   ("wait", 2), ("wait", 3)]
 
 
 def test_kv_demand_counts_only_queued_requests_that_could_be_admitted(tmp_path, monkeypatch):
