@@ -33,7 +33,7 @@ from engines.modbatch.hardware import model_shape
 from engines.modbatch.cost import STREAMED, Plan, decode_cost
 from engines.moegen import MoEGenConfig, MoEGenEngine, make_plan, plan_workload, staging_minimum
 from engines.pagedweight import PagedWeightConfig, PagedWeightEngine
-from engines.paged.backend import FETCH_SLOTS, PagedWeightBackend
+from engines.paged.backend import PagedWeightBackend
 from engines.runtime.experts import ExpertBackend
 from engines.runtime.weights import DenseExperts
 
@@ -107,13 +107,13 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
 
     def _full_plan(self, backend: PagedWeightBackend) -> Plan:
         """moegen's plan for experts at their quality floors, the least the arbiter holds them
-        at (the ring: the FETCH_SLOTS staging slots an expert that left the device is fetched
-        into, one copying while the other's expert computes)."""
+        at (the ring: the backend's staging slots an expert that left the device is fetched
+        into)."""
         self.shape, self.hardware = self._shape(), self._hardware()
         self._check_budget(sum(n for _, n in self.budget_minimum()))  # in full's own terms, before the plan's
         floors = [store.nbytes(self.quality[key]) for key, store in backend.stores.items()]
         at_floor = dataclasses.replace(self.shape, expert_bytes=max(floors))
-        return make_plan(dataclasses.replace(self.config, expert_slots=FETCH_SLOTS), at_floor, self.hardware,
+        return make_plan(dataclasses.replace(self.config, expert_slots=backend.fetch_slots), at_floor, self.hardware,
                          self.checkpoint.config.max_position_embeddings, self.name)
 
     def _held_prediction(self, backend: PagedWeightBackend) -> Plan:
@@ -123,7 +123,7 @@ class FullEngine(PagedWeightEngine, MoEGenEngine):
         per_expert = max(1, sum(held) // max(1, resident)) if resident else self.shape.expert_bytes
         self.shape = shape = dataclasses.replace(self.shape, expert_bytes=per_expert)  # for step predictions
         plan = dataclasses.replace(self.plan, resident_experts=resident,
-                                   expert_slots=FETCH_SLOTS if resident < len(held) else 0)
+                                   expert_slots=backend.fetch_slots if resident < len(held) else 0)
         context = plan_workload(self.config).context  # type: ignore[arg-type]
         return dataclasses.replace(plan, predicted=decode_cost(shape, self.hardware, plan, plan.batch_seqs, context))
 

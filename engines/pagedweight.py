@@ -32,7 +32,7 @@ from typing import Any
 from engines.base import EngineError, StepOutput
 from engines.moe import MoEEngine, MoEEngineConfig
 from engines.paged.arbiter import Arbiter, Choice, solve_greedy
-from engines.paged.backend import FETCH_SLOTS, PagedWeightBackend
+from engines.paged.backend import PagedWeightBackend
 from engines.paged.importance import Importance, Key
 from engines.runtime.copies import CopyEngine
 from engines.runtime.experts import ExpertBackend
@@ -115,7 +115,7 @@ class PagedWeightEngine(MoEEngine):
         backend = PagedWeightBackend(stores, self.copies, self.device, self.importance, cfg.feedback_share, cfg.seed)
         backend.fetch_bits = dict(quality)  # an expert that left the device comes back at its quality floor
         if 0 in self.floors.values():
-            backend.staging_bytes = FETCH_SLOTS * backend.staging_slot_bytes()
+            backend.staging_bytes = backend.fetch_slots * backend.staging_slot_bytes()
         self.experts = backend
         return backend
 
@@ -193,9 +193,12 @@ class PagedWeightEngine(MoEEngine):
     def budget_minimum(self) -> list[tuple[str, int]]:
         cfg: PagedWeightConfig = self.config  # type: ignore[assignment]
         widths = sorted(set(self.floors.values()))
+        slots = self.experts.fetch_slots  # type: ignore[attr-defined]
         floor = (f"every routed expert at its floor ({'/'.join(map(str, widths))} bits: floor_bits {cfg.floor_bits}, "
                  f"max_expert_error {cfg.max_expert_error})" if cfg.floor_bits else
-                 f"{FETCH_SLOTS} staging slots for experts fetched on demand at their quality floor")
+                 "a staging slot for one expert fetched on demand at its quality floor" if slots == 1 else
+                 f"{slots} staging slots for experts fetched on demand at their quality floor (one copies while "
+                 "another computes)")
         return [("dense weights", self._dense_device_bytes()), (floor, self._floor_bytes()),
                 ("one KV block", self._kv_block_bytes())]
 

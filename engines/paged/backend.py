@@ -38,10 +38,6 @@ from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
 
 
-# Staging slots for experts fetched on demand: one copies while the other's expert computes.
-FETCH_SLOTS = 2
-
-
 @dataclass
 class Held:
     """What the device holds for one expert: a version's parts, never written once committed."""
@@ -88,8 +84,12 @@ class PagedWeightBackend(ExpertBackend):
         self.step_index = 0
         self.feedback_due = False
         self.feedback = FeedbackSample()
-        # Room for FETCH_SLOTS experts fetched on demand at their fetch width (set when a floor
-        # is 0 bits): counted in device_bytes; at most that many are on the device at once.
+        # Staging slots for experts fetched on demand: two where copies run beside compute (one
+        # copies while the other's expert computes), else one (a copy is then a memcpy at
+        # issue: a second slot would hide nothing and only take budget from the pages).
+        self.fetch_slots = 2 if copies.asynchronous else 1
+        # Room for fetch_slots experts at their fetch width (set when a floor is 0 bits):
+        # counted in device_bytes; at most that many are on the device at once.
         self.staging_bytes = 0
         self.fetch_bits: dict[Key, int] = {}  # width of an on-demand fetch (default: the lowest)
         self._layers = sorted({layer for layer, _ in self.stores})
@@ -119,7 +119,7 @@ class PagedWeightBackend(ExpertBackend):
 
     def staging_slot_bytes(self) -> int:
         """The largest expert at its fetch width: one staging slot of an on-demand fetch (the
-        backend needs FETCH_SLOTS of them)."""
+        backend needs fetch_slots of them)."""
         return max(store.nbytes(self._fetch_width(key)) for key, store in self.stores.items())
 
     def bits(self, key: Key) -> int:
@@ -215,9 +215,9 @@ class PagedWeightBackend(ExpertBackend):
                 missing.append(e)
             else:
                 groups.setdefault(held.bits, []).append((e, held))
-        # Experts off the device: the first FETCH_SLOTS copies go out before the resident experts
+        # Experts off the device: the first fetch_slots copies go out before the resident experts
         # compute, then each fetched one computes while the next copies into the slot it freed.
-        inflight = deque((e, *self._fetch((layer, e))) for e in missing[:FETCH_SLOTS])
+        inflight = deque((e, *self._fetch((layer, e))) for e in missing[:self.fetch_slots])
         for bits, members in sorted(groups.items()):
             if bits == 16:  # the master itself: exactly the resident backend's computation
                 for e, held in members:
@@ -227,12 +227,12 @@ class PagedWeightBackend(ExpertBackend):
             ys = store.group_forward([h.parts for _, h in members], bits, [xs[rows[e]] for e, _ in members])
             for (e, _), y in zip(members, ys):
                 out[rows[e]] = y
-        queued = iter(missing[FETCH_SLOTS:])
+        queued = iter(missing[self.fetch_slots:])
         while inflight:
             e, fetched, handle = inflight.popleft()
             handle.wait()
             out[rows[e]] = self.stores[(layer, e)].forward(fetched.parts, fetched.bits, xs[rows[e]])
-            del fetched  # its slot is free: at most FETCH_SLOTS fetched experts on the device
+            del fetched  # its slot is free: at most fetch_slots fetched experts on the device
             nxt = next(queued, None)
             if nxt is not None:
                 inflight.append((nxt, *self._fetch((layer, nxt))))

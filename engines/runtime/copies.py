@@ -95,6 +95,12 @@ class CopyEngine:
             self._worker = threading.Thread(target=self._run_link, name="pwbench-link", daemon=True)
             self._worker.start()
 
+    @property
+    def asynchronous(self) -> bool:
+        """Copies run beside compute (a CUDA copy stream, or the CPU link model's thread);
+        otherwise each is a memcpy done at issue, and nothing can overlap it."""
+        return self._stream is not None or self._jobs is not None
+
     # -- the host tier -----------------------------------------------------------------------------
     def host(self, tensor: Tensor) -> Tensor:
         """`tensor` as host-tier storage: on the CPU, pinned when the device is CUDA."""

@@ -85,7 +85,7 @@ def test_below_full_precision_the_budget_holds_and_no_expert_sits_below_its_qual
     reqs = requests(1109, n=8, new=8)
     # device KV needs room for the plan's sequence; stream a staging buffer of 2 x 8 blocks of a layer
     kv = {"device": 1_200_000, "stream": 2 * 8 * 16 * 512}.get(placement, 0)
-    for share in (0.5, 0.15, 0.08):  # 0.08: below every expert at its (>= 4-bit) floor, above two staging slots
+    for share in (0.5, 0.15, 0.06):  # 0.06: below every expert at its (>= 4-bit) floor
         budget = DEMO_DENSE + int(share * DEMO_EXPERTS) + kv
         engine = create_calibrated("full", {"model": DEMO, **CPU32, "budget_bytes": budget, "kv_placement": placement,
                                             **SMALL_HOST_KV, "max_model_len": 128, "micro_batch": 1})
@@ -104,25 +104,25 @@ def test_below_full_precision_the_budget_holds_and_no_expert_sits_below_its_qual
         floors = {k: min(b for b in widths if b == 16 or sens[k][b] <= bound) for k in sens}
         for held in bits_seen:
             assert all(b == 0 or b >= floors[k] for k, b in held.items()), (placement, share)
-        if share == 0.08 and placement != "device":  # less than every expert at its floor: some leave
+        if share == 0.06 and placement != "device":  # less than every expert at its floor: some leave
             assert sum(s.extras["on_demand_fetches"] for s in steps) > 0
 
 
 def test_an_expert_that_left_the_device_crosses_once_per_layer_step_at_its_quality_floor():
-    """A budget with room for no expert page beside the two staging slots: every routed expert is
+    """A budget with room for no expert page beside the staging slot: every routed expert is
     fetched when its layer runs, once per step for all the tokens routed to it (module-based
     batching), so each step's h2d bytes are the fetched experts' floor-width bytes (from their
     own stores) plus the activations host attention sends back up."""
     reqs = requests(1109, n=6, new=5)
     engine = create_calibrated("full", {"model": DEMO, **CPU32, "kv_placement": "host", **SMALL_HOST_KV,
                                         "budget_bytes": DEMO_DENSE + 1})
-    with pytest.raises(EngineError, match=r"too small for engine full.*2 staging slots for experts fetched on demand"):
+    with pytest.raises(EngineError, match=r"too small for engine full.*a staging slot for one expert"):
         engine.start()
     probe = create_calibrated("full", {"model": DEMO, **CPU32, "kv_placement": "host", **SMALL_HOST_KV,
                                        "budget_bytes": ROOMY})
     probe.start()
     try:
-        staging = 2 * probe.experts.staging_slot_bytes()
+        staging = probe.experts.staging_slot_bytes()  # one: copies are memcpys at issue without a link model
         fetch = {k: probe.experts.stores[k].transfer_bytes(0, probe.quality[k]) for k in probe.experts.stores}
     finally:
         probe.stop()
