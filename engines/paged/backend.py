@@ -196,7 +196,10 @@ class PagedWeightBackend(ExpertBackend):
         width (the engine's quality floor; else the lowest): used for one call, not kept."""
         store = self.stores[key]
         lowest = self._fetch_width(key)
-        parts, pairs = store.device_tensors(lowest, self.device)
+        # Normal tensors, not inference ones: the CPU link model copies into them on its own
+        # thread, outside inference mode, where writing an inference tensor is an error.
+        with torch.inference_mode(False):
+            parts, pairs = store.device_tensors(lowest, self.device)
         self._stats["on_demand_fetches"] += 1
         return Held(lowest, parts), self.copies.h2d(pairs, tag="expert_pages")
 

@@ -155,6 +155,20 @@ def test_an_expert_that_left_the_device_crosses_once_per_layer_step_at_its_quali
         assert s.device_weight_bytes == DEMO_DENSE + staging
 
 
+def test_with_the_link_model_experts_that_left_are_fetched_through_two_slots():
+    """With the CPU link model copies run on the link's thread: experts that left the device
+    are fetched into two staging slots (normal tensors the thread may write: once they were
+    inference tensors and such a run failed), both inside the budget at every step."""
+    reqs = requests(1109, n=6, new=6)
+    budget = DEMO_DENSE + int(0.08 * DEMO_EXPERTS)
+    got, steps, info = generate("full", DEMO, reqs, budget_bytes=budget, kv_placement="host", link_gbps=25,
+                                **SMALL_HOST_KV)
+    assert all(len(t) == 6 for t in got.values())
+    assert sum(s.extras["on_demand_fetches"] for s in steps) > 0
+    assert info.model_stats["plan_expert_slots"] == 2
+    assert all(s.device_weight_bytes <= budget for s in steps)
+
+
 def test_full_runs_a_budget_pagedweight_refuses():
     budget = DEMO_DENSE + int(0.06 * DEMO_EXPERTS) + 20_000  # below every expert at its 4-bit floor + KV
     with pytest.raises(EngineError, match="too small for engine pagedweight"):
