@@ -112,12 +112,11 @@ def main() -> None:
                   f"{budget / 2**20:.1f} MiB = dense {dense / 2**20:.1f} + quarter of the experts {quarter / 2**20:.1f} "
                   f"+ offload's KV reserve; link {args.link_gbps:g} GB/s")
             print(f"{'engine':8s} {'out tok/s':>10s} {'h2d B/token':>12s} {'decode step p50 ms':>19s} {'predicted ms':>13s}")
-            results = {}
+            results, peaks_at = {}, {}
             for engine, options in (("moe", {}), ("offload", {"budget_bytes": budget, **link}),
                                     ("moegen", {"budget_bytes": budget, "plan_context": context,
                                                 "max_num_seqs": args.requests, "host_kv_gb": 0.5, **link})):
-                if engine == "moegen":
-                    print(f"peaks before moegen's start (its plan): {show(fresh_peaks())}")
+                peaks_at[engine] = fresh_peaks()  # what the run's figures (and moegen's plan) start from
                 run = run_one(tmp, model, spec, engine, options, f"bytes-{engine}")
                 s = run["summary"]
                 results[engine] = run
@@ -125,6 +124,7 @@ def main() -> None:
                 print(f"{engine:8s} {s['output_tokens_per_s']:10.1f} {s['engine']['h2d_bytes_per_output_token'] or 0:12,.0f} "
                       f"{decode_p50(tmp / f'bytes-{engine}')[0] * 1e3:19.1f} "
                       f"{(plan.get('decode_predicted_step_s_p50') or 0) * 1e3:13.1f}")
+            print("peaks measured before each start: " + "; ".join(f"{e} {show(p)}" for e, p in peaks_at.items()))
             o, g = (results[e]["summary"] for e in ("offload", "moegen"))
             stats = results["moegen"]["engine"]["model_stats"]
             print(f"offload / moegen h2d bytes per output token: "
