@@ -42,11 +42,11 @@ def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | Non
     return None
 
 
-def _timeit(fn, repeats: int = 5, min_s: float = 0.1) -> float:
+def _timeit(fn, repeats: int = 5, min_s: float = 0.1, warmup: int = 3) -> float:
     """Median time of `fn` over at least `repeats` calls and `min_s` seconds (these machines
-    are noisy: a median of a few milliseconds' calls follows a neighbour's burst), after three
-    calls that warm it up (the first calls of a large gather fault its pages in: ~3x slower)."""
-    for _ in range(3):
+    are noisy: a median of a few milliseconds' calls follows a neighbour's burst), after
+    `warmup` calls (the first calls of a large gather fault its pages in: ~3x slower)."""
+    for _ in range(warmup):
         fn()
     times: list[float] = []
     while len(times) < repeats or sum(times) < min_s:
@@ -73,13 +73,8 @@ class PeakProbe:
     def __call__(self) -> dict[str, float]:
         import torch  # noqa: PLC0415
 
-        def median(fn) -> float:
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return sorted(times)[1]
+        def median(fn) -> float:  # warm already: the constructor touched the buffers
+            return _timeit(fn, repeats=3, min_s=0.0, warmup=0)
 
         return {"memory_bandwidth_bytes_per_s": 2 * self.src.numel() * 4 / median(lambda: self.dst.copy_(self.src)),
                 "matmul_flops_per_s": 2 * 1024**3 / median(lambda: torch.mm(self.a, self.b))}

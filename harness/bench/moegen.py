@@ -65,10 +65,11 @@ def decode_p50(folder: Path, probes: dict[int, dict] | None = None) -> tuple[flo
     steps = pd.read_parquet(folder / "steps.parquet")
     dec = steps[(steps["prefill_tokens"] == 0) & (steps["decode_tokens"] > 0)]
     m, peaks = run["engine"]["model_stats"], run["environment"]["peaks"]
-    bw, rate = (pd.Series(peaks[k], index=dec.index) for k in ("memory_bandwidth_bytes_per_s", "matmul_flops_per_s"))
-    if probes is not None:
-        bw = pd.Series([probes[i]["memory_bandwidth_bytes_per_s"] for i in dec.index], index=dec.index)
-        rate = pd.Series([probes[i]["matmul_flops_per_s"] for i in dec.index], index=dec.index)
+
+    def peak(key: str):  # per step when probed, else the run's one figure
+        return pd.Series([probes[i][key] for i in dec.index], index=dec.index) if probes is not None else peaks[key]
+
+    bw, rate = peak("memory_bandwidth_bytes_per_s"), peak("matmul_flops_per_s")
     read = dec["weight_bytes_read"] + dec["context_tokens"] * m["kv_bytes_per_token"]
     flops = 2 * m["active_params_per_token"] * dec["decode_tokens"]
     roof = pd.concat([read / bw, flops / rate], axis=1).max(axis=1)
