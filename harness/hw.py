@@ -162,18 +162,21 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     out["elementwise_bytes_per_s"] = at_tokens["256"]
     out["elementwise_bytes_per_s_at_tokens"] = at_tokens
     # Decode attention as the runtime runs it (engines/runtime/attention.py): each sequence's KV
-    # blocks gathered out of the paged pool, then SDPA with one query per sequence (4 query
-    # heads per KV head) under its length mask; 256 sequences of 64 keys, 4 KV heads of 64,
-    # blocks of 16. The rate: K and V bytes attended (each once) per second.
+    # blocks gathered out of the paged pool by the cache's own gather, then SDPA with one query
+    # per sequence (4 query heads per KV head) under its length mask; 256 sequences of 64 keys,
+    # 4 KV heads of 64, blocks of 16. The rate: K and V bytes attended (each once) per second.
+    from engines.runtime.kv_cache import PagedKVCache  # noqa: PLC0415
+
     seqs, ctx, kvh, hd, bs = 256, 64, 4, 64, 16
-    k_pool, v_pool = (torch.randn(kvh, 4096, bs, hd, device=dev) for _ in range(2))
-    tables = torch.randperm(4096, device=dev)[: seqs * ctx // bs]
+    cache = PagedKVCache(1, 4096, bs, kvh, hd, torch.float32, torch.device(dev))
+    for pool in cache.k + cache.v:
+        pool.normal_()
+    tables = torch.randperm(4096, device=dev)[: seqs * ctx // bs].view(seqs, ctx // bs)
     q = torch.randn(kvh, seqs, 4, hd, device=dev)
     mask = torch.ones(1, seqs, 1, ctx, dtype=torch.bool, device=dev)
 
     def decode_attention() -> None:
-        k = torch.index_select(k_pool, 1, tables).view(kvh, seqs, ctx, hd)
-        v = torch.index_select(v_pool, 1, tables).view(kvh, seqs, ctx, hd)
+        k, v = cache.gather(0, tables)
         torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         sync()
 

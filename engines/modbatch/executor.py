@@ -28,7 +28,7 @@ from torch import Tensor
 from engines.runtime.attention import AttentionBatch, DecodeGroup, PrefillSegment, paged_attention
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.executor import Executor
-from engines.runtime.kv_cache import KVCache
+from engines.runtime.kv_cache import KVCache, block_rows, gather_blocks
 from engines.runtime.model import Attend, ForwardResult, MoEModel
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.batch import StepBatch
@@ -128,10 +128,10 @@ class _Staged:
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         n, nb = tables.shape
-        flat = tables.reshape(-1)
-        k = torch.index_select(self.k, 1, flat).view(self.k.shape[0], n, nb * self.block_size, self.k.shape[-1])
-        v = torch.index_select(self.v, 1, flat).view(self.v.shape[0], n, nb * self.block_size, self.v.shape[-1])
-        return k, v
+        rows = block_rows(self.k, tables.reshape(-1))
+        k, v = gather_blocks(self.k, rows), gather_blocks(self.v, rows)
+        return (k.view(k.shape[0], n, nb * self.block_size, k.shape[-1]),
+                v.view(v.shape[0], n, nb * self.block_size, v.shape[-1]))
 
 
 @dataclass
@@ -278,8 +278,9 @@ class StreamAttention:
             K, B = self.heads, self.block_size
             hk = self.host_stage[half][0][: K * n * B * self.kdim].view(K, n, B, self.kdim)
             hv = self.host_stage[half][1][: K * n * B * self.vdim].view(K, n, B, self.vdim)
-            torch.index_select(self.kv.k[i], 1, part.copy_ids, out=hk)
-            torch.index_select(self.kv.v[i], 1, part.copy_ids, out=hv)
+            rows = block_rows(self.kv.k[i], part.copy_ids)
+            gather_blocks(self.kv.k[i], rows, out=hk)
+            gather_blocks(self.kv.v[i], rows, out=hv)
             dk, dv = self.stage[half]
             handle = self.copies.h2d([(dk[:, :n], hk), (dv[:, :n], hv)], tag="kv")
         self._issued[(i, j)] = (half, handle)

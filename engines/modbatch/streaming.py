@@ -28,6 +28,7 @@ from torch import Tensor
 
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, combine, segments, swiglu
+from engines.runtime.gemm import PackedWeight, pack, packed_bytes
 from engines.runtime.offload import HostTierBackend
 from engines.runtime.weights import DenseExperts
 
@@ -55,6 +56,13 @@ class StreamingBackend(HostTierBackend):
         self._issued: dict[Key, tuple[int, CopyHandle]] = {}  # slot and copy of experts in flight or landed
         self._queued_layers: set[int] = set()
         self._stall = 0.0  # compute's wait for expert copies this step
+        self._packed: dict[Key, tuple[PackedWeight | Tensor, PackedWeight | Tensor]] = {}  # prepack
+
+    def prepack(self) -> int:
+        """Resident experts get packed copies; streamed ones land in a slot each step, where
+        packing would cost what it saves."""
+        self._packed = {k: (pack(gu), pack(dn)) for k, (gu, dn) in self.resident.items()}
+        return sum(packed_bytes(pair) for pair in self._packed.values())
 
     # -- ExpertBackend -----------------------------------------------------------------------------
     def device_bytes(self) -> int:
@@ -87,7 +95,7 @@ class StreamingBackend(HostTierBackend):
         out = torch.empty_like(xs)
         for e in rows:
             if (layer, e) in self.resident:
-                gate_up, down = self.resident[(layer, e)]
+                gate_up, down = self._packed.get((layer, e)) or self.resident[(layer, e)]
                 out[rows[e]] = swiglu(xs[rows[e]], gate_up, down)
         # This layer's streamed experts are at the head of the FIFO (earlier layers are done).
         for e in range(self.num_experts(layer)):

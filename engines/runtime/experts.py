@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engines.runtime.gemm import PackedWeight, linear, pack, packed_bytes
 from engines.runtime.weights import DenseExperts, MLPWeights
 
 
@@ -72,17 +73,18 @@ def dispatch(ids: Tensor, weights: Tensor, counts: list[int]) -> Dispatch:
     return Dispatch(order // ids.shape[1], weights.flatten()[order], counts)
 
 
-def swiglu(x: Tensor, gate_up: Tensor, down: Tensor, gate_up_bias: Tensor | None = None,
+def swiglu(x: Tensor, gate_up: Tensor | PackedWeight, down: Tensor | PackedWeight, gate_up_bias: Tensor | None = None,
            down_bias: Tensor | None = None, clamp: tuple[float, float] | None = None) -> Tensor:
-    """x [n, D], gate_up [2I, D] (gate rows first), down [D, I] -> [n, D]. With `clamp`
+    """x [n, D], gate_up [2I, D] (gate rows first), down [D, I] -> [n, D]; either weight may
+    be packed (engines/runtime/gemm.py). With `clamp`
     (limit, alpha), gpt-oss's variant: gate <= limit, |up| <= limit, gate * sigmoid(alpha *
     gate) * (up + 1)."""
-    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    gate, up = linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
     if clamp is None:
-        return F.linear(F.silu(gate).mul_(up), down, down_bias)
+        return linear(F.silu(gate).mul_(up), down, down_bias)
     limit, alpha = clamp
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return F.linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, down_bias)
+    return linear((up + 1) * (gate * torch.sigmoid(gate * alpha)), down, down_bias)
 
 
 def dense_mlp(x: Tensor, w: MLPWeights) -> Tensor:
@@ -119,6 +121,14 @@ def grouped_swiglu(x: Tensor, d: Dispatch, experts: DenseExperts) -> Tensor:
     return combine(x, d, out)
 
 
+@dataclass
+class PackedExperts:
+    """One layer's experts as `grouped_swiglu` reads them, each matrix packed (gemm.pack)."""
+
+    gate_up: list[PackedWeight | Tensor]  # [E] of [2I, D]
+    down: list[PackedWeight | Tensor]  # [E] of [D, I]
+
+
 class ExpertBackend(ABC):
     """Owns the routed-expert weights of every MoE layer and computes them.
 
@@ -144,6 +154,11 @@ class ExpertBackend(ABC):
 
     def prefetch(self, layer: int) -> None:
         """Start making `layer`'s experts resident ahead of use (no-op when they always are)."""
+
+    def prepack(self) -> int:
+        """Pack the full-precision experts that stay resident for MKL's GEMM where that applies
+        (engines/runtime/gemm.py: a CPU float32 run); the packed bytes (0: none)."""
+        return 0
 
     def device_bytes(self) -> int:
         """Device bytes held for routed experts now."""
@@ -194,10 +209,22 @@ class ResidentBackend(StackedBackend):
     def __init__(self, layers: dict[int, Any], compute: Callable[[Tensor, Dispatch, Any], Tensor] | None = None) -> None:
         super().__init__(layers)
         self._compute = compute or grouped_swiglu
+        self._packed: dict[int, PackedExperts] = {}  # layer -> packed copies (prepack)
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
         self._count(layer, d)
+        if layer in self._packed:
+            return grouped_swiglu(x, d, self._packed[layer])
         return self._compute(x, d, self.stacks[layer])
+
+    def prepack(self) -> int:
+        """Dense bias-free stacks run by `grouped_swiglu` (engine moe's) get packed copies."""
+        if self._compute is not grouped_swiglu:
+            return 0
+        for i, w in self.stacks.items():
+            if isinstance(w, DenseExperts) and getattr(w, "gate_up_bias", None) is None and getattr(w, "clamp", None) is None:
+                self._packed[i] = PackedExperts([pack(t) for t in w.gate_up], [pack(t) for t in w.down])
+        return sum(packed_bytes(p.gate_up) + packed_bytes(p.down) for p in self._packed.values())
 
     def weights(self, layer: int) -> Any:
         """Layer `layer`'s stacked expert record (the compute's input)."""

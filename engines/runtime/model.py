@@ -27,6 +27,7 @@ from engines.runtime.attention import (
 )
 from engines.runtime.config import ModelConfig
 from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route, route_groups
+from engines.runtime.gemm import PackedWeight, linear, pack, packed_bytes
 from engines.runtime.kv_cache import KVCache
 from engines.runtime.mla import mla_attention
 from engines.runtime.transfer import TransferLedger
@@ -49,6 +50,7 @@ class MoEModel:
     ) -> None:
         self.config, self.weights, self.experts, self.kv, self.ledger = config, weights, experts, kv, ledger
         self.inv_freq, self.rope_scale = rope_frequencies(config.rope_spec, weights.embed.device)
+        self._lm_head: PackedWeight | None = None  # prepack
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, logit_rows: Tensor) -> ForwardResult:
@@ -96,7 +98,15 @@ class MoEModel:
     def head(self, x: Tensor, logit_rows: Tensor) -> Tensor:
         """Final norm and LM head on rows `logit_rows` of x -> logits [S, V] float32."""
         w = self.weights
-        return F.linear(rms_norm(x[logit_rows], w.norm, self.config.rms_norm_eps), w.lm_head).float()
+        packed = self._lm_head if self._lm_head is not None and self._lm_head.weight is w.lm_head else None
+        return linear(rms_norm(x[logit_rows], w.norm, self.config.rms_norm_eps), packed or w.lm_head).float()
+
+    def prepack(self) -> int:
+        """Pack the LM head and the resident experts for MKL's GEMM where that applies
+        (engines/runtime/gemm.py); the packed bytes, held beside the weights."""
+        head = pack(self.weights.lm_head)
+        self._lm_head = head if isinstance(head, PackedWeight) else None
+        return packed_bytes([head]) + self.experts.prepack()
 
     def project_qkv(self, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's normalised input h [T, D] -> q [T, H, hd], k and v [T, K, hd], with the
