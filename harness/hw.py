@@ -161,10 +161,11 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         at_tokens[str(tokens)] = reps * moved * 4 / _timeit(elementwise)
     out["elementwise_bytes_per_s"] = at_tokens["256"]
     out["elementwise_bytes_per_s_at_tokens"] = at_tokens
-    # Decode attention as the runtime runs it (engines/runtime/attention.py): each sequence's KV
-    # blocks gathered out of the paged pool by the cache's own gather, then SDPA with one query
-    # per sequence (4 query heads per KV head) under its length mask; 256 sequences of 64 keys,
-    # 4 KV heads of 64, blocks of 16. The rate: K and V bytes attended (each once) per second.
+    # Decode attention as the runtime runs it: engines/runtime/attention.py's paged_attention
+    # over a paged cache (on CPU the in-place C kernel where it builds, else the gather and
+    # SDPA); 256 sequences of 64 keys, 4 KV heads of 64 with 4 query heads each, blocks of 16.
+    # The rate: K and V bytes attended (each once) per second.
+    from engines.runtime.attention import AttentionBatch, DecodeGroup, paged_attention  # noqa: PLC0415
     from engines.runtime.kv_cache import PagedKVCache  # noqa: PLC0415
 
     seqs, ctx, kvh, hd, bs = 256, 64, 4, 64, 16
@@ -172,12 +173,12 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     for pool in cache.k + cache.v:
         pool.normal_()
     tables = torch.randperm(4096, device=dev)[: seqs * ctx // bs].view(seqs, ctx // bs)
-    q = torch.randn(kvh, seqs, 4, hd, device=dev)
-    mask = torch.ones(1, seqs, 1, ctx, dtype=torch.bool, device=dev)
+    lengths = torch.full((seqs,), ctx, device=dev)
+    batch = AttentionBatch(torch.zeros(seqs, dtype=torch.long, device=dev), seqs, [DecodeGroup(0, tables, lengths, bs)])
+    q, kv_new = torch.randn(seqs, 4 * kvh, hd, device=dev), torch.randn(seqs, kvh, hd, device=dev)
 
     def decode_attention() -> None:
-        k, v = cache.gather(0, tables)
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        paged_attention(q, kv_new, kv_new, cache, 0, batch, None)
         sync()
 
     out["decode_attention_bytes_per_s"] = 2 * kvh * seqs * ctx * hd * 4 / _timeit(decode_attention)

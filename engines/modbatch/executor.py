@@ -126,6 +126,9 @@ class _Staged:
     def __init__(self, k: Tensor, v: Tensor, block_size: int) -> None:
         self.k, self.v, self.block_size = k, v, block_size
 
+    def pools(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.k, self.v
+
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         n, nb = tables.shape
         rows = block_rows(self.k, tables.reshape(-1))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engines.runtime import cpu_attention
 from engines.runtime.config import RopeConfig
 from engines.runtime.kv_cache import KVCache
 
@@ -182,10 +183,20 @@ def paged_attention(
     -> [T, H, hd_v]. `expand` turns gathered cache contents into K/V (identity when None);
     `sinks` [H] are gpt-oss's per-head sink logits."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    pools = cache.pools(layer) if batch.decodes and expand is None and sinks is None and hasattr(cache, "pools") else None
+    in_place = pools is not None and cpu_attention.applies(q, *pools)
     for g in batch.decodes:
+        n = g.tables.shape[0]
+        if in_place:  # CPU: the C kernel reads the blocks where they are (engines/runtime/cpu_attention.py)
+            kp, vp = pools
+            lo = (g.ctx - window).clamp_(min=0) if window is not None else torch.zeros_like(g.ctx)
+            qg = q[g.row : g.row + n].view(n, kp.shape[0], -1, q.shape[-1])
+            o = cpu_attention.paged_decode_attention(qg, kp, vp, g.tables, lo, g.ctx,
+                                                     q.shape[-1] ** -0.5 if scale is None else scale)
+            out[g.row : g.row + n] = o.view(n, q.shape[1], v.shape[-1])
+            continue
         # GQA without repeating K/V: the G query heads sharing a KV head are that head's
         # "query rows". q [n, H, hd] -> [K, n, G, hd] against K/V [K, n, L, hd].
-        n = g.tables.shape[0]
         kc, vc = cache.gather(layer, g.tables)
         if expand is not None:
             kc, vc = expand(kc, vc)

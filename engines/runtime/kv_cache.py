@@ -37,6 +37,9 @@ class KVCache(Protocol):
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]: ...
 
+    # Optional: `pools(layer)` -> the K and V pools [K, num_blocks, B, hd] themselves, for
+    # attention that reads blocks in place (a cache without it is gathered).
+
 
 class BlockAllocator:
     """Block ids for per-sequence block tables, with reference counts and a prefix cache.
@@ -273,6 +276,10 @@ class PagedKVCache:
         K = k.shape[1]
         self.k[layer].view(K, -1, k.shape[2])[:, slots] = k.transpose(0, 1)
         self.v[layer].view(K, -1, v.shape[2])[:, slots] = v.transpose(0, 1)
+
+    def pools(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer `layer`'s K and V pools, [K, num_blocks, B, hd] (what an in-place kernel reads)."""
+        return self.k[layer], self.v[layer]
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         """K and V for block tables [N, nb] as [K, N, nb*B, hd] (padded tables read block 0).

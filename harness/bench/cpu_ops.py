@@ -1,5 +1,6 @@
-"""CPU: F.linear against a weight packed once for MKL (engines/runtime/gemm.py), and the decode
-KV gather along the pool's block dim against the flattened-rows gather (kv_cache.gather_blocks).
+"""CPU: F.linear against a weight packed once for MKL (engines/runtime/gemm.py), the decode KV
+gather along the pool's block dim against the flattened-rows gather (kv_cache.gather_blocks),
+and decode attention as gather + SDPA against the in-place C kernel (runtime/cpu_attention.py).
 
     python -m harness.bench.cpu_ops [--rounds 5]
 
@@ -7,7 +8,7 @@ Shapes are the Mixtral-shaped benchmark model's decode step at 256 sequences (hi
 expert intermediate 768, vocab 32000, 2 KV heads of 64, 16-token blocks, ~110 keys each):
 an expert's gate_up and down at 64 rows, the LM head at 256, a q projection at 256. Weights
 rotate through copies larger than the L3 cache, as in a step, where each weight is read once.
-Each round times the two ways back to back (this machine's speed drifts within seconds), and
+Each round times the ways back to back (this machine's speed drifts within seconds), and
 the table prints the median over rounds of each and of their per-round ratio. The packed
 outputs are checked equal to F.linear's to the bit.
 """
@@ -20,8 +21,9 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from engines.runtime import gemm
-from engines.runtime.kv_cache import block_rows, gather_blocks
+from engines.runtime import cpu_attention, gemm
+from engines.runtime.attention import AttentionBatch, DecodeGroup, paged_attention
+from engines.runtime.kv_cache import PagedKVCache, block_rows, gather_blocks
 from harness.hw import _timeit
 
 COLD_BYTES = 192 << 20  # more than the 105 MiB L3 here: every call reads its weight from memory
@@ -82,6 +84,39 @@ def gather_rows(rounds: int) -> tuple[float, float, float, float]:
     return _median(old), _median(new), _median(reused), _median(ratio)
 
 
+def attention_rows(rounds: int) -> tuple[float, float, float] | None:
+    """ms of one layer's decode attention (256 sequences x 7 blocks, 2 KV heads x 4 query heads
+    of 64) through paged_attention: gather + SDPA, the C kernel, and their ratio; None without
+    the kernel."""
+    if not cpu_attention.available():
+        return None
+    heads, blocks, size, dim, seqs, per_seq = 2, 8192, 16, 64, 256, 7
+    caches = [PagedKVCache(1, blocks, size, heads, dim, torch.float32, torch.device("cpu"))
+              for _ in range(max(2, COLD_BYTES // (2 * heads * blocks * size * dim * 4)))]
+    for cache in caches:
+        for pool in cache.k + cache.v:
+            pool.normal_()
+    tables = torch.randperm(blocks)[: seqs * per_seq].view(seqs, per_seq)
+    ctx = torch.randint(per_seq * size - 20, per_seq * size + 1, (seqs,))
+    batch = AttentionBatch(torch.zeros(seqs, dtype=torch.long), seqs, [DecodeGroup(0, tables, ctx, size)])
+    q, kv = torch.randn(seqs, 4 * heads, dim), torch.randn(seqs, heads, dim)
+    it = itertools.cycle(caches)
+    real = cpu_attention.applies
+    torch_path, kernel, ratio = [], [], []
+    try:
+        for _ in range(rounds):
+            cpu_attention.applies = lambda *a: False  # type: ignore[assignment]
+            a = _timeit(lambda: paged_attention(q, kv, kv, next(it), 0, batch, None))
+            cpu_attention.applies = real  # type: ignore[assignment]
+            b = _timeit(lambda: paged_attention(q, kv, kv, next(it), 0, batch, None))
+            torch_path.append(a * 1e3)
+            kernel.append(b * 1e3)
+            ratio.append(a / b)
+    finally:
+        cpu_attention.applies = real  # type: ignore[assignment]
+    return _median(torch_path), _median(kernel), _median(ratio)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.bench.cpu_ops", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="back-to-back timings of both ways (default 5)")
@@ -98,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     old, new, reused, ratio = gather_rows(args.rounds)
     print(f"\nKV gather of one layer's K (256 sequences x 7 blocks, 14.7 MB): index_select along the block dim "
           f"{old:.2f} ms, flattened rows {new:.2f} ms, into a reused buffer {reused:.2f} ms ({ratio:.2f}x)")
+    att = attention_rows(args.rounds)
+    if att is None:
+        print(f"decode attention: the C kernel did not build ({cpu_attention.unavailable_reason()})")
+    else:
+        print(f"decode attention of one layer (256 sequences, ~100 keys, 2 KV x 4 query heads of 64): gather + SDPA "
+              f"{att[0]:.2f} ms, in-place C kernel {att[1]:.2f} ms ({att[2]:.2f}x)")
     return 0
 
 
