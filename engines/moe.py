@@ -23,6 +23,7 @@ from engines.base import (
     StepOutput,
 )
 from engines.device import dtype_name, resolve_device, resolve_dtype
+from engines.runtime import cpu_attention
 from engines.runtime.batch import SeqState, StepBatch, build_batch
 from engines.runtime.copies import CopyEngine, CopyStats
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
@@ -360,6 +361,10 @@ class MoEEngine(Engine):
             "kv_bytes_per_token": PagedKVCache.model_block_bytes(mc, 1, self.dtype),
             **({"device_budget_bytes": self.config.budget_bytes} if self.config.budget_bytes is not None else {}),
             **({"prepacked_bytes": self.prepacked_bytes} if self.prepacked_bytes else {}),
+            # CPU float32: 1 when decode attention runs the in-place C kernel, 0 when it could not
+            # be built here (gather + SDPA then; engines/runtime/cpu_attention.py)
+            **({"cpu_attention_kernel": float(cpu_attention.available())}
+               if self.device.type == "cpu" and self.dtype == torch.float32 else {}),
         }
 
     def _check_started(self) -> None:

@@ -203,8 +203,11 @@ def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Te
     q = q.contiguous()
     tables = tables.to(torch.int64).contiguous()
     lo, hi = lo.to(torch.int64).contiguous(), hi.to(torch.int64).contiguous()
+    if _lib is None:
+        raise RuntimeError("cpu_attention: the kernel is not loaded; check applies() first")
+    if N and (int(hi.max()) > tables.shape[1] * B or int(lo.min()) < 0):
+        raise ValueError(f"cpu_attention: keys up to {int(hi.max())} for tables of {tables.shape[1]} blocks of {B}")
     out = q.new_empty(N, K, G, DV)
-    assert _lib is not None, "call applies() first"
     _lib.paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), lo.data_ptr(),
                                 hi.data_ptr(), out.data_ptr(), N, K, G, D, DV, NB, B, tables.shape[1], scale,
                                 torch.get_num_threads())

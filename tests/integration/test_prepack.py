@@ -10,7 +10,7 @@ import torch
 
 from engines.base import EngineRequest
 from engines.registry import create_engine
-from engines.runtime import gemm
+from engines.runtime import cpu_attention, gemm
 from engine_runs import generate, random_requests
 from tiny_models import CPU32
 
@@ -49,6 +49,7 @@ def test_prepacked_weights_give_the_same_logits_to_the_bit(name, options, packed
     on, stats_on = prompt_logits(name, **options)
     off, stats_off = prompt_logits(name, prepack=False, **options)
     assert stats_on["prepacked_bytes"] == packed and "prepacked_bytes" not in stats_off
+    assert stats_on["cpu_attention_kernel"] == float(cpu_attention.available())  # which decode attention ran
     assert on.keys() == off.keys() == {"0", "1"}
     assert all(torch.equal(on[r], off[r]) for r in on)
 

@@ -87,3 +87,11 @@ def test_paged_attention_takes_the_kernel_on_cpu_and_matches_the_torch_path(monk
     slow = paged_attention(q, k, v, cache, 0, batch, None)
     assert len(calls) == 1
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_keys_beyond_the_table_are_refused_not_read():
+    cache = filled_cache(1, 8, 8)
+    kp, vp = cache.pools(0)
+    q, tables = torch.randn(1, 1, 1, 8), torch.tensor([[2, 3]])
+    with pytest.raises(ValueError, match="tables of 2 blocks of 4"):
+        cpu_attention.paged_decode_attention(q, kp, vp, tables, torch.tensor([0]), torch.tensor([9]), 1.0)
