@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
+from engines.runtime import cpu_attention, gemm
 from harness.results import read_run
 
 
@@ -300,10 +302,14 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
     L, E, k = cfg["num_hidden_layers"], cfg["num_local_experts"], cfg["num_experts_per_tok"]
     assert experts == L * E * per_expert
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    # On CPU float32 with MKL the LM head and every (resident) expert are also packed for its
+    # GEMM, and decode attention says whether it ran the in-place kernel.
+    packed = {"prepacked_bytes": 4 * (numel.get("lm_head.weight", embed) + experts)} if gemm.can_pack(torch.zeros(2, 2)) else {}
     assert run["engine"]["model_stats"] == pytest.approx({
         "dense_weight_bytes": 4 * dense, "bytes_per_expert": 4 * per_expert,
         "active_params_per_token": dense + L * k * per_expert,
         "kv_bytes_per_token": L * 2 * cfg["num_key_value_heads"] * head_dim * 4,
+        **packed, "cpu_attention_kernel": float(cpu_attention.available()),
     })
 
 

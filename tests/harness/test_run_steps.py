@@ -24,6 +24,7 @@ import pandas as pd
 import pytest
 import torch
 
+from engines.runtime import cpu_attention, gemm
 from harness.results import read_run
 
 EPS = 1e-5  # router logits closer than this count as a tie (either expert may run)
@@ -110,8 +111,12 @@ def test_offline_batch_step_series_against_transformers_router(checkpoints, tmp_
     # whole: one row per token). An expert: gate, up, down 3 x 96 x 64 = 18,432 params. Active
     # per token: 75,456 + 2 layers x top-2 x 18,432 = 149,184. K/V per token: 2 layers x (K, V)
     # x 2 KV heads x head dim 16 x 4 B = 512 B.
+    # With MKL, packed for its GEMM: the LM head 257 x 96 and the 2 x 6 experts, (24,672 +
+    # 221,184) x 4 B = 983,424 B.
+    packed = {"prepacked_bytes": 983_424} if gemm.can_pack(torch.zeros(2, 2)) else {}
     assert run["engine"]["model_stats"] == {"dense_weight_bytes": 75_456 * 4, "bytes_per_expert": 18_432 * 4,
-                                            "active_params_per_token": 149_184, "kv_bytes_per_token": 512}
+                                            "active_params_per_token": 149_184, "kv_bytes_per_token": 512,
+                                            **packed, "cpu_attention_kernel": float(cpu_attention.available())}
 
     # The documented schedule: step 0 prefills every prompt (140 tokens at most < 2048), step j
     # decodes the j-th output token of every sequence; all finish in step 5.
