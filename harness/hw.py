@@ -115,7 +115,7 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     copies = max(2, -(-(96 << 20) // (size * size * elem)))
     weights = [torch.randn(size, size, device=dev).to(dtypes[0]) for _ in range(copies)]
     at_rows = {}
-    for rows in (8, 32, 128, 512):
+    for rows in (1, 2, 4, 8, 32, 128, 512):  # 1-4: a small decode batch's rows per expert
         a = torch.randn(rows, size, device=dev).to(dtypes[0])
         turn = itertools.cycle(weights)
 
