@@ -53,8 +53,8 @@ def gemm_rows(rounds: int) -> list[tuple[str, float, float, float]]:
         flops = 2 * m * n * k
         plain, fast, ratio = [], [], []
         for _ in range(rounds):
-            a = _timeit(lambda: F.linear(x, next(plain_it)))
-            b = _timeit(lambda: gemm.linear(x, next(packed_it)))
+            a = _timeit(lambda x=x, it=plain_it: F.linear(x, next(it)))
+            b = _timeit(lambda x=x, it=packed_it: gemm.linear(x, next(it)))
             plain.append(flops / a / 1e9)
             fast.append(flops / b / 1e9)
             ratio.append(a / b)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_runs import generate, random_requests
+from tiny_models import CPU32
 
 from engines.base import EngineRequest
 from engines.registry import create_engine
 from engines.runtime import cpu_attention, gemm
-from engine_runs import generate, random_requests
-from tiny_models import CPU32
 
 DEMO = "engines/demo_model"
 DEMO_EXPERT = 3 * 128 * 64 * 4  # gate, up, down of one demo expert in float32
