@@ -28,7 +28,7 @@ from torch import Tensor
 from engines.runtime.attention import AttentionBatch, DecodeGroup, PrefillSegment, paged_attention
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.executor import Executor
-from engines.runtime.kv_cache import KVCache, block_rows, gather_blocks
+from engines.runtime.kv_cache import KVCache, block_rows, gather_blocks, gather_tables
 from engines.runtime.model import Attend, ForwardResult, MoEModel
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.batch import StepBatch
@@ -130,11 +130,7 @@ class _Staged:
         return self.k, self.v
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
-        n, nb = tables.shape
-        rows = block_rows(self.k, tables.reshape(-1))
-        k, v = gather_blocks(self.k, rows), gather_blocks(self.v, rows)
-        return (k.view(k.shape[0], n, nb * self.block_size, k.shape[-1]),
-                v.view(v.shape[0], n, nb * self.block_size, v.shape[-1]))
+        return gather_tables(self.k, self.v, tables)
 
 
 @dataclass

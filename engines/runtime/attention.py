@@ -113,6 +113,7 @@ class DecodeGroup:
     ctx: Tensor  # [n] context length including the new token
     block_size: int
     _masks: dict[int | None, Tensor] = field(default_factory=dict)
+    _starts: dict[int | None, Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> Tensor:
         """[1, n, 1, nb*B] keys visible to each decode token (shared by all layers)."""
@@ -125,6 +126,13 @@ class DecodeGroup:
                 mask &= key_pos > ctx - 1 - window
             self._masks[window] = mask[None, :, None, :]
         return self._masks[window]
+
+    def first_key(self, window: int | None) -> Tensor:
+        """[n] the first key position each decode token sees (keys first_key <= t < ctx: the
+        same keys as `mask`), for attention that reads the table in place."""
+        if window not in self._starts:
+            self._starts[window] = (self.ctx - window).clamp(min=0) if window is not None else torch.zeros_like(self.ctx)
+        return self._starts[window]
 
 
 @dataclass
@@ -183,15 +191,13 @@ def paged_attention(
     -> [T, H, hd_v]. `expand` turns gathered cache contents into K/V (identity when None);
     `sinks` [H] are gpt-oss's per-head sink logits."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    pools = cache.pools(layer) if batch.decodes and expand is None and sinks is None and hasattr(cache, "pools") else None
-    in_place = pools is not None and cpu_attention.applies(q, *pools)
+    kp, vp = cache.pools(layer)
+    in_place = bool(batch.decodes) and expand is None and sinks is None and cpu_attention.applies(q, kp, vp)
     for g in batch.decodes:
         n = g.tables.shape[0]
         if in_place:  # CPU: the C kernel reads the blocks where they are (engines/runtime/cpu_attention.py)
-            kp, vp = pools
-            lo = (g.ctx - window).clamp_(min=0) if window is not None else torch.zeros_like(g.ctx)
             qg = q[g.row : g.row + n].view(n, kp.shape[0], -1, q.shape[-1])
-            o = cpu_attention.paged_decode_attention(qg, kp, vp, g.tables, lo, g.ctx,
+            o = cpu_attention.paged_decode_attention(qg, kp, vp, g.tables, g.first_key(window), g.ctx,
                                                      q.shape[-1] ** -0.5 if scale is None else scale)
             out[g.row : g.row + n] = o.view(n, q.shape[1], v.shape[-1])
             continue

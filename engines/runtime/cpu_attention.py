@@ -22,6 +22,7 @@ order); tests/unit/test_cpu_attention.py checks it against SDPA over gathered bl
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -187,10 +188,23 @@ def unavailable_reason() -> str | None:
     return None if available() else _reason
 
 
+_off = threading.local()
+
+
+@contextlib.contextmanager
+def turned_off():
+    """Within it (this thread), decode attention takes the torch path: to time or check one against the other."""
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = False
+
+
 def applies(q: Tensor, k_pool: Tensor, v_pool: Tensor) -> bool:
     """This kernel covers float32 CPU tensors with contiguous pools."""
     return (q.device.type == "cpu" and q.dtype == k_pool.dtype == v_pool.dtype == torch.float32
-            and k_pool.is_contiguous() and v_pool.is_contiguous() and available())
+            and k_pool.is_contiguous() and v_pool.is_contiguous() and not getattr(_off, "on", False) and available())
 
 
 def paged_decode_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, lo: Tensor, hi: Tensor,

@@ -6,7 +6,7 @@ large share of the call: a 64-row batch against a 3 MiB expert matrix, or 256 ro
 62 MiB LM head. MKL can pack a matrix once (cblas_sgemm_pack) and multiply against the packed
 copy (cblas_sgemm_compute); torch exposes that pair as `torch.ops.mkl._mkl_reorder_linear_weight`
 and `torch.ops.mkl._mkl_linear`, the ops Inductor's CPU weight freezing uses.
-`python -m harness.bench.gemm` times both on the benchmark model's shapes.
+`python -m harness.bench.cpu_ops` times both on the benchmark model's shapes.
 
 - The same numbers: from MIN_ROWS rows up MKL runs the same kernel either way, and the output
   is bitwise F.linear's (tests/unit/test_gemm.py checks it across shapes and row counts).
@@ -64,7 +64,7 @@ def linear(x: Tensor, weight: Tensor | PackedWeight, bias: Tensor | None = None)
     """F.linear(x, weight, bias) for a plain or a packed weight."""
     if not isinstance(weight, PackedWeight):
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    rows = x.numel() // x.shape[-1]
     if rows < MIN_ROWS or bias is not None or x.dtype != torch.float32:
         return F.linear(x, weight.weight, bias)
     return torch.ops.mkl._mkl_linear(x, weight.packed, weight.weight, None, rows)

@@ -37,8 +37,9 @@ class KVCache(Protocol):
 
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]: ...
 
-    # Optional: `pools(layer)` -> the K and V pools [K, num_blocks, B, hd] themselves, for
-    # attention that reads blocks in place (a cache without it is gathered).
+    def pools(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The K and V pools [K, num_blocks, B, hd] themselves, for attention that reads blocks in place."""
+        ...
 
 
 class BlockAllocator:
@@ -284,12 +285,21 @@ class PagedKVCache:
     def gather(self, layer: int, tables: Tensor) -> tuple[Tensor, Tensor]:
         """K and V for block tables [N, nb] as [K, N, nb*B, hd] (padded tables read block 0).
         On CPU they are views of buffers the next gather overwrites: use them before it."""
-        n, nb = tables.shape
-        rows = block_rows(self.k[layer], tables.reshape(-1))  # the V pool has the same heads and blocks
-        k = gather_blocks(self.k[layer], rows, self._scratch(0, rows.numel() * self.k[layer][0, 0].numel()))
-        v = gather_blocks(self.v[layer], rows, self._scratch(1, rows.numel() * self.v[layer][0, 0].numel()))
-        return (k.view(k.shape[0], n, nb * self.block_size, k.shape[-1]),
-                v.view(v.shape[0], n, nb * self.block_size, v.shape[-1]))
+        kp, vp = self.pools(layer)
+        blocks = tables.numel()
+        return gather_tables(kp, vp, tables, self._scratch(0, blocks * kp[:, 0].numel()),
+                             self._scratch(1, blocks * vp[:, 0].numel()))
+
+
+def gather_tables(k_pool: Tensor, v_pool: Tensor, tables: Tensor, k_out: Tensor | None = None,
+                  v_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """K and V of pools [K, num_blocks, B, d] for block tables [N, nb] as [K, N, nb*B, d] each
+    (into `k_out` / `v_out` when given)."""
+    n, nb = tables.shape
+    rows = block_rows(k_pool, tables.reshape(-1))  # the V pool has the same heads and blocks
+    k, v = gather_blocks(k_pool, rows, k_out), gather_blocks(v_pool, rows, v_out)
+    return (k.view(k.shape[0], n, nb * k_pool.shape[2], k.shape[-1]),
+            v.view(v.shape[0], n, nb * v_pool.shape[2], v.shape[-1]))
 
 
 def block_rows(pool: Tensor, ids: Tensor) -> Tensor:

@@ -101,19 +101,14 @@ def attention_rows(rounds: int) -> tuple[float, float, float] | None:
     batch = AttentionBatch(torch.zeros(seqs, dtype=torch.long), seqs, [DecodeGroup(0, tables, ctx, size)])
     q, kv = torch.randn(seqs, 4 * heads, dim), torch.randn(seqs, heads, dim)
     it = itertools.cycle(caches)
-    real = cpu_attention.applies
     torch_path, kernel, ratio = [], [], []
-    try:
-        for _ in range(rounds):
-            cpu_attention.applies = lambda *a: False  # type: ignore[assignment]
+    for _ in range(rounds):
+        with cpu_attention.turned_off():
             a = _timeit(lambda: paged_attention(q, kv, kv, next(it), 0, batch, None))
-            cpu_attention.applies = real  # type: ignore[assignment]
-            b = _timeit(lambda: paged_attention(q, kv, kv, next(it), 0, batch, None))
-            torch_path.append(a * 1e3)
-            kernel.append(b * 1e3)
-            ratio.append(a / b)
-    finally:
-        cpu_attention.applies = real  # type: ignore[assignment]
+        b = _timeit(lambda: paged_attention(q, kv, kv, next(it), 0, batch, None))
+        torch_path.append(a * 1e3)
+        kernel.append(b * 1e3)
+        ratio.append(a / b)
     return _median(torch_path), _median(kernel), _median(ratio)
 
 

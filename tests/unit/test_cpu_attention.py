@@ -48,7 +48,7 @@ def test_kernel_matches_sdpa_over_gathered_blocks(heads, group, head_dim, value_
     ctx = torch.tensor([9, 20, 17, 1, 13, 4])
     q = torch.randn(n, heads * group, head_dim)
     scale = head_dim ** -0.5
-    lo = (ctx - window).clamp(min=0) if window is not None else torch.zeros_like(ctx)
+    lo = DecodeGroup(0, tables, ctx, cache.block_size).first_key(window)
     kp, vp = cache.pools(0)
     got = cpu_attention.paged_decode_attention(q.view(n, heads, group, head_dim), kp, vp, tables, lo, ctx, scale)
     want = torch_path(q, cache, tables, ctx, window, scale)
@@ -83,8 +83,8 @@ def test_paged_attention_takes_the_kernel_on_cpu_and_matches_the_torch_path(monk
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
     fast = paged_attention(q, k, v, cache, 0, batch, None)
     assert calls == [1]
-    monkeypatch.setattr(cpu_attention, "applies", lambda *a: False)
-    slow = paged_attention(q, k, v, cache, 0, batch, None)
+    with cpu_attention.turned_off():
+        slow = paged_attention(q, k, v, cache, 0, batch, None)
     assert len(calls) == 1
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
 
