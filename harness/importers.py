@@ -45,7 +45,8 @@ def _load_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         lines = [line for line in text.splitlines() if line.strip()]
         if len(lines) > 1:  # vLLM appends one object per run to a .jsonl file
-            raise HarnessError(f"{path} holds {len(lines)} JSON lines (several runs); split it and import one") from None
+            raise HarnessError(f"{path} holds {len(lines)} JSON lines (several runs); "
+                               "split it and import one") from None
         raise HarnessError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(data, dict):
         raise HarnessError(f"{path}: expected one JSON object (a vllm bench serve result)")
@@ -76,7 +77,8 @@ def vllm_rows(data: dict[str, Any], path: Path) -> tuple[list[dict[str, Any]], b
     lists = {k: data[k] for k in VLLM_DETAIL} | {"errors": errors} | ({"start_times": starts} if starts else {})
     bad = [k for k, v in lists.items() if len(v) != n]
     if bad:
-        raise HarnessError(f"{path}: per-request lists differ in length ({', '.join(f'{k} {len(lists[k])}' for k in bad)}"
+        raise HarnessError(f"{path}: per-request lists differ in length "
+                           f"({', '.join(f'{k} {len(lists[k])}' for k in bad)}"
                            f" vs ttfts {n})")
     t0 = min(starts) if starts else 0.0
     rows = []
@@ -166,7 +168,8 @@ def _guidellm_rows(records: list[dict[str, Any]], error: str | None) -> list[dic
             times.append(ttft / 1e3)
             if n > 1 and r.get("inter_token_latency_ms") is not None:
                 times.append(times[0] + r["inter_token_latency_ms"] / 1e3 * (n - 1))  # the last token
-        rows.append({"start": start, "request_id": str(r.get("request_id")), "prompt_tokens": int(r.get("prompt_tokens") or 0),
+        rows.append({"start": start, "request_id": str(r.get("request_id")),
+                     "prompt_tokens": int(r.get("prompt_tokens") or 0),
                      "output_tokens": n, "times": times, "latency": latency, "error": error})
     return rows
 
@@ -179,7 +182,8 @@ def import_guidellm(path: str | Path, output: str | None = None, results_dir: st
     if not isinstance(benchmarks, list) or not benchmarks:
         raise HarnessError(f"{path} has no 'benchmarks' list: is it a GuideLLM report (--output-path report.json)?")
     if index is None and len(benchmarks) > 1:
-        raise HarnessError(f"{path} holds {len(benchmarks)} benchmarks (a sweep); choose one with --index 0..{len(benchmarks) - 1}")
+        raise HarnessError(f"{path} holds {len(benchmarks)} benchmarks (a sweep); choose one with --index "
+                           f"0..{len(benchmarks) - 1}")
     i = index or 0
     if not 0 <= i < len(benchmarks):
         raise HarnessError(f"--index {i} is out of range: {path} holds {len(benchmarks)} benchmarks")

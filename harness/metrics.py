@@ -156,7 +156,8 @@ def summarize_steps(steps: Sequence[Mapping[str, Any]], output_tokens: int) -> d
         "busy_s": sum(s["duration_s"] for s in steps),
         # Steps with any prefill count for prefill (decodes riding along included); decode
         # throughput uses decode-only steps, so neither number is diluted by the other phase.
-        "prefill_tokens_per_s": sum(s["prefill_tokens"] for s in prefill_steps) / prefill_time if prefill_time else None,
+        "prefill_tokens_per_s": (sum(s["prefill_tokens"] for s in prefill_steps) / prefill_time
+                                 if prefill_time else None),
         "decode_tokens_per_s": sum(s["decode_tokens"] for s in decode_steps) / decode_time if decode_time else None,
         "h2d_bytes": h2d,
         "d2h_bytes": d2h,
@@ -182,12 +183,14 @@ _NOT_COLUMNS = ("outputs", "started", "extras")
 
 def step_row(out: Any) -> dict[str, Any]:
     """One steps.parquet row (without its timestamps) from a StepOutput."""
-    row = {STEP_COLUMN_NAMES.get(f.name, f.name): getattr(out, f.name) for f in fields(out) if f.name not in _NOT_COLUMNS}
+    row = {STEP_COLUMN_NAMES.get(f.name, f.name): getattr(out, f.name) for f in fields(out)
+           if f.name not in _NOT_COLUMNS}
     row.update({f"x_{k}": v for k, v in out.extras.items()})
     return row
 
 
-def efficiency(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any], peaks: Mapping[str, Any]) -> dict[str, Any]:
+def efficiency(steps: Sequence[Mapping[str, Any]], model: Mapping[str, Any],
+               peaks: Mapping[str, Any]) -> dict[str, Any]:
     """MBU / MFU of decode-only steps and host->device bandwidth use against the peaks.
 
     Bytes read per decode step = the weights the step read (its `weight_bytes_read`, at their
@@ -273,7 +276,10 @@ def expert_precision(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     series = [s["x_mean_bits"] for s in steps if s.get("x_mean_bits") is not None]
     if not series:
         return {}
-    total = (lambda key: sum(s.get(key, 0) for s in steps))
+
+    def total(key: str) -> float:
+        return sum(s.get(key, 0) for s in steps)
+
     errors = [s["x_feedback_error_max"] for s in steps if s.get("x_feedback_error_max")]
     return {
         "mean_bits": sum(series) / len(series), "min_bits": min(series), "max_bits": max(series),
@@ -300,7 +306,8 @@ def plan_accuracy(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out.update(decode_steps=len(dec),
                    decode_predicted_step_s_p50=percentile([s["x_predicted_step_s"] for s in dec], 50),
                    decode_measured_step_s_p50=percentile([s["duration_s"] for s in dec], 50),
-                   decode_predicted_over_measured=sum(s["x_predicted_step_s"] for s in dec) / sum(s["duration_s"] for s in dec))
+                   decode_predicted_over_measured=(sum(s["x_predicted_step_s"] for s in dec)
+                                                   / sum(s["duration_s"] for s in dec)))
     return out
 
 
@@ -312,7 +319,8 @@ def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     for r in rows:
         if r.get("task") and r.get("answer") is not None and r.get("output_text") is not None and not r.get("error"):
             per.setdefault(r["task"], []).append(int(score(r["output_text"], r["answer"])))
-    out: dict[str, Any] = {t: {"correct": sum(v), "total": len(v), "accuracy": sum(v) / len(v)} for t, v in sorted(per.items())}
+    out: dict[str, Any] = {t: {"correct": sum(v), "total": len(v), "accuracy": sum(v) / len(v)}
+                           for t, v in sorted(per.items())}
     total = sum(len(v) for v in per.values())
     if total:
         out["overall"] = {"correct": sum(sum(v) for v in per.values()), "total": total,

@@ -97,11 +97,12 @@ class Runner:
         as a one-line user error. Any other exception is an engine crash and fails the run as
         it would mid-way: `run()` then returns status `failed` with the error at once."""
         try:
-            run_offline(self.engine, [EngineRequest(f"warmup-{i}", tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=True)
-                                      for i, r in enumerate(requests)], should_stop=lambda: self._stop)
+            run_offline(self.engine,
+                        [EngineRequest(f"warmup-{i}", tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=True)
+                         for i, r in enumerate(requests)], should_stop=lambda: self._stop)
         except EngineError:
             raise
-        except Exception as exc:  # an engine bug: say what broke, as run() does
+        except Exception as exc:  # noqa: BLE001  (an engine bug: say what broke, as run() does)
             self._warmup_error = f"warm-up: {type(exc).__name__}: {exc}"
 
     def run(self) -> RunRecords:
@@ -122,7 +123,7 @@ class Runner:
             self._loop(result)
         except EngineError as exc:
             result.status, result.error = "failed", str(exc)
-        except Exception as exc:  # an engine bug: keep what was measured, say what broke
+        except Exception as exc:  # noqa: BLE001  (an engine bug: keep what was measured, say what broke)
             result.status, result.error = "failed", f"{type(exc).__name__}: {exc}"
         if self._stop and result.status == "complete":
             result.status = "interrupted"

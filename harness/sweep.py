@@ -59,7 +59,8 @@ def load_grid(path: str | Path | None, **flags: Any) -> Grid:
                 requests=data.get("requests"), seed=int(data.get("seed", 0)), options=dict(data.get("set") or {}))
 
 
-def run_sweep(grid: Grid, folder: Path, quality: bool = True, say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
+def run_sweep(grid: Grid, folder: Path, quality: bool = True,
+              say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
     """Run the missing points; returns (points run now, points skipped as already complete)."""
     from harness.results import read_run  # noqa: PLC0415
 
@@ -75,7 +76,8 @@ def run_sweep(grid: Grid, folder: Path, quality: bool = True, say: Callable[[str
             except HarnessError:
                 pass
             shutil.rmtree(target)  # an interrupted or unreadable point of this sweep: run it again
-        given = {"seed": grid.seed, **({"requests": grid.requests} if grid.requests else {}), **({"rate": rate} if rate else {})}
+        given = {"seed": grid.seed, **({"requests": grid.requests} if grid.requests else {}),
+                 **({"rate": rate} if rate else {})}
         spec = WorkloadSpec(grid.workload, **given)
         options = {**grid.options, **({"budget_bytes": budget} if budget else {})}
         say(f"sweep: {name}")

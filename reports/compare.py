@@ -22,9 +22,9 @@ def markdown(runs: list[Run], prices: roi.Prices) -> str:
 
 
 def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = False, compact: bool = False) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.markup import escape  # noqa: PLC0415
-    from rich.table import Column, Table  # noqa: PLC0415
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Column, Table
 
     # Piped (a log, CI): wide enough that no column is cut; rich would assume 80.
     console = Console() if sys.stdout.isatty() else Console(width=200)

@@ -84,7 +84,8 @@ def run_metrics(run: Run) -> dict[str, Any]:
     det = {name: _get(s, path) for name, path in DETERMINISTIC.items()}
     for task, a in (s.get("accuracy") or {}).items():
         det[f"accuracy_{task}_correct"] = a["correct"]
-    outputs = sorted((str(r["request_id"]), r.get("output_ids") or []) for r in run.rows("requests") if not r.get("warmup"))
+    outputs = sorted((str(r["request_id"]), r.get("output_ids") or []) for r in run.rows("requests")
+                     if not r.get("warmup"))
     det["output_digest"] = hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
     timing = {name: _get(s, path) for name, (path, _) in TIMING.items()}
     return {"deterministic": {k: v for k, v in det.items() if v is not None},
@@ -109,19 +110,23 @@ def load_side(paths: list[str], what: str) -> Side:
         except json.JSONDecodeError as exc:
             raise HarnessError(f"{path}: invalid JSON at line {exc.lineno}") from None
         if not isinstance(data, dict) or data.get("schema") != BASELINE_SCHEMA:
-            raise HarnessError(f"{path}: not a pwbench gate baseline (schema {BASELINE_SCHEMA!r}); write one with --update-baseline")
+            raise HarnessError(f"{path}: not a pwbench gate baseline (schema {BASELINE_SCHEMA!r}); write "
+                               "one with --update-baseline")
         try:
-            return Side(str(path), dict(data["deterministic"]), {k: [float(x) for x in v] for k, v in data.get("timing", {}).items()},
+            return Side(str(path), dict(data["deterministic"]),
+                        {k: [float(x) for x in v] for k, v in data.get("timing", {}).items()},
                         int(data.get("requests", 0)))
         except (KeyError, TypeError, ValueError) as exc:
-            raise HarnessError(f"{path}: malformed baseline ({type(exc).__name__}: {exc}); write a new one with --update-baseline") from None
+            raise HarnessError(f"{path}: malformed baseline ({type(exc).__name__}: {exc}); write a new "
+                               "one with --update-baseline") from None
     runs = load_runs(paths)
     ms = [run_metrics(r) for r in runs]
     det = ms[0]["deterministic"]
     for r, m in zip(runs[1:], ms[1:]):
         if m["deterministic"] != det:
             diff = sorted(k for k in set(det) | set(m["deterministic"]) if det.get(k) != m["deterministic"].get(k))
-            raise HarnessError(f"{what}: repeated runs disagree on deterministic metrics {diff} ({runs[0].folder} vs {r.folder}); "
+            raise HarnessError(f"{what}: repeated runs disagree on deterministic metrics {diff} "
+                               f"({runs[0].folder} vs {r.folder}); "
                                "repeats must be runs of one configuration")
     timing = {k: [m["timing"][k] for m in ms if k in m["timing"]] for k in TIMING}
     return Side(", ".join(str(r.folder) for r in runs), det, {k: v for k, v in timing.items() if v},
@@ -163,15 +168,18 @@ def compare(base: Side, cand: Side, policy: Policy) -> list[Verdict]:
         if not c:
             continue
         if not b:
-            out.append(Verdict(name, "timing", None, statistics.median(c), "not judged", "no timing samples in the baseline"))
+            out.append(Verdict(name, "timing", None, statistics.median(c), "not judged",
+                               "no timing samples in the baseline"))
             continue
         mb, mc = statistics.median(b), statistics.median(c)
         if len(b) < policy.repeat or len(c) < policy.repeat:
-            out.append(Verdict(name, "timing", mb, mc, "not judged", f"needs {policy.repeat} runs a side (--repeat), has {len(b)} / {len(c)}"))
+            out.append(Verdict(name, "timing", mb, mc, "not judged",
+                               f"needs {policy.repeat} runs a side (--repeat), has {len(b)} / {len(c)}"))
             continue
         if name.endswith("_p99") and min(base.requests, cand.requests) < policy.min_p99_samples:
             out.append(Verdict(name, "timing", mb, mc, "not judged",
-                               f"a p99 needs {policy.min_p99_samples} requests a run, has {min(base.requests, cand.requests)}"))
+                               f"a p99 needs {policy.min_p99_samples} requests a run, has "
+                               f"{min(base.requests, cand.requests)}"))
             continue
         if not mb:
             out.append(Verdict(name, "timing", mb, mc, "not judged", "baseline median is 0"))
@@ -222,7 +230,9 @@ def junit(verdicts: list[Verdict]) -> str:
 def markdown(verdicts: list[Verdict], base: Side, cand: Side) -> str:
     failed = [v for v in verdicts if v.status == "fail"]
     head = f"**pwbench gate: {'FAIL' if failed else 'PASS'}** ({len(failed)} regressions, " \
-           f"{sum(v.status == 'not judged' for v in verdicts)} not judged)\n\nbaseline `{base.source}`, candidate `{cand.source}`\n"
+           f"{sum(v.status == 'not judged' for v in verdicts)} not judged)\n\n" \
+           f"baseline `{base.source}`, candidate `{cand.source}`\n"
     lines = ["| metric | kind | baseline | candidate | verdict | detail |", "|---|---|---|---|---|---|"]
-    lines += [f"| {v.metric} | {v.kind} | {show(v.baseline)} | {show(v.candidate)} | {v.status} | {v.detail} |" for v in verdicts]
+    lines += [f"| {v.metric} | {v.kind} | {show(v.baseline)} | {show(v.candidate)} | {v.status} | {v.detail} |"
+              for v in verdicts]
     return head + "\n" + "\n".join(lines) + "\n"

@@ -22,7 +22,8 @@ from reports.runs import Run, incomparable
 
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
-h1{margin:.2em 0}table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 6px;font-size:.95em;
+h1{margin:.2em 0}table{border-collapse:collapse;margin:.5em 0}
+td,th{border:1px solid #ccc;padding:3px 6px;font-size:.95em;
 text-align:right;white-space:nowrap}td:first-child,th:first-child,td:nth-child(2),th:nth-child(2){text-align:left}th{white-space:normal}th{background:#f0f0f0}
 .rec{font-size:1.15em;background:#eef7ee;border-left:5px solid #3a3;padding:.6em 1em;margin:.8em 0}
 .warn{background:#fff4e0;border-left:5px solid #e90;padding:.5em 1em}.small{font-size:.85em;color:#555}
@@ -61,10 +62,13 @@ def _latency_charts(runs: list[Run]) -> list[str]:
                 xs, ys = _cdf(values)
                 data.append({"type": "scatter", "mode": "lines", "name": E(r.label), "x": xs, "y": ys})
         slo = (runs[0].summary.get("slo") or {}).get(f"{key}_ms") if runs else None
-        shapes = [{"type": "line", "x0": slo, "x1": slo, "y0": 0, "y1": 1, "line": {"dash": "dot", "color": "red"}}] if slo else []
-        out.append(_figure_div(f"cdf-{key}", data, {"title": {"text": f"{label} CDF (ms){' - dotted: SLO' if slo else ''}"},
+        shapes = [{"type": "line", "x0": slo, "x1": slo, "y0": 0, "y1": 1,
+                   "line": {"dash": "dot", "color": "red"}}] if slo else []
+        out.append(_figure_div(f"cdf-{key}", data,
+                               {"title": {"text": f"{label} CDF (ms){' - dotted: SLO' if slo else ''}"},
                                                      "xaxis": {"title": {"text": "ms"}, "type": "log"},
-                                                     "yaxis": {"title": {"text": "share of requests"}}, "shapes": shapes}))
+                                                     "yaxis": {"title": {"text": "share of requests"}},
+                                "shapes": shapes}))
     return out
 
 
@@ -103,13 +107,15 @@ def _engineering(runs: list[Run], rows: list[dict[str, roi.Value]]) -> list[str]
                                          "y": [p[1] * 100 for p in pts], "text": [E(p[2].label) for p in pts],
                                          "textposition": "top center"}],
                              {"title": {"text": "accuracy vs peak device memory (Pareto: up and left is better)"},
-                              "xaxis": {"title": {"text": "peak device MiB"}}, "yaxis": {"title": {"text": "accuracy %"}}}))
+                              "xaxis": {"title": {"text": "peak device MiB"}},
+                              "yaxis": {"title": {"text": "accuracy %"}}}))
     rates = [(r.run.get("config") or {}).get("workload", {}).get("rate") for r in runs]
     if len({x for x in rates if x is not None}) > 1:
         by_engine: dict[str, list[tuple[float, float, float]]] = {}
         for r, rate in zip(runs, rates):
             if rate is not None:
-                by_engine.setdefault(r.engine, []).append((rate, r.summary["output_tokens_per_s"], r.summary["goodput_requests_per_s"]))
+                by_engine.setdefault(r.engine, []).append((rate, r.summary["output_tokens_per_s"],
+                                                           r.summary["goodput_requests_per_s"]))
         data = []
         for name, p in by_engine.items():
             p.sort()
@@ -129,7 +135,8 @@ def _engineering(runs: list[Run], rows: list[dict[str, roi.Value]]) -> list[str]
                                  "y": [t[col] for t in tel]})
         if steps:
             xs = [s["t_s"] for s in steps]
-            data.append({"type": "scatter", "mode": "lines", "name": "requests running", "x": xs, "y": [s["running"] for s in steps], "yaxis": "y2"})
+            data.append({"type": "scatter", "mode": "lines", "name": "requests running", "x": xs,
+                         "y": [s["running"] for s in steps], "yaxis": "y2"})
             data.append({"type": "scatter", "mode": "lines", "name": "device KV MiB", "yaxis": "y2", "x": xs,
                          "y": [(s.get("device_kv_bytes") or 0) / 2**20 for s in steps]})
             data.append({"type": "scatter", "mode": "lines", "name": "h2d KiB per step", "yaxis": "y2", "x": xs,
@@ -151,16 +158,19 @@ def _expert_heatmaps(runs: list[Run]) -> list[str]:
             steps = sorted({b["engine_step"] for b in bits})
             grid = {(b["engine_step"], b["layer"], b["expert"]): b["bits"] for b in bits}
             z = [[grid.get((s, layer, e)) for s in steps] for layer, e in keys]
-            out.append(_figure_div(f"bits-{i}", [{"type": "heatmap", "z": z, "x": steps, "y": [f"L{a} E{b}" for a, b in keys],
+            out.append(_figure_div(f"bits-{i}",
+                                   [{"type": "heatmap", "z": z, "x": steps, "y": [f"L{a} E{b}" for a, b in keys],
                                                   "colorscale": "Viridis", "colorbar": {"title": {"text": "bits"}}}],
-                                   {"title": {"text": f"{E(r.label)}: bits per expert over engine steps"}, "height": 500}))
+                                   {"title": {"text": f"{E(r.label)}: bits per expert over engine steps"},
+                                    "height": 500}))
         usage = r.rows("expert_usage")
         if usage:
             layers = sorted({u["layer"] for u in usage})
             experts = sorted({u["expert"] for u in usage})
             grid = {(u["layer"], u["expert"]): u["tokens"] for u in usage}
             z = [[grid.get((layer, e), 0) for e in experts] for layer in layers]
-            out.append(_figure_div(f"usage-{i}", [{"type": "heatmap", "z": z, "x": experts, "y": layers, "colorscale": "Blues"}],
+            out.append(_figure_div(f"usage-{i}",
+                                   [{"type": "heatmap", "z": z, "x": experts, "y": layers, "colorscale": "Blues"}],
                                    {"title": {"text": f"{E(r.label)}: expert selection (tokens routed)"},
                                     "xaxis": {"title": {"text": "expert"}}, "yaxis": {"title": {"text": "layer"}}}))
     if out:
@@ -172,13 +182,14 @@ def _html_table(header: list[str], cells: list[list[str]], titles: list[list[str
     head = "".join(f"<th>{E(h)}</th>" for h in header)
     body = []
     for i, row in enumerate(cells):
-        tds = "".join(f'<td title="{E(titles[i][j])}">{E(c)}</td>' if titles else f"<td>{E(c)}</td>" for j, c in enumerate(row))
+        tds = "".join(f'<td title="{E(titles[i][j])}">{E(c)}</td>' if titles else f"<td>{E(c)}</td>"
+                      for j, c in enumerate(row))
         body.append(f"<tr>{tds}</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def render(runs: list[Run], prices: roi.Prices) -> str:
-    import plotly.offline  # noqa: PLC0415
+    import plotly.offline
 
     rows = roi.executive(runs, prices)
     flagged = incomparable(runs)
@@ -191,7 +202,8 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
             cell_row[0] += " (not comparable)"
         elif r.label == recommended:
             cell_row[0] += " (recommended)"
-    sources = "".join(f"<li><b>{E(h)}</b>: {E(rows[0][k].source.split(': ', 1)[-1])}</li>" for k, h in zip(keys, header)) if rows else ""
+    sources = "".join(f"<li><b>{E(h)}</b>: {E(rows[0][k].source.split(': ', 1)[-1])}</li>"
+                      for k, h in zip(keys, header)) if rows else ""
     first = runs[0].run if runs else {}
     wl = first.get("workload") or {}
     env = first.get("environment") or {}
@@ -209,26 +221,32 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
         f"<style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head><body>",
         '<section id="executive"><h1>Can these engines serve more on the same devices?</h1>',
         f'<p class="small">Workload <b>{E(str(wl.get("name")))}</b> ({E(str(wl.get("requests")))} requests, '
-        f'{E(str(wl.get("arrival")))} arrivals, seed {E(str(first.get("seed")))}) on {E(str(env.get("gpu") or env.get("cpu_model")))}; '
-        f'SLO {E(slo)}; device budget <b>{E(budget)}</b>; engines {E(engines)}. Inputs: <b>${prices.gpu_hour_usd:g} per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
+        f'{E(str(wl.get("arrival")))} arrivals, seed {E(str(first.get("seed")))}) on '
+        f'{E(str(env.get("gpu") or env.get("cpu_model")))}; '
+        f'SLO {E(slo)}; device budget <b>{E(budget)}</b>; engines {E(engines)}. Inputs: <b>${prices.gpu_hour_usd:g} '
+        f'per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
         f'utilisation <b>{prices.utilisation:g}</b> (change with --gpu-hour-usd, --target-rps, --utilisation). '
         f'All numbers measured on this machine; hover a cell for its run folder and metric.</p>',
-        f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br><span class="small">{E(roi.RULE)}</span></div>',
+        f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br>'
+        f'<span class="small">{E(roi.RULE)}</span></div>',
         warn, _html_table(header, cells, titles),
         '<p class="small">served: requests completed of those sent; a request an engine could not serve (e.g. a prompt '
-        'longer than the KV cache its budget leaves) counts as not answered in accuracy. vs full: accuracy points against '
-        'the full-precision run; top-1 vs fp32: teacher-forced agreement with the float32 reference after the run.</p>',
-        f'<p class="small">Where each column comes from (per run folder):</p><ul class="small">{sources}</ul></section>',
+        'longer than the KV cache its budget leaves) counts as not answered in accuracy. vs full: accuracy points '
+        'against the full-precision run; top-1 vs fp32: teacher-forced agreement with the float32 reference after '
+        'the run.</p>',
+        '<p class="small">Where each column comes from (per run folder):</p>'
+        f'<ul class="small">{sources}</ul></section>',
         '<section id="engineering"><h1>Engineering detail</h1>',
         *_engineering(runs, rows),
         "<h2>Runs: configuration and environment</h2>",
     ]
     for r in runs:
-        detail = {k: r.run.get(k) for k in ("status", "config", "engine", "workload", "environment", "quality", "engine_notes")}
+        detail = {k: r.run.get(k) for k in ("status", "config", "engine", "workload", "environment", "quality",
+                                            "engine_notes")}
         parts.append(f"<details><summary>{E(r.label)} <span class='tag'>{E(str(r.folder))}</span></summary>"
                      f"<pre>{E(json.dumps(detail, indent=1, default=str))}</pre></details>")
-    parts.append("<p class='small'>Measured: every number above comes from the run folders. Projected: cost and devices "
-                 "apply the stated prices and target load to the measured goodput.</p></section></body></html>")
+    parts.append("<p class='small'>Measured: every number above comes from the run folders. Projected: cost and "
+                 "devices apply the stated prices and target load to the measured goodput.</p></section></body></html>")
     return "\n".join(parts)
 
 

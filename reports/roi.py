@@ -94,17 +94,23 @@ def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
         out.append({
             "run": Value(None, f"{r.folder}", f),
             "engine": Value(None, f"{f}: engine.name", r.engine),
-            "served": Value(s.get("completed"), f"{f}: summary.completed of summary.requests", f"{s.get('completed')}/{s.get('requests')}"),
+            "served": Value(s.get("completed"), f"{f}: summary.completed of summary.requests",
+                            f"{s.get('completed')}/{s.get('requests')}"),
             "output_tokens_per_s": Value(s.get("output_tokens_per_s"), f"{f}: summary.output_tokens_per_s"),
-            "goodput_tokens_per_s": Value(gtok, f"{f}: requests.parquet, output tokens of requests meeting summary.slo / summary.duration_s"),
+            "goodput_tokens_per_s": Value(gtok,
+                                          f"{f}: requests.parquet, output tokens of requests meeting "
+                                          "summary.slo / summary.duration_s"),
             "goodput_rps": Value(s.get("goodput_requests_per_s"), f"{f}: summary.goodput_requests_per_s"),
             "cost_per_1m": Value(cost_per_million(prices.gpu_hour_usd, gtok),
                                  f"{f}: ${prices.gpu_hour_usd:g}/h / (goodput tok/s x 3600) x 1e6"),
             "devices": Value(devices_needed(prices.target_rps, s.get("goodput_requests_per_s"), prices.utilisation),
-                             f"{f}: ceil({prices.target_rps:g} req/s / (summary.goodput_requests_per_s x {prices.utilisation:g}))"),
+                             f"{f}: ceil({prices.target_rps:g} req/s / (summary.goodput_requests_per_s x "
+                             f"{prices.utilisation:g}))"),
             "kv_capacity_tokens": kv_capacity(r, m, f),
             "peak_concurrency": Value(s.get("peak_concurrency"), f"{f}: summary.peak_concurrency"),
-            "accuracy": Value(acc, f"{f}: summary.accuracy.overall.correct / requests.parquet rows with a task (unserved = not answered)"),
+            "accuracy": Value(acc,
+                              f"{f}: summary.accuracy.overall.correct / requests.parquet rows with a task "
+                              "(unserved = not answered)"),
             "top1_agreement": Value((r.run.get("quality") or {}).get("top1_agreement"),
                                     f"{f}: quality.top1_agreement (teacher-forced, vs the float32 reference)"),
             "accuracy_delta_points": Value(delta, f"{f} vs {ref.folder.name if ref else '-'}: summary.accuracy"),
@@ -154,7 +160,8 @@ def recommend(rows: list[dict[str, Value]], prices: Prices, excluded: set[str] =
     d_best, d_ref = best["devices"].value, ref["devices"].value
     saved = d_ref - d_best if d_best is not None and d_ref is not None else None
     delta = best["accuracy_delta_points"].value
-    text = f"{name} serves " + (f"{ratio:.2f}x the requests per device at the SLO" if ratio else "requests at the SLO where full precision serves none")
+    text = f"{name} serves " + (f"{ratio:.2f}x the requests per device at the SLO" if ratio
+                                else "requests at the SLO where full precision serves none")
     text += f" at {delta:+.1f} points accuracy" if delta is not None else ""
     if saved is not None:
         text += (f": at {prices.target_rps:g} req/s, {saved} fewer devices ({d_best} vs {d_ref}), about "
@@ -184,20 +191,20 @@ def fmt(key: str, v: Value) -> str:
 
 
 COLUMNS = {
-    "run": "run", "engine": "engine", "served": "served", "goodput_tokens_per_s": "goodput tok/s", "output_tokens_per_s": "out tok/s",
-    "goodput_rps": "goodput req/s", "cost_per_1m": "$ / 1M tok", "devices": "devices",
-    "kv_capacity_tokens": "KV tokens", "peak_concurrency": "peak users", "accuracy": "accuracy",
-    "accuracy_delta_points": "vs full", "top1_agreement": "top-1 vs fp32", "peak_device_bytes": "peak mem", "budget_bytes": "budget",
-    "h2d_bytes_per_token": "h2d B/tok",
+    "run": "run", "engine": "engine", "served": "served", "goodput_tokens_per_s": "goodput tok/s",
+    "output_tokens_per_s": "out tok/s", "goodput_rps": "goodput req/s", "cost_per_1m": "$ / 1M tok",
+    "devices": "devices", "kv_capacity_tokens": "KV tokens", "peak_concurrency": "peak users", "accuracy": "accuracy",
+    "accuracy_delta_points": "vs full", "top1_agreement": "top-1 vs fp32", "peak_device_bytes": "peak mem",
+    "budget_bytes": "budget", "h2d_bytes_per_token": "h2d B/tok",
 }
 
 
 # The HTML page's table: the engine name and the budget are said once above it.
 PAGE = {k: v for k, v in COLUMNS.items() if k not in ("engine", "budget_bytes")}
 # The terminal's shorter table (the suite's summary, `pwbench compare`).
-COMPACT = {k: COLUMNS[k] for k in ("run", "served", "goodput_tokens_per_s", "cost_per_1m", "devices", "kv_capacity_tokens",
-                                    "accuracy", "accuracy_delta_points", "top1_agreement", "peak_device_bytes",
-                                    "h2d_bytes_per_token")}
+COMPACT = {k: COLUMNS[k] for k in ("run", "served", "goodput_tokens_per_s", "cost_per_1m", "devices",
+                                   "kv_capacity_tokens", "accuracy", "accuracy_delta_points", "top1_agreement",
+                                   "peak_device_bytes", "h2d_bytes_per_token")}
 
 
 def table(rows: list[dict[str, Value]], columns: dict[str, str] | None = None) -> tuple[list[str], list[list[str]]]:

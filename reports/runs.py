@@ -41,7 +41,8 @@ class Run:
             try:
                 self._tables[name] = read_rows(self.folder, name) if path.exists() else []
             except Exception as exc:  # noqa: BLE001  (pyarrow raises several types for a bad file)
-                raise HarnessError(f"{path}: not a readable parquet file ({type(exc).__name__}); rerun the run") from None
+                raise HarnessError(f"{path}: not a readable parquet file "
+                                   f"({type(exc).__name__}); rerun the run") from None
         return self._tables[name]
 
 
@@ -56,7 +57,8 @@ def expand(paths: list[str | Path]) -> list[Path]:
         if (path / "run.json").exists():
             out.append(path)
             continue
-        found = sorted(p.parent for p in path.rglob("run.json") if not any(s.startswith(".") for s in p.relative_to(path).parts))
+        found = sorted(p.parent for p in path.rglob("run.json")
+                       if not any(s.startswith(".") for s in p.relative_to(path).parts))
         if not found:
             raise HarnessError(f"{path}: holds no result folder (no run.json); pass folders written by `pwbench run`")
         out.extend(found)

@@ -18,17 +18,23 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     s = run["summary"]
     out = [
         ("status", run["status"] + (f" ({run['error']})" if run.get("error") else "")),
-        ("workload", f"{run['workload']['name']} ({run['workload']['arrival']}, {run['workload']['requests']} requests)"),
+        ("workload",
+         f"{run['workload']['name']} ({run['workload']['arrival']}, {run['workload']['requests']} requests)"),
         ("engine", f"{run['engine']['name']} on {run['engine']['device']} ({run['engine']['dtype']})"),
         ("requests", f"{s['completed']} completed, {s['failed']} failed, {_fmt(s['duration_s'], 2)} s"),
-        ("throughput", f"{_fmt(s['requests_per_s'], 2)} req/s, in {_fmt(s['input_tokens_per_s'])} tok/s, out {_fmt(s['output_tokens_per_s'])} tok/s"),
-        ("engine steps", f"prefill {_fmt(s['engine']['prefill_tokens_per_s'])} tok/s, decode {_fmt(s['engine']['decode_tokens_per_s'])} tok/s, {s['engine']['steps']} steps"),
+        ("throughput",
+         f"{_fmt(s['requests_per_s'], 2)} req/s, in {_fmt(s['input_tokens_per_s'])} tok/s, out "
+         f"{_fmt(s['output_tokens_per_s'])} tok/s"),
+        ("engine steps",
+         f"prefill {_fmt(s['engine']['prefill_tokens_per_s'])} tok/s, decode "
+         f"{_fmt(s['engine']['decode_tokens_per_s'])} tok/s, {s['engine']['steps']} steps"),
     ]
     for key, label in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
         d = s[key]
         out.append((label, f"mean {_fmt(d['mean'])}  p50 {_fmt(d['p50'])}  p90 {_fmt(d['p90'])}  p99 {_fmt(d['p99'])}"))
     slo = ", ".join(f"{k}<={v:g}" for k, v in s["slo"].items())
-    out.append(("goodput", f"{_fmt(s['goodput_requests_per_s'], 2)} req/s meet {slo} ({_fmt((s['slo_attainment'] or 0) * 100)}%)"))
+    out.append(("goodput",
+                f"{_fmt(s['goodput_requests_per_s'], 2)} req/s meet {slo} ({_fmt((s['slo_attainment'] or 0) * 100)}%)"))
     e = s["engine"]
     gone = (run.get("engine") or {}).get("unavailable") or {}  # metrics the engine cannot see (remote)
     out.append(("host<->device", "unavailable" if "transfers" in gone else f"h2d {_fmt(e['h2d_bytes'])} B, d2h "
@@ -37,37 +43,47 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
                 f"{_fmt(e['experts_hit_per_step_mean'])} per step, {e['preemptions']} preemptions"))
     eff = s.get("efficiency", {})
     if "mbu" in eff or "mfu" in eff:
-        out.append(("efficiency", f"MBU {_fmt(eff.get('mbu', 0) * 100)}%, MFU {_fmt(eff.get('mfu', 0) * 100)}% ({eff['peaks_source']})"))
+        out.append(("efficiency",
+                    f"MBU {_fmt(eff.get('mbu', 0) * 100)}%, MFU {_fmt(eff.get('mfu', 0) * 100)}% "
+                    f"({eff['peaks_source']})"))
     for task, a in s.get("accuracy", {}).items():
         out.append((f"accuracy {task}", f"{a['accuracy'] * 100:.1f}% ({a['correct']}/{a['total']})"))
     q = run.get("quality")
     if q and "kl_mean" in q:
-        out.append(("quality vs fp32", f"KL {q['kl_mean']:.4f} nats/token, top-1 agreement {q['top1_agreement'] * 100:.1f}%, "
+        out.append(("quality vs fp32",
+                    f"KL {q['kl_mean']:.4f} nats/token, top-1 agreement {q['top1_agreement'] * 100:.1f}%, "
                                        f"ppl {q['perplexity']:.2f} (ref {q['reference_perplexity']:.2f})"))
     elif q:
         out.append(("quality vs fp32", q.get("skipped", "-")))
     m = s.get("memory", {})
     if "weight_bytes" in m and "memory" not in gone:
-        out.append(("memory", f"weights {_fmt(m['weight_bytes'] / 2**20)} MiB, KV cache {_fmt(m['kv_cache_bytes'] / 2**20)} MiB "
+        out.append(("memory",
+                    f"weights {_fmt(m['weight_bytes'] / 2**20)} MiB, KV cache {_fmt(m['kv_cache_bytes'] / 2**20)} MiB "
                               f"({_fmt(m.get('kv_capacity_tokens'))} tokens)"))
     if m.get("budget_bytes") and "peak_device_bytes" in m:
-        out.append(("device budget", f"{_fmt(m['budget_bytes'] / 2**20, 2)} MiB, peak use {_fmt(m['peak_device_bytes'] / 2**20, 2)} MiB "
+        out.append(("device budget",
+                    f"{_fmt(m['budget_bytes'] / 2**20, 2)} MiB, peak use {_fmt(m['peak_device_bytes'] / 2**20, 2)} MiB "
                                      f"({_fmt(m['peak_share_of_budget'] * 100)}%)"))
     if "expert_cache_hit_rate" in m:
         prefetch = f", prefetch {m['prefetch_used']}/{m['prefetch_issued']} used" if "prefetch_issued" in m else ""
         out.append(("expert cache", f"hit rate {_fmt(m['expert_cache_hit_rate'] * 100)}% "
-                                    f"({m['expert_cache_hits']:,} hits, {m['expert_cache_misses']:,} misses){prefetch}"))
+                                    f"({m['expert_cache_hits']:,} hits, "
+                                    f"{m['expert_cache_misses']:,} misses){prefetch}"))
     if "link_bytes_per_s" in m:
         peak = f" of {_fmt(m['link_peak_bytes_per_s'] / 1e9, 2)} GB/s peak" if m.get("link_peak_bytes_per_s") else ""
-        out.append(("link", f"{_fmt(m['link_bytes_per_s'] / 1e9, 2)} GB/s achieved{peak}, {_fmt(m['copy_busy_s'], 3)} s copying, "
+        out.append(("link",
+                    f"{_fmt(m['link_bytes_per_s'] / 1e9, 2)} GB/s achieved{peak}, "
+                    f"{_fmt(m['copy_busy_s'], 3)} s copying, "
                             f"{_fmt(m['copy_overlap_share'] * 100)}% overlapped compute"))
     p = s.get("expert_precision")
     if p:
-        out.append(("expert bits", f"mean {_fmt(p['mean_bits'], 2)} (min {_fmt(p['min_bits'], 2)}, max {_fmt(p['max_bits'], 2)}, "
-                                   f"last {_fmt(p['last_bits'], 2)}), {p['promotions']:,} promotions, {p['demotions']:,} demotions, "
-                                   f"{_fmt(p['move_bytes'] / 2**20, 2)} MiB moved"))
+        out.append(("expert bits",
+                    f"mean {_fmt(p['mean_bits'], 2)} (min {_fmt(p['min_bits'], 2)}, max {_fmt(p['max_bits'], 2)}, "
+                    f"last {_fmt(p['last_bits'], 2)}), {p['promotions']:,} promotions, "
+                    f"{p['demotions']:,} demotions, {_fmt(p['move_bytes'] / 2**20, 2)} MiB moved"))
         cost = (f"; cost {p['feedback_rows']:,} rows, {_fmt(p['feedback_s'], 3)} s "
-                f"({_fmt((p['feedback_share_of_busy'] or 0) * 100, 2)}% of busy), {_fmt(p['feedback_bytes'] / 2**10)} KiB"
+                f"({_fmt((p['feedback_share_of_busy'] or 0) * 100, 2)}% of busy), "
+                f"{_fmt(p['feedback_bytes'] / 2**10)} KiB"
                 if "feedback_s" in p else "")
         out.append(("quality feedback", f"{p['feedback_checks']:,} checks, max relative error "
                                         f"{_fmt(p['feedback_error_max'], 4)}, {p['fallbacks']} fallbacks{cost}"))
@@ -80,7 +96,7 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
 def table_rows(folder: Path) -> list[tuple[str, str]]:
     """Lines for the engine's own tables in a result folder, when it wrote them (pagedweight:
     expert_usage, expert_bits, fallbacks)."""
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
     out: list[tuple[str, str]] = []
     if (path := folder / "expert_usage.parquet").exists():
@@ -101,14 +117,15 @@ def table_rows(folder: Path) -> list[tuple[str, str]]:
         events = pd.read_parquet(path)
         if len(events):
             first = "; ".join(f"step {int(r.engine_step)} layer {int(r.layer)} expert {int(r.expert)} "
-                              f"{int(r.from_bits)} -> floor {int(r.floor_bits)} bits" for r in events.head(3).itertuples())
+                              f"{int(r.from_bits)} -> floor {int(r.floor_bits)} bits"
+                              for r in events.head(3).itertuples())
             out.append(("fallbacks", f"{len(events)} events: {first}{' ...' if len(events) > 3 else ''}"))
     return out
 
 
 def print_summary(run: dict[str, Any], folder: Path) -> None:
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+    from rich.console import Console
+    from rich.table import Table
 
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")

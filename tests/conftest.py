@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import settings
-
 from tiny_models import build_hf_model, save_checkpoint
 
 # Property tests draw the same examples on every CI run, so a red run reproduces locally with

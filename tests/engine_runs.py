@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 
+from tiny_models import CPU32
+
 from engines.base import EngineRequest, SamplingParams
 from harness.calibration import create_calibrated
 from harness.offline import run_offline
-from tiny_models import CPU32
 
 
 def random_requests(vocab: int, n: int = 5, new: int = 10, seed: int = 0, lo: int = 3, hi: int = 90,

@@ -33,13 +33,15 @@ MUTATIONS = (
         "kv-table", "engines/runtime/kv_cache.py",
         "        return -(-num_tokens // self.block_size)",
         "        return -(-(num_tokens - 1) // self.block_size)",
-        ("tests/unit/test_scheduler.py", "tests/integration/test_moe_matches_transformers.py::test_batch_of_different_lengths"),
+        ("tests/unit/test_scheduler.py",
+         "tests/integration/test_moe_matches_transformers.py::test_batch_of_different_lengths"),
         "off-by-one in the KV block table: one block too few once a sequence fills its last block",
     ),
     Mutation(
         "fused-gate-up", "engines/runtime/checkpoint.py",
         "        gate_up = reader.get(prefix + \"gate_up_proj\", (E, 2 * I, D))",
-        "        gate_up = reader.get(prefix + \"gate_up_proj\", (E, 2 * I, D)); gate_up = gate_up.roll(I, dims=1) if gate_up is not None else None",
+        "        gate_up = reader.get(prefix + \"gate_up_proj\", (E, 2 * I, D)); gate_up = gate_up.roll(I, dims=1) if "
+        "gate_up is not None else None",
         ("tests/integration/test_checkpoint_layouts.py",),
         "gate and up halves swapped when reading the fused 3-D expert format (one layout only)",
     ),
@@ -47,7 +49,8 @@ MUTATIONS = (
         "percentile", "harness/metrics.py",
         "    pos = (len(xs) - 1) * q / 100",
         "    pos = min(len(xs) - 1, len(xs) * q / 100)",
-        ("tests/harness/test_efficiency_by_hand.py", "tests/harness/test_run_cli.py", "tests/harness/test_metrics_dummy.py"),
+        ("tests/harness/test_efficiency_by_hand.py", "tests/harness/test_run_cli.py",
+         "tests/harness/test_metrics_dummy.py"),
         "percentiles by the wrong rank formula (n * q instead of (n - 1) * q, numpy's linear)",
     ),
 )
@@ -66,7 +69,8 @@ def run(m: Mutation) -> tuple[bool, str, float]:
     finally:
         path.write_text(original)
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return proc.returncode == 1 and bool(failed), "\n    ".join(failed) or proc.stdout[-500:], time.perf_counter() - start
+    detail = "\n    ".join(failed) or proc.stdout[-500:]
+    return proc.returncode == 1 and bool(failed), detail, time.perf_counter() - start
 
 
 def main(names: list[str]) -> int:

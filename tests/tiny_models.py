@@ -108,7 +108,8 @@ def save_checkpoint(model, path: Path, layout: str = "per_expert") -> Path:
 
         model.save_pretrained(path)
         (path / "model.safetensors").unlink()
-        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not model.config.tie_word_embeddings}
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"
+                 or not model.config.tie_word_embeddings}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     else:
         raise ValueError(layout)

@@ -97,7 +97,8 @@ def apply_arrivals(
                 "choose --arrival poisson, gamma, closed or offline"
             )
         times = replay_times([s.arrival_s for s in flat], time_scale)
-        flat = [dataclasses.replace(s, arrival_s=t, think_time_s=s.think_time_s * time_scale) for s, t in zip(flat, times)]
+        flat = [dataclasses.replace(s, arrival_s=t, think_time_s=s.think_time_s * time_scale)
+                for s, t in zip(flat, times)]
     elif arrival in ("poisson", "gamma"):  # sessions start at the process's times, turns follow after think gaps
         flat = [
             dataclasses.replace(s, arrival_s=clock, think_time_s=think)
@@ -106,7 +107,8 @@ def apply_arrivals(
         ]
     elif arrival == "closed":  # every request belongs to a session the harness can run
         flat = [
-            dataclasses.replace(s, arrival_s=None, think_time_s=s.think_time_s * time_scale, session_id=s.session_id or f"single-{i}")
+            dataclasses.replace(s, arrival_s=None, think_time_s=s.think_time_s * time_scale,
+                                session_id=s.session_id or f"single-{i}")
             for i, s in enumerate(flat)
         ]
     else:  # offline: everything at t=0, nothing waits

@@ -55,7 +55,7 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TrafficPlan:
     """The shape step's result: skeletons in send order, before any token is synthesized."""
 
     arrival: str
@@ -86,7 +86,7 @@ def _compact(prompt: Prompt) -> Prompt:
     return dataclasses.replace(prompt, ids=as_prompt_ids(prompt.ids))
 
 
-def make_plan(spec, target, shape: Shape) -> Plan:
+def make_plan(spec, target, shape: Shape) -> TrafficPlan:
     """Arrivals, bounds and clipping: everything but the tokens.
 
     With `requests` N the plan holds the first N requests by arrival (open loop and trace
@@ -143,7 +143,7 @@ def make_plan(spec, target, shape: Shape) -> Plan:
             f"{clipped} of {len(skeletons)} requests clipped to max_model_len {target.max_model_len} "
             f"(prompt cut to its first tokens, output to at most {target.max_model_len // 2}); --scale shrinks instead"
         )
-    return Plan(arrival, tuple(skeletons), tuple(notes))
+    return TrafficPlan(arrival, tuple(skeletons), tuple(notes))
 
 
 CALIBRATION_ROUNDS = 8  # fixed-point rounds of session_start_rate (it settles in 2-4)
@@ -179,7 +179,8 @@ def session_start_rate(
         if not sample:
             break
         counted = math.fsum(
-            max(0.0, 1.0 - clock / window_s) for session in sample for clock, _ in session_times(0.0, session, time_scale)
+            max(0.0, 1.0 - clock / window_s) for session in sample
+            for clock, _ in session_times(0.0, session, time_scale)
         )
         session_rate = rate / (counted / len(sample))
     return session_rate
@@ -255,12 +256,14 @@ def _cut_sessions_note(planned: list[RequestSkeleton], kept: list[RequestSkeleto
     if not cut:
         return []
     bound = " and ".join(
-        b for b in (f"requests={limit}" if limit is not None else "", f"duration_s={duration_s}" if duration_s is not None else "") if b
+        b for b in (f"requests={limit}" if limit is not None else "",
+                    f"duration_s={duration_s}" if duration_s is not None else "") if b
     )
     named = ", ".join(f"{sid} ({n} of {t} turns)" for sid, n, t in cut[:MAX_NAMED_SESSIONS])
     more = f" and {len(cut) - MAX_NAMED_SESSIONS} more" if len(cut) > MAX_NAMED_SESSIONS else ""
     return [
-        f"kept the first {len(kept)} requests by arrival ({bound}); {len(cut)} session{'s' * (len(cut) != 1)} cut short, "
+        f"kept the first {len(kept)} requests by arrival ({bound}); {len(cut)} "
+        f"session{'s' * (len(cut) != 1)} cut short, "
         f"their later turns arriving after that: {named}{more}"
     ]
 

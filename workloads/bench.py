@@ -27,7 +27,8 @@ def main() -> None:
     plan = make_plan(spec, TARGET, workload_shape(spec))
     plan_s = time.perf_counter() - start
     tokens = sum(s.input_tokens for s in plan.skeletons)
-    print(f"read + plan {len(plan.skeletons)} requests ({tokens / 1e6:.1f}M prompt tokens): {plan_s:.2f} s (target < 2 s)")
+    print(f"read + plan {len(plan.skeletons)} requests ({tokens / 1e6:.1f}M prompt tokens): "
+          f"{plan_s:.2f} s (target < 2 s)")
     synthesizer = HashBlockSynthesizer(spec.seed, TARGET.vocab_size, TARGET.special_ids)
     start = time.perf_counter()
     head = plan.skeletons[:100]

@@ -20,7 +20,6 @@ from workloads.traces.common import Trace
 from workloads.traces.formats import read_trace
 
 
-
 def traces_dir() -> Path:
     default = Path(__file__).resolve().parents[2] / "shared" / "traces"
     return Path(os.environ.get("PWBENCH_TRACES", default))

@@ -21,7 +21,8 @@ CHAT_NEW_MESSAGE_Q = (1, 4, 6, 8, 11, 16, 25, 46, 134, 462, 2209, 5048, 7897, 19
 CHAT_OUTPUT_Q = (1, 3, 10, 24, 100, 213, 291, 350, 399, 447, 504, 597, 698, 1119, 2000)
 # Seconds from one turn's arrival to the next (includes the previous answer's generation).
 CHAT_THINK_Q = (0.0, 12.0, 30.0, 42.0, 60.0, 75.0, 96.0, 123.0, 162.0, 222.0, 318.0, 483.0, 615.4, 1476.9, 3030.0)
-CHAT_TURNS_PMF = {2: 1311, 3: 464, 4: 200, 5: 117, 6: 55, 7: 27, 8: 26, 9: 10, 10: 16, 11: 5, 12: 2, 13: 4, 14: 2, 15: 5, 16: 4, 17: 4, 18: 1, 19: 1, 21: 1, 22: 1, 25: 1, 27: 1, 43: 1}
+CHAT_TURNS_PMF = {2: 1311, 3: 464, 4: 200, 5: 117, 6: 55, 7: 27, 8: 26, 9: 10, 10: 16, 11: 5, 12: 2, 13: 4, 14: 2,
+                  15: 5, 16: 4, 17: 4, 18: 1, 19: 1, 21: 1, 22: 1, 25: 1, 27: 1, 43: 1}
 
 # Fitted from ragpulse/0_trace.jsonl + side tables (RAGPulse, a university policy-Q&A RAG service).
 RAG_SYS_BLOCK_TOKENS = 512  # the system prompt's first two chunks are always 512 tokens
@@ -40,7 +41,8 @@ RAG_WEB_LEN_Q = (3, 23, 79, 133, 243, 376, 512, 512, 512, 512, 512, 512, 512, 51
 RAG_QUESTION_Q = (1, 1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 12, 16, 28, 178)
 RAG_TEMPLATE_TOKENS = (6, 12)  # input_length minus all components: chat-template glue
 RAG_OUTPUT_Q = (7, 36, 66, 83, 113, 151, 191, 234, 284, 346, 436, 563, 670, 891, 2183)
-RAG_TURNS_PMF = {1: 2347, 2: 960, 3: 376, 4: 151, 5: 62, 6: 28, 7: 18, 8: 15, 9: 9, 10: 11, 11: 3, 12: 2, 13: 2, 14: 2, 15: 1, 19: 1, 22: 1, 25: 1}
+RAG_TURNS_PMF = {1: 2347, 2: 960, 3: 376, 4: 151, 5: 62, 6: 28, 7: 18, 8: 15, 9: 9, 10: 11, 11: 3, 12: 2, 13: 2, 14: 2,
+                 15: 1, 19: 1, 22: 1, 25: 1}
 RAG_THINK_Q = (0.0, 6.0, 11.0, 14.0, 20.0, 25.0, 31.0, 39.0, 50.0, 67.0, 100.0, 203.7, 496.3, 1874.0, 3527.0)
 
 # Fitted from azure_llm_2023/AzureLLMInferenceTrace_code.csv (Azure 2023 code completion, the

@@ -86,7 +86,8 @@ class PromptIds(Sequence):
             import numpy as np
 
             make = getattr(self._synthesizer, "token_ids", None)
-            array = np.asarray(make(self._skeleton) if make is not None else self._synthesizer.synthesize(self._skeleton).ids)
+            array = np.asarray(make(self._skeleton) if make is not None
+                               else self._synthesizer.synthesize(self._skeleton).ids)
             if array.ndim != 1 or len(array) != self._n:
                 raise ValueError(
                     f"the synthesizer returned {array.shape} ids for a {self._n}-token prompt "

@@ -108,9 +108,11 @@ class WorkloadSpec:
             _check((value is None and not required) or _positive(value), name, value, "use a number > 0")
         for name in ("input_range", "output_range"):
             span = getattr(self, name)
-            ok = span is None or (isinstance(span, tuple) and len(span) == 2 and _whole(span[0], 1) and _whole(span[1], span[0]))
+            ok = span is None or (isinstance(span, tuple) and len(span) == 2 and _whole(span[0], 1)
+                                  and _whole(span[1], span[0]))
             _check(ok, name, span, "use two integers lo-hi with 1 <= lo <= hi, e.g. 128-1024")
-        _check(self.arrival is None or self.arrival in ARRIVALS, "arrival", self.arrival, "use one of " + ", ".join(ARRIVALS))
+        _check(self.arrival is None or self.arrival in ARRIVALS, "arrival", self.arrival,
+               "use one of " + ", ".join(ARRIVALS))
         _check(self.direct_share is None or (_number(self.direct_share) and 0 <= self.direct_share < 1),
                "direct_share", self.direct_share, "use a share in [0, 1), e.g. 0.5")
         _only(self, "rag_long", "context", "direct_share")

@@ -65,7 +65,8 @@ def gemm_rows(rounds: int) -> list[tuple[str, float, float, float]]:
 def gather_rows(rounds: int) -> tuple[float, float, float, float]:
     """ms per K (or V) gather of one layer: dim-1 index_select, flattened rows, rows into a reused buffer."""
     heads, blocks, size, dim, seqs, per_seq = 2, 8192, 16, 64, 256, 7
-    pools = [torch.randn(heads, blocks, size, dim) for _ in range(max(2, COLD_BYTES // (heads * blocks * size * dim * 4)))]
+    pools = [torch.randn(heads, blocks, size, dim)
+             for _ in range(max(2, COLD_BYTES // (heads * blocks * size * dim * 4)))]
     ids = torch.randint(0, blocks, (seqs * per_seq,))
     rows = block_rows(pools[0], ids)
     buf = torch.empty(rows.numel() * size * dim)

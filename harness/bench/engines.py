@@ -20,13 +20,12 @@ import argparse
 import tempfile
 from pathlib import Path
 
-
 MODELS = ("mixtral", "deepseek_v3")
 
 
 def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
+    import torch
+    import transformers
 
     if arch == "mixtral":
         config = transformers.MixtralConfig(
@@ -51,8 +50,8 @@ def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
 
 
 def main() -> None:
-    from harness.run import RunArgs, execute  # noqa: PLC0415
-    from workloads.registry import WorkloadSpec, parse_length_range  # noqa: PLC0415
+    from harness.run import RunArgs, execute
+    from workloads.registry import WorkloadSpec, parse_length_range
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
@@ -82,7 +81,8 @@ def main() -> None:
                       f"prefill {s['engine']['prefill_tokens_per_s'] or 0:8.1f} tok/s")
                 stats = run.get("engine", {}).get("model_stats") or {}
                 if stats:
-                    print(f"     KV {stats['kv_bytes_per_token']:,.0f} B/token, expert {stats['bytes_per_expert']:,.0f} B, "
+                    print(f"     KV {stats['kv_bytes_per_token']:,.0f} B/token, expert "
+                          f"{stats['bytes_per_expert']:,.0f} B, "
                           f"active {stats['active_params_per_token'] / 1e6:.1f}M params/token")
             if len(results) >= 2:
                 a, b = engines[:2]

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print("harness.bench.kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    from harness.hw import peaks_for  # noqa: PLC0415  (a script, not the engine: the peak table lives there)
+    from harness.hw import peaks_for
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     name = torch.cuda.get_device_name(dev)
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(tokens, HIDDEN, device=dev, dtype=dt, generator=gen)
         io = _bytes(x) + tokens * INTERMEDIATE * 2
         print(row("bf16 matmul", tokens, time_ms(lambda: x @ w.T), _bytes(w) + io, peak))
-        print(row(f"dequant_matmul {args.bits}-bit", tokens, time_ms(lambda: dequant_matmul(x, qw)), qw.nbytes() + io, peak))
+        print(row(f"dequant_matmul {args.bits}-bit", tokens, time_ms(lambda: dequant_matmul(x, qw)), qw.nbytes() + io,
+                  peak))
         ids, weights = route(x, router, TOP_K, normalize=True)
         counts = torch.bincount(ids.flatten(), minlength=EXPERTS).tolist()
         d = dispatch(ids, weights, counts)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 
 def run_one(tmp: Path, model: str, spec, engine: str, options: dict, tag: str, on_step=None) -> dict:
-    from harness.run import RunArgs, execute  # noqa: PLC0415
+    from harness.run import RunArgs, execute
 
     _, run = execute(RunArgs(workload=spec, engine=engine, model=model,
                              engine_options={"device": "cpu", "dtype": "float32", **options},
@@ -46,7 +46,7 @@ def run_one(tmp: Path, model: str, spec, engine: str, options: dict, tag: str, o
 
 def fresh_peaks() -> dict:
     """This machine's peaks measured now, cached for the next engine's start (its plan)."""
-    from harness.hw import measure, save_cached  # noqa: PLC0415
+    from harness.hw import measure, save_cached
 
     peaks = measure("cpu")
     save_cached(peaks)
@@ -57,9 +57,9 @@ def decode_p50(folder: Path, probes: dict[int, dict] | None = None) -> tuple[flo
     """Median decode-only step time, the median roofline time of those steps and the median
     of roofline / step time (s, s, share), at the peaks probed after each step (`probes`, by
     step index) or else the ones the run recorded."""
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
-    from harness.results import read_run  # noqa: PLC0415
+    from harness.results import read_run
 
     run = read_run(folder)
     steps = pd.read_parquet(folder / "steps.parquet")
@@ -88,12 +88,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pwbench-bench-") as tmp_name:
         tmp = Path(tmp_name)
         os.environ["PWBENCH_CACHE"] = str(tmp / "cache")
-        from harness.bench.engines import build_model  # noqa: PLC0415
-        from harness.bench.offload import sizes  # noqa: PLC0415
-        from workloads.registry import WorkloadSpec  # noqa: PLC0415
+        from harness.bench.engines import build_model
+        from harness.bench.offload import sizes
+        from workloads.registry import WorkloadSpec
 
         def show(peaks: dict) -> str:
-            return (f"{peaks['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, {peaks['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
+            return (f"{peaks['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+                    f"{peaks['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s"
                     + (f", {peaks['op_overhead_s'] * 1e6:.1f} us per torch call" if "op_overhead_s" in peaks else ""))
 
         print(f"peaks: {show(fresh_peaks())}")
@@ -110,9 +111,11 @@ def main() -> None:
             context = args.input_len + args.output_len // 2
             link = {"link_gbps": args.link_gbps}
             print(f"\nbytes: {args.requests} requests x {args.input_len} in / {args.output_len} out at t=0; budget "
-                  f"{budget / 2**20:.1f} MiB = dense {dense / 2**20:.1f} + quarter of the experts {quarter / 2**20:.1f} "
+                  f"{budget / 2**20:.1f} MiB = dense {dense / 2**20:.1f} + quarter of the "
+                  f"experts {quarter / 2**20:.1f} "
                   f"+ offload's KV reserve; link {args.link_gbps:g} GB/s")
-            print(f"{'engine':8s} {'out tok/s':>10s} {'h2d B/token':>12s} {'decode step p50 ms':>19s} {'predicted ms':>13s}")
+            print(f"{'engine':8s} {'out tok/s':>10s} {'h2d B/token':>12s} "
+                  f"{'decode step p50 ms':>19s} {'predicted ms':>13s}")
             results, peaks_at = {}, {}
             for engine, options in (("moe", {}), ("offload", {"budget_bytes": budget, **link}),
                                     ("moegen", {"budget_bytes": budget, "plan_context": context,
@@ -122,7 +125,8 @@ def main() -> None:
                 s = run["summary"]
                 results[engine] = run
                 plan = s.get("plan", {})
-                print(f"{engine:8s} {s['output_tokens_per_s']:10.1f} {s['engine']['h2d_bytes_per_output_token'] or 0:12,.0f} "
+                print(f"{engine:8s} {s['output_tokens_per_s']:10.1f} "
+                      f"{s['engine']['h2d_bytes_per_output_token'] or 0:12,.0f} "
                       f"{decode_p50(tmp / f'bytes-{engine}')[0] * 1e3:19.1f} "
                       f"{(plan.get('decode_predicted_step_s_p50') or 0) * 1e3:13.1f}")
             print("peaks measured before each start: " + "; ".join(f"{e} {show(p)}" for e, p in peaks_at.items()))
@@ -131,7 +135,8 @@ def main() -> None:
             print(f"offload / moegen h2d bytes per output token: "
                   f"{o['engine']['h2d_bytes_per_output_token'] / g['engine']['h2d_bytes_per_output_token']:.1f}x; "
                   f"moegen / offload output tok/s: {g['output_tokens_per_s'] / o['output_tokens_per_s']:.2f}x")
-            where = ("host, streamed to the device" if stats.get("plan_kv_streamed") else "host") if stats["plan_kv_on_host"] \
+            where = ("host, streamed to the device" if stats.get("plan_kv_streamed")
+                     else "host") if stats["plan_kv_on_host"] \
                 else "device"
             print(f"moegen plan: KV on {where}, batch {stats['plan_batch_seqs']:.0f}, "
                   f"micro-batch {stats['plan_micro_batch']:.0f}, ring {stats['plan_expert_slots']:.0f} slots, "
@@ -145,9 +150,10 @@ def main() -> None:
             n = args.decode_seqs
             spec = WorkloadSpec("offline_batch", requests=n, input_range=(32, 32), output_tokens=64)
             full = dense + layers * experts * per_expert + (1 << 20)
-            print(f"\ndecode: {n} requests x 32 in / 64 out at t=0; each decode step's roofline = max(bytes / bandwidth, "
+            print(f"\ndecode: {n} requests x 32 in / 64 out at t=0; each decode step's roofline = "
+                  "max(bytes / bandwidth, "
                   f"FLOPs / FLOP rate) at the peaks probed right after it")
-            from harness.hw import PeakProbe  # noqa: PLC0415
+            from harness.hw import PeakProbe
 
             probe, rows = PeakProbe(), []
             for engine, options in (("moe", {"max_num_seqs": n}),
@@ -166,7 +172,8 @@ def main() -> None:
                 print(f"{engine}: matmul peak probed after its decode steps {rates[0] / 1e9:.0f}-{rates[-1] / 1e9:.0f} "
                       f"GFLOP/s (median {rates[len(rates) // 2] / 1e9:.0f})")
                 rows.append((engine, run, *decode_p50(tmp / f"decode-{engine}", probes)))
-            print(f"{'engine':8s} {'decode tok/s':>12s} {'step p50 ms':>12s} {'roofline ms':>12s} {'of roofline':>12s} {'predicted ms':>13s}")
+            print(f"{'engine':8s} {'decode tok/s':>12s} {'step p50 ms':>12s} {'roofline ms':>12s} "
+                  f"{'of roofline':>12s} {'predicted ms':>13s}")
             for engine, run, step, roof, share in rows:
                 plan = run["summary"].get("plan", {})
                 print(f"{engine:8s} {run['summary']['engine']['decode_tokens_per_s']:12.1f} {step * 1e3:12.1f} "

@@ -23,21 +23,22 @@ SHARES = (1.0, 0.5, 0.25)
 
 def sizes(model: str) -> tuple[int, int, int, int]:
     """(dense bytes, bytes per expert, MoE layers, experts per layer) of a float32 folder."""
-    from engines.registry import create_engine  # noqa: PLC0415
+    from engines.registry import create_engine
 
     engine = create_engine("offload", {"model": model, "device": "cpu", "dtype": "float32", "experts_per_layer": 1})
     engine.start()
     try:
         mc = engine.checkpoint.config
-        return engine.weights.nbytes(), int(engine.info().model_stats["bytes_per_expert"]), sum(mc.moe_layers), mc.num_experts
+        per_expert = int(engine.info().model_stats["bytes_per_expert"])
+        return engine.weights.nbytes(), per_expert, sum(mc.moe_layers), mc.num_experts
     finally:
         engine.stop()
 
 
 def main() -> None:
-    from harness.bench.engines import build_model  # noqa: PLC0415
-    from harness.run import RunArgs, execute  # noqa: PLC0415
-    from workloads.registry import WorkloadSpec  # noqa: PLC0415
+    from harness.bench.engines import build_model
+    from harness.run import RunArgs, execute
+    from workloads.registry import WorkloadSpec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="demo,mixtral")
@@ -59,7 +60,8 @@ def main() -> None:
             # KV for every request at full length, in float32 (the demo's and the Mixtral's shapes).
             kv_reserve = 64 << 20
             print(f"\n{name}: dense {dense / 2**20:.1f} MiB, {layers} MoE layers x {experts} experts x "
-                  f"{per_expert / 2**20:.2f} MiB, KV reserve {kv_reserve / 2**20:.0f} MiB, link {args.link_gbps:g} GB/s")
+                  f"{per_expert / 2**20:.2f} MiB, KV reserve {kv_reserve / 2**20:.0f} MiB, link "
+                  f"{args.link_gbps:g} GB/s")
             print(f"{'engine':8s} {'experts':>8s} {'budget MiB':>10s} {'out tok/s':>10s} {'hit rate':>9s} "
                   f"{'h2d B/token':>12s} {'stall s':>8s} {'prefetch used':>14s}")
             runs = [("moe", 1.0, {})] + [
@@ -78,10 +80,12 @@ def main() -> None:
                 got = run["engine"]["model_stats"].get("expert_slots_per_layer", experts)
                 assert got == slots, f"budget {budget} gave {got} slots, expected {slots}"
                 hit = m.get("expert_cache_hit_rate")
+                prefetch = f"{m['prefetch_used']}/{m['prefetch_issued']}" if "prefetch_issued" in m else "-"
                 print(f"{engine:8s} {slots:>3d}/{experts:<4d} {budget / 2**20:10.1f} {s['output_tokens_per_s']:10.1f} "
-                      f"{'-' if hit is None else f'{hit:.1%}':>9s} {s['engine']['h2d_bytes_per_output_token'] or 0:12,.0f} "
+                      f"{'-' if hit is None else f'{hit:.1%}':>9s} "
+                      f"{s['engine']['h2d_bytes_per_output_token'] or 0:12,.0f} "
                       f"{m.get('copy_stall_s', 0.0):8.2f} "
-                      f"{(str(m['prefetch_used']) + '/' + str(m['prefetch_issued'])) if 'prefetch_issued' in m else '-':>14s}")
+                      f"{prefetch:>14s}")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,8 @@ def expert_bytes_at(bits: int, experts: int, per_expert_fp: int, group: int = 32
 
 
 def main() -> None:
-    from harness.run import RunArgs, execute  # noqa: PLC0415
-    from workloads.registry import WorkloadSpec  # noqa: PLC0415
+    from harness.run import RunArgs, execute
+    from workloads.registry import WorkloadSpec
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
@@ -86,8 +86,10 @@ def main() -> None:
         kv_token = int(stats["kv_bytes_per_token"])
         peak_kv = args.kv_tokens * kv_token
         measured = ref["summary"]["memory"]["peak_kv_bytes"]
-        print(f"demo model: dense {dense:,} B, experts {experts_fp:,} B at full precision, KV {args.kv_tokens:,} tokens "
-              f"= {peak_kv:,} B (the reference run held at most {measured // kv_token:,}; {args.requests} rag_long requests at {args.rate:g}/s, gamma CV^2 {args.burstiness:g}, "
+        print(f"demo model: dense {dense:,} B, experts {experts_fp:,} B at full precision, KV "
+              f"{args.kv_tokens:,} tokens "
+              f"= {peak_kv:,} B (the reference run held at most {measured // kv_token:,}; {args.requests} rag_long "
+              f"requests at {args.rate:g}/s, gamma CV^2 {args.burstiness:g}, "
               f"{args.direct_share:.0%} direct questions)")
         print_row(ref, "moe (no budget)")
         for share in (float(s) for s in args.shares.split(",")):
@@ -95,7 +97,8 @@ def main() -> None:
             print(f"\nbudget {budget:,} B = dense + {share:.0%} of (experts + peak KV) "
                   f"= {budget / (dense + experts_fp + peak_kv):.0%} of (full-precision weights + peak KV)")
             static_bits = next((b for b in (8, 4, 3, 2)
-                                if expert_bytes_at(b, 8, int(stats["bytes_per_expert"])) + peak_kv <= budget - dense), 2)
+                                if expert_bytes_at(b, 8, int(stats["bytes_per_expert"])) + peak_kv <= budget - dense),
+                               2)
             # the static engines at that width and at 4 bits (on this model 4 -> 2 bits frees only
             # 6% of the full-precision expert bytes: each group of 32 carries a 4-byte scale and zero)
             runs = [(engine, {**options, "bits": b} if engine.startswith("static-") else options)

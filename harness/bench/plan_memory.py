@@ -76,7 +76,8 @@ def main() -> None:
     parser.add_argument("--case", choices=("rag_long", "mooncake", "all"), default="all")
     parser.add_argument("--requests", type=int, default=20_000, help="rag_long: requests to plan")
     parser.add_argument("--traces", type=Path,
-                        default=Path(os.environ.get("PWBENCH_TRACES", Path(__file__).resolve().parents[3] / "shared" / "traces")))
+                        default=Path(os.environ.get("PWBENCH_TRACES",
+                                                    Path(__file__).resolve().parents[3] / "shared" / "traces")))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -97,7 +98,8 @@ def main() -> None:
             continue
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{case}: {r['requests']:,} requests, {r['prompt_tokens'] / 1e6:.1f}M prompt tokens: "
-              f"time to first send {r['time_to_first_send_s']:.2f} s ({r['time_to_first_send_cpu_s']:.2f} s CPU), peak RSS {r['peak_rss_mb']:,} MB "
+              f"time to first send {r['time_to_first_send_s']:.2f} s ({r['time_to_first_send_cpu_s']:.2f} s CPU), peak "
+              f"RSS {r['peak_rss_mb']:,} MB "
               f"({r['rss_after_imports_mb']:,} MB after imports; {r['rss_now_mb']:,} MB at first send)")
 
 

@@ -8,7 +8,10 @@ line on stderr and exit code 2; Ctrl-C exits with 130.
 
 from __future__ import annotations
 
-from harness.cli import run, report, gate, sweep, generate, serve, evals, hw, plan, ls, demo  # noqa: F401, I001  (each registers its commands, in help order)
+# isort: off
+# Each module registers its commands on import, in the order `pwbench --help` lists them.
+from harness.cli import run, report, gate, sweep, generate, serve, evals, hw, plan, ls, demo  # noqa: F401
+# isort: on
 from harness.cli.apps import app, demo_app, ls_app
 from harness.cli.imports import import_app
 from harness.cli.quantize import quantize

@@ -14,10 +14,13 @@ from harness.cli.common import user_errors
 @app.command("eval")
 @user_errors
 def eval_(
-    tasks: Annotated[str, typer.Option(help="Comma-separated lm-eval task names (demo_rag, demo_chat, demo_closed_book, demo_copy, or any task in --include-path).")] = "demo_rag,demo_chat",
+    tasks: Annotated[str,
+                     typer.Option(help="Comma-separated lm-eval task names (demo_rag, demo_chat, demo_closed_book, "
+                                       "demo_copy, or any task in --include-path).")] = "demo_rag,demo_chat",
     engine: Annotated[str, typer.Option(help="Engine name.")] = "moe",
     model: Annotated[str | None, typer.Option(help="Model folder (default: the bundled demo model).")] = None,
-    output: Annotated[str | None, typer.Option(help="Run folder to store lm_eval.json in (default: print only).")] = None,
+    output: Annotated[str | None,
+                      typer.Option(help="Run folder to store lm_eval.json in (default: print only).")] = None,
     include_path: Annotated[str | None, typer.Option(help="Extra folder of lm-eval task YAMLs.")] = None,
     limit: Annotated[int | None, typer.Option(help="Examples per task (default: all).")] = None,
     samples: Annotated[int, typer.Option(help="Examples written per demo task.")] = 200,

@@ -14,21 +14,35 @@ from harness.cli.common import user_errors
 @app.command("gate")
 @user_errors
 def gate(
-    baseline: Annotated[str, typer.Option(help="Baseline: a gate JSON (see --update-baseline) or result folder(s), comma-separated for repeats.")],
-    candidate: Annotated[list[str], typer.Option(help="Candidate result folder; repeat the option (or pass a folder of runs) for repeated runs.")],
-    policy: Annotated[str | None, typer.Option(help="Policy TOML: deterministic_tolerance, timing_tolerance, sigmas, min_p99_samples.")] = None,
-    repeat: Annotated[int, typer.Option(help="Timing metrics are judged only with this many runs on each side (medians).")] = 1,
+    baseline: Annotated[str,
+                        typer.Option(help="Baseline: a gate JSON (see --update-baseline) or result folder(s), "
+                                          "comma-separated for repeats.")],
+    candidate: Annotated[list[str],
+                         typer.Option(help="Candidate result folder; repeat the option (or pass a folder of "
+                                           "runs) for repeated runs.")],
+    policy: Annotated[str | None,
+                      typer.Option(help="Policy TOML: deterministic_tolerance, timing_tolerance, "
+                                        "sigmas, min_p99_samples.")] = None,
+    repeat: Annotated[int,
+                      typer.Option(help="Timing metrics are judged only with this many runs "
+                                        "on each side (medians).")] = 1,
     junit: Annotated[str | None, typer.Option(help="Write a JUnit XML file here.")] = None,
     markdown: Annotated[str | None, typer.Option(help="Write a Markdown summary here.")] = None,
-    update_baseline: Annotated[bool, typer.Option("--update-baseline", help="Write the candidate's metrics to --baseline (a .json path) and exit 0.")] = False,
-    deterministic_only: Annotated[bool, typer.Option("--deterministic-only", help="With --update-baseline: leave timing out (a baseline other machines can gate against).")] = False,
+    update_baseline: Annotated[bool,
+                               typer.Option("--update-baseline",
+                                            help="Write the candidate's metrics to --baseline (a "
+                                                 ".json path) and exit 0.")] = False,
+    deterministic_only: Annotated[bool,
+                                  typer.Option("--deterministic-only",
+                                               help="With --update-baseline: leave timing out (a baseline other "
+                                                    "machines can gate against).")] = False,
 ) -> None:
     """Compare a candidate run with a baseline, metric by metric; exit 1 on a regression."""
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    import json
+    from pathlib import Path
 
-    from harness.errors import HarnessError  # noqa: PLC0415
-    from reports import gate as g  # noqa: PLC0415
+    from harness.errors import HarnessError
+    from reports import gate as g
 
     if repeat < 1:
         raise HarnessError("--repeat must be >= 1")
@@ -36,18 +50,23 @@ def gate(
     if update_baseline:
         if not baseline.endswith(".json"):
             raise HarnessError(f"--update-baseline writes JSON: --baseline must end in .json, got {baseline!r}")
-        g.write_atomic(Path(baseline), json.dumps(g.baseline_json(cand, timing=not deterministic_only), indent=1, sort_keys=True) + "\n")
-        typer.echo(f"baseline written: {baseline} ({len(cand.deterministic)} deterministic, {0 if deterministic_only else len(cand.timing)} timing metrics)")
+        g.write_atomic(Path(baseline),
+                       json.dumps(g.baseline_json(cand, timing=not deterministic_only), indent=1,
+                                  sort_keys=True) + "\n")
+        typer.echo(f"baseline written: {baseline} ({len(cand.deterministic)} deterministic, "
+                   f"{0 if deterministic_only else len(cand.timing)} timing metrics)")
         raise typer.Exit(0)
     base = g.load_side(baseline.split(","), "baseline")
     verdicts = g.compare(base, cand, g.load_policy(policy, repeat))
     for v in verdicts:
-        typer.echo(f"{v.status.upper():10s} {v.kind:13s} {v.metric:32s} {g.show(v.baseline)} -> {g.show(v.candidate)}  {v.detail}")
+        typer.echo(f"{v.status.upper():10s} {v.kind:13s} {v.metric:32s} {g.show(v.baseline)} -> "
+                   f"{g.show(v.candidate)}  {v.detail}")
     if junit:
         g.write_atomic(Path(junit), g.junit(verdicts))
     if markdown:
         g.write_atomic(Path(markdown), g.markdown(verdicts, base, cand))
     failed = sum(v.status == "fail" for v in verdicts)
-    typer.echo(f"gate: {'FAIL' if failed else 'PASS'}: {failed} regressions, {sum(v.status == 'pass' for v in verdicts)} passed, "
+    typer.echo(f"gate: {'FAIL' if failed else 'PASS'}: {failed} regressions, "
+               f"{sum(v.status == 'pass' for v in verdicts)} passed, "
                f"{sum(v.status == 'not judged' for v in verdicts)} not judged")
     raise typer.Exit(1 if failed else 0)

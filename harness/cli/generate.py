@@ -24,13 +24,16 @@ def generate(
         list[str] | None, typer.Option("--prompt", help="A text prompt (needs tokenizer.json); repeatable.")
     ] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 32,
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> for a quantized folder).")] = None,
+    engine: Annotated[str | None,
+                      typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> "
+                                        "for a quantized folder).")] = None,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (1 = off).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens (0 = off).")] = 0,
     seed: Annotated[int, typer.Option(help="Sampling seed (prompt i uses seed + i).")] = 0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate exactly --max-new-tokens.")] = False,
-    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16 (default: float32 on cpu, bf16 on cuda).")] = None,
+    dtype: Annotated[str | None,
+                     typer.Option(help="float32 | bfloat16 | float16 (default: float32 on cpu, bf16 on cuda).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N (default: cuda if present).")] = None,
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[
@@ -39,8 +42,8 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Generate continuations of one or more prompts, all submitted together."""
-    from harness.generate import GenerateArgs, parse_prompt_ids, run_generate
     from engines.registry import parse_set_options
+    from harness.generate import GenerateArgs, parse_prompt_ids, run_generate
 
     prompts = _ordered_prompts([parse_prompt_ids(p) for p in prompt_ids or []], list(prompt or []))
     if not prompts:
@@ -63,7 +66,8 @@ def generate(
         return
     for i, r in enumerate(results):
         typer.echo(f"[{i}] prompt: {r.get('prompt_text', r['prompt_ids'])}")
-        typer.echo(f"    output: {r.get('text', r['output_ids'])}  ({len(r['output_ids'])} tokens, {r['finish_reason']})")
+        typer.echo(f"    output: {r.get('text', r['output_ids'])}  ({len(r['output_ids'])} "
+                   f"tokens, {r['finish_reason']})")
 
 
 def _ordered_prompts(id_prompts: list[list[int]], text_prompts: list[str]) -> list[list[int] | str]:

@@ -17,8 +17,11 @@ import_app = typer.Typer(help="Read other tools' benchmark results into pwbench 
 def import_vllm_cmd(
     file: Annotated[str, typer.Argument(help="JSON written by `vllm bench serve --save-result --save-detailed`.")],
     output: Annotated[str | None, typer.Option(help="Result folder (default: results/<run_id>).")] = None,
-    slo: Annotated[str, typer.Option(help="Latency targets for goodput, e.g. ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
+    slo: Annotated[str,
+                   typer.Option(help="Latency targets for goodput, e.g. "
+                                     "ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
+    as_json: Annotated[bool,
+                       typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Import a vllm bench serve result (per-request details) into a pwbench result folder."""
     from harness.cli.run_session import parse_slo
@@ -32,9 +35,13 @@ def import_vllm_cmd(
 def import_guidellm_cmd(
     file: Annotated[str, typer.Argument(help="JSON report written by `guidellm benchmark --output-path`.")],
     output: Annotated[str | None, typer.Option(help="Result folder (default: results/<run_id>).")] = None,
-    index: Annotated[int | None, typer.Option(help="Which benchmark of a sweep (0-based; needed when there are several).")] = None,
-    slo: Annotated[str, typer.Option(help="Latency targets for goodput, e.g. ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
+    index: Annotated[int | None,
+                     typer.Option(help="Which benchmark of a sweep (0-based; needed when there are several).")] = None,
+    slo: Annotated[str,
+                   typer.Option(help="Latency targets for goodput, e.g. "
+                                     "ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
+    as_json: Annotated[bool,
+                       typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Import one benchmark of a GuideLLM report into a pwbench result folder."""
     from harness.cli.run_session import parse_slo

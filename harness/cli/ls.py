@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-
-
 from harness.cli.apps import ls_app
 from harness.cli.common import print_columns
 

@@ -16,8 +16,8 @@ from typing import Any
 import typer
 
 from engines.registry import parse_set_options
-from harness.metrics import DEFAULT_SLO
 from harness.errors import HarnessError
+from harness.metrics import DEFAULT_SLO
 from harness.run import RunArgs, execute
 from harness.runner import Runner, RunRecords
 from reports.summary_table import print_summary
@@ -100,9 +100,10 @@ class _Progress:
         self.runner = runner
         if self.quiet or self.plain:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.bar = Progress(TextColumn("[bold]run"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]}"),
+        self.bar = Progress(TextColumn("[bold]run"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[tps]}"),
                             TimeElapsedColumn(), transient=True)
         self.task = self.bar.add_task("run", total=len(runner.requests), tps="")
         self.bar.start()
@@ -123,7 +124,8 @@ class _Progress:
             step = max(1, -(-total // 10))
             self.next_mark = (done // step + 1) * step
             self.last_line = elapsed
-            typer.echo(f"run: {done}/{total} requests done, {tokens / elapsed:,.0f} out tok/s, {elapsed:,.1f} s", err=True)
+            typer.echo(f"run: {done}/{total} requests done, {tokens / elapsed:,.0f} out tok/s, {elapsed:,.1f} s",
+                       err=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -161,10 +163,10 @@ def run_command(options: dict[str, Any]) -> int:
 def suite_command(options: dict[str, Any]) -> int:
     """The PoC suite (harness/suite.py): each engine's run with the plain progress lines, then
     the report's path and the executive table."""
-    from harness.suite import run_suite  # noqa: PLC0415
-    from reports.compare import print_comparison  # noqa: PLC0415
-    from reports.roi import Prices  # noqa: PLC0415
-    from reports.runs import load_runs  # noqa: PLC0415
+    from harness.suite import run_suite
+    from reports.compare import print_comparison
+    from reports.roi import Prices
+    from reports.runs import load_runs
 
     args = to_run_args({**options, "engine": "moe"})
 

@@ -18,13 +18,21 @@ from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 @app.command("serve")
 @user_errors
 def serve(
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> for a quantized folder).")] = None,
+    engine: Annotated[str | None,
+                      typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> "
+                                        "for a quantized folder).")] = None,
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
+    host: Annotated[str,
+                    typer.Option(help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port, printed).")] = 8000,
-    api_key: Annotated[str | None, typer.Option(help="Require `Authorization: Bearer KEY` on every route but /health.", envvar="PWBENCH_API_KEY")] = None,
-    max_queue: Annotated[int, typer.Option(help="Requests held at once (waiting + running); more get 429 with Retry-After.")] = 256,
-    served_model_name: Annotated[str | None, typer.Option(help="Model name in the API (default: the folder's name).")] = None,
+    api_key: Annotated[str | None,
+                       typer.Option(help="Require `Authorization: Bearer KEY` on every route but /health.",
+                                    envvar="PWBENCH_API_KEY")] = None,
+    max_queue: Annotated[int,
+                         typer.Option(help="Requests held at once (waiting + running); more "
+                                           "get 429 with Retry-After.")] = 256,
+    served_model_name: Annotated[str | None,
+                                 typer.Option(help="Model name in the API (default: the folder's name).")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,

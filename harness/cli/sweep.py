@@ -19,7 +19,8 @@ def _list(text: str | None) -> list[str] | None:
 @user_errors
 def sweep(
     output: Annotated[str, typer.Option(help="Sweep folder; rerun with the same folder to resume.")],
-    config: Annotated[str | None, typer.Option(help="TOML grid: workload, engines, budgets, rates, requests, seed, [set].")] = None,
+    config: Annotated[str | None,
+                      typer.Option(help="TOML grid: workload, engines, budgets, rates, requests, seed, [set].")] = None,
     workload: Annotated[str | None, typer.Option(help="Workload (default rag_long).")] = None,
     engines: Annotated[str | None, typer.Option(help="Comma-separated engines, e.g. moe,pagedweight.")] = None,
     budgets: Annotated[str | None, typer.Option(help="Comma-separated device budgets, e.g. 2MiB,3MiB.")] = None,
@@ -29,17 +30,18 @@ def sweep(
     quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement at each point.")] = True,
 ) -> None:
     """Run a grid of points (skipping those already complete), then write the report."""
-    from pathlib import Path  # noqa: PLC0415
+    from pathlib import Path
 
-    from harness.sweep import load_grid, run_sweep  # noqa: PLC0415
-    from reports.html import write_report  # noqa: PLC0415
-    from reports.roi import Prices  # noqa: PLC0415
-    from reports.runs import load_runs  # noqa: PLC0415
+    from harness.sweep import load_grid, run_sweep
+    from reports.html import write_report
+    from reports.roi import Prices
+    from reports.runs import load_runs
 
     grid = load_grid(config, workload=workload, engines=_list(engines), budgets=_list(budgets), rates=_list(rates),
                      requests=requests, seed=seed)
     folder = Path(output)
     ran, skipped = run_sweep(grid, folder, quality, say=lambda line: typer.echo(line, err=True))
-    typer.echo(f"sweep: {len(ran)} points run, {len(skipped)} already complete" + (f" ({', '.join(skipped)})" if skipped else ""))
+    typer.echo(f"sweep: {len(ran)} points run, {len(skipped)} already complete"
+               + (f" ({', '.join(skipped)})" if skipped else ""))
     report = write_report(load_runs([folder]), Prices(), folder / "report.html")
     typer.echo(f"report: {report}")

@@ -23,7 +23,8 @@ trace_app = typer.Typer(
 
 FormatOption = Annotated[
     str | None,
-    typer.Option("--format", help="Trace format (default: detected from the file's first line); jsonl or csv with --map."),
+    typer.Option("--format",
+                 help="Trace format (default: detected from the file's first line); jsonl or csv with --map."),
 ]
 MapOption = Annotated[
     str | None,
@@ -88,7 +89,9 @@ def info(
         ("duration", _number(summary.duration_s, " s") if summary.duration_s is not None else "- (no arrival times)"),
     ]
     for label, stats in (("input tokens", summary.input_tokens), ("output tokens", summary.output_tokens)):
-        rows.append((label, f"mean {_number(stats.mean)}  p50 {_number(stats.p50)}  p99 {_number(stats.p99)}  max {stats.max:,}"))
+        rows.append((label,
+                     f"mean {_number(stats.mean)}  p50 {_number(stats.p50)}  p99 "
+                     f"{_number(stats.p99)}  max {stats.max:,}"))
     rows.append(("sessions", f"{summary.sessions:,}" if summary.sessions is not None else "- (the format has none)"))
     if summary.prefix_blocks is None:
         rows.append(("prefix blocks", "- (the format has none)"))

@@ -49,7 +49,8 @@ def main() -> None:
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     rng = random.Random(1)
-    print(f"{len(facts)} facts, {args.names}-word names, experts {args.intermediate} wide, weight decay {args.weight_decay}")
+    print(f"{len(facts)} facts, {args.names}-word names, experts {args.intermediate} wide, weight "
+          f"decay {args.weight_decay}")
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg.lr, args.steps, cfg.warmup, cfg.decay_frac)
@@ -62,7 +63,8 @@ def main() -> None:
             model.eval()
             probes = expert_probes(model, held)
             model.train()
-            print(f"step {step + 1:>5}  loss {ce.item() / count:.3f}  " + "  ".join(f"{k} {v:.1%}" for k, v in probes.items()), flush=True)
+            print(f"step {step + 1:>5}  loss {ce.item() / count:.3f}  "
+                  + "  ".join(f"{k} {v:.1%}" for k, v in probes.items()), flush=True)
 
 
 if __name__ == "__main__":

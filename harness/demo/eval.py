@@ -50,7 +50,8 @@ def demo_samples(task: str, spec: EvalSpec, tokens: tuple[int, int] | None = Non
     out = []
     for _ in range(spec.samples):
         n_tokens = rng.randint(lo, hi)
-        out.append(make_sample(task, rng, num_facts=max(2, round(n_tokens * spec.facts_per_token)), target_tokens=n_tokens))
+        out.append(make_sample(task, rng, num_facts=max(2, round(n_tokens * spec.facts_per_token)),
+                               target_tokens=n_tokens))
     return out
 
 

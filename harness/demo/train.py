@@ -152,7 +152,7 @@ def fill(make: Callable[[], Sample], budget: int) -> list[tuple[list[int], list[
 
 
 def build_model(cfg: TrainConfig):
-    from transformers import MixtralConfig, MixtralForCausalLM  # noqa: PLC0415
+    from transformers import MixtralConfig, MixtralForCausalLM
 
     lang = demo_language()
     mc = MixtralConfig(
@@ -249,7 +249,7 @@ def token_accuracy(model, batch: list[tuple[list[int], list[int]]]) -> float:
 
 def forward_loss(model, batch, aux_coef: float) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(summed cross-entropy over answer tokens, their count, router load-balancing loss)."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: PLC0415
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     ids, attn, target = collate(batch)
     out = model.model(input_ids=ids, attention_mask=attn, output_router_logits=True)
@@ -257,7 +257,8 @@ def forward_loss(model, batch, aux_coef: float) -> tuple[torch.Tensor, int, torc
     pick = target[:, 1:]
     logits = model.lm_head(out.last_hidden_state[:, :-1][pick])
     ce = F.cross_entropy(logits, ids[:, 1:][pick], reduction="sum")
-    aux = load_balancing_loss_func(out.router_logits, model.config.num_local_experts, model.config.num_experts_per_tok, attn)
+    aux = load_balancing_loss_func(out.router_logits, model.config.num_local_experts, model.config.num_experts_per_tok,
+                                   attn)
     return ce, int(pick.sum()), aux_coef * aux
 
 
@@ -308,7 +309,7 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print, s
 
 
 def _load_curriculum(cfg: TrainConfig, folder: Path):
-    from transformers import MixtralForCausalLM  # noqa: PLC0415
+    from transformers import MixtralForCausalLM
 
     path = Path(folder) / "training.json"
     if not path.is_file():
@@ -341,7 +342,8 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     eval_rng = random.Random(cfg.seed + 10_000)
-    eval_sets = {lvl: [retrieval_sample(eval_rng, lvl, cfg, 1) for _ in range(cfg.eval_samples)] for lvl in range(len(LEVELS))}
+    eval_sets = {lvl: [retrieval_sample(eval_rng, lvl, cfg, 1) for _ in range(cfg.eval_samples)]
+                 for lvl in range(len(LEVELS))}
     book_eval = _book_eval(cfg)
     copy_eval = [copy_task(eval_rng, eval_rng.randint(6, 24)) for _ in range(64)]
     kv_rng = random.Random(cfg.seed + 30_000)
@@ -419,7 +421,7 @@ def book_in_context(rng: random.Random, questions: int, cfg: TrainConfig) -> Sam
 
 
 def set_rope_theta(model, theta: float) -> None:
-    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding  # noqa: PLC0415
+    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
 
     model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": theta}
     model.model.rotary_emb = MixtralRotaryEmbedding(config=model.config)

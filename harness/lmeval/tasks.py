@@ -43,7 +43,7 @@ metadata:
 
 def write_demo_tasks(folder: Path, samples: int = 200) -> Path:
     """Write the demo tasks' data and YAMLs into `folder`; returns it (an lm-eval include path)."""
-    from harness.demo.eval import EvalSpec, demo_samples  # noqa: PLC0415
+    from harness.demo.eval import EvalSpec, demo_samples
 
     folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -58,22 +58,23 @@ def write_demo_tasks(folder: Path, samples: int = 200) -> Path:
 
 
 def require_lm_eval() -> None:
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
-    from harness.errors import HarnessError  # noqa: PLC0415
+    from harness.errors import HarnessError
 
     if importlib.util.find_spec("lm_eval") is None:
-        raise HarnessError("lm-eval is not installed; install it with: pip install -e '.[eval]' (or pip install 'lm_eval>=0.4.13,<0.5')")
+        raise HarnessError("lm-eval is not installed; install it with: pip install -e '.[eval]' (or pip install "
+                           "'lm_eval>=0.4.13,<0.5')")
 
 
 def run_lm_eval(tasks: list[str], engine: str, model: str | None, include_path: Path, limit: int | None = None,
                 options: dict[str, Any] | None = None) -> dict[str, Any]:
     """lm-eval's simple_evaluate over a pwbench engine; returns {task: {metric: value}} and raw results."""
     require_lm_eval()
-    from lm_eval import simple_evaluate  # noqa: PLC0415
-    from lm_eval.tasks import TaskManager  # noqa: PLC0415
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
 
-    from harness.lmeval.model import PwbenchLM  # noqa: PLC0415  (registers "pwbench")
+    from harness.lmeval.model import PwbenchLM
 
     lm = PwbenchLM(engine=engine, model=model, **(options or {}))
     try:
@@ -87,16 +88,18 @@ def run_lm_eval(tasks: list[str], engine: str, model: str | None, include_path: 
         task: {k.split(",")[0]: v for k, v in values.items() if isinstance(v, (int, float)) and "stderr" not in k}
         for task, values in out["results"].items()
     }
-    return {"metrics": metrics, "versions": out.get("versions", {}), "config": {"engine": engine, "model": model, "limit": limit}}
+    return {"metrics": metrics, "versions": out.get("versions", {}),
+            "config": {"engine": engine, "model": model, "limit": limit}}
 
 
 def lm_eval_cli(argv: list[str]) -> int:
     """lm-eval's own command line with the pwbench model registered (`pwbench lm-eval ...`)."""
-    import sys  # noqa: PLC0415
+    import sys
 
     require_lm_eval()
-    import harness.lmeval.model  # noqa: F401, PLC0415  (registers "pwbench")
-    from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+    from lm_eval.__main__ import cli_evaluate
+
+    import harness.lmeval.model  # noqa: F401  (registers "pwbench")
 
     sys.argv = ["lm-eval", *argv]
     cli_evaluate()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import itertools
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,17 @@ from starlette.routing import Route
 
 from engines.base import Engine, EngineRequest, RequestOutput, SamplingParams
 from harness.serve.prom import ServerMetrics
-from harness.serve.protocol import SSE_DONE, ApiError, GenParams, Limits, chunk, parse_body, parse_request, response, usage_chunk
+from harness.serve.protocol import (
+    SSE_DONE,
+    ApiError,
+    GenParams,
+    Limits,
+    chunk,
+    parse_body,
+    parse_request,
+    response,
+    usage_chunk,
+)
 from harness.serve.worker import Admitted, EngineWorker, Failed, QueueFull
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client import ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, generate_latest
 
 from engines.base import EngineInfo, StepOutput
 
@@ -52,7 +51,8 @@ class ServerMetrics:
         for o in out.outputs:
             if o.finished:
                 self.requests.labels(o.finish_reason or "unknown").inc()
-        for direction, n, count in (("h2d", out.h2d_bytes, out.h2d_transfers), ("d2h", out.d2h_bytes, out.d2h_transfers)):
+        for direction, n, count in (("h2d", out.h2d_bytes, out.h2d_transfers),
+                                    ("d2h", out.d2h_bytes, out.d2h_transfers)):
             self.bytes.labels(direction).inc(n)
             self.transfers.labels(direction).inc(count)
         self.running.set(out.num_running)

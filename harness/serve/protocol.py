@@ -61,7 +61,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise ApiError(400,
+                       f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
@@ -199,7 +200,8 @@ def _envelope(rid: str, params: GenParams, model: str, chunk: bool) -> dict[str,
 def _choice(params: GenParams, text: str, ids: list[int], finish: str | None, chunk: bool) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0}
     if params.chat:
-        choice["delta" if chunk else "message"] = ({"content": text} if chunk else {"role": "assistant", "content": text})
+        choice["delta" if chunk else "message"] = ({"content": text} if chunk
+                                                   else {"role": "assistant", "content": text})
     else:
         choice["text"] = text
         choice["logprobs"] = None

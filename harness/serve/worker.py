@@ -11,9 +11,9 @@ requests held (waiting + running); beyond it `submit` raises QueueFull (HTTP 429
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import traceback
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +110,7 @@ class EngineWorker:
             if self.engine.has_unfinished() and self.failed is None:
                 try:
                     out = self.engine.step()
-                except Exception as exc:  # an engine bug: fail what is in flight, keep answering
+                except Exception as exc:  # noqa: BLE001  (an engine bug: fail what is in flight, keep answering)
                     traceback.print_exc(file=sys.stderr)
                     self.failed = f"the engine failed: {type(exc).__name__}: {exc}"
                     with self._cv:

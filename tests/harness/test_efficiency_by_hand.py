@@ -11,7 +11,8 @@ from harness.hw import DATASHEET, datasheet_for, peaks_for, save_cached
 from harness.metrics import efficiency, request_times, summarize, summarize_requests
 
 MODEL = {"dense_weight_bytes": 1000, "bytes_per_expert": 100, "kv_bytes_per_token": 10, "active_params_per_token": 500}
-PEAKS = {"memory_bandwidth_bytes_per_s": 7000.0, "matmul_flops_per_s": 12000.0, "h2d_bytes_per_s": 1000.0, "source": "hand"}
+PEAKS = {"memory_bandwidth_bytes_per_s": 7000.0, "matmul_flops_per_s": 12000.0, "h2d_bytes_per_s": 1000.0,
+         "source": "hand"}
 
 
 def step(duration, prefill, decode, experts, context, h2d=0):
@@ -100,7 +101,8 @@ def test_peaks_source_measured_datasheet_or_none(tmp_path, monkeypatch):
                  "measured_at": "2030-01-02T03:04:05"})
     save_cached({"device_name": "Some CPU", "memory_bandwidth_bytes_per_s": 2e10, "measured_at": "then"})
     p = peaks_for("NVIDIA H200")
-    assert p["source"] == "measured by pwbench hw at 2030-01-02T03:04:05" and p["memory_bandwidth_bytes_per_s"] == 4.1e12
+    assert p["source"] == "measured by pwbench hw at 2030-01-02T03:04:05"
+    assert p["memory_bandwidth_bytes_per_s"] == 4.1e12
     assert peaks_for("NVIDIA H100")["source"] == "datasheet (H100)"
     assert set(json.loads((tmp_path / "cache" / "hw.json").read_text())) == {"NVIDIA H200", "Some CPU"}
     # ... and feeds MBU: 1750 B/s against 2e10 B/s.
@@ -135,7 +137,7 @@ def test_goodput_by_hand():
 
 
 def test_expert_precision_by_hand():
-    from harness.metrics import expert_precision  # noqa: PLC0415
+    from harness.metrics import expert_precision
 
     rows = [
         {"duration_s": 1.0, "x_mean_bits": 16.0, "x_promotions": 0, "x_demotions": 0, "x_move_bytes": 0,
@@ -152,5 +154,6 @@ def test_expert_precision_by_hand():
     assert got == {"mean_bits": 11.0, "min_bits": 7.0, "max_bits": 16.0, "first_bits": 16.0, "last_bits": 10.0,
                    "promotions": 2, "demotions": 3, "move_bytes": 1000, "feedback_checks": 2,
                    "feedback_error_max": 0.3, "fallbacks": 1, "feedback_rows": 16,
-                   "feedback_s": pytest.approx(0.4), "feedback_bytes": 8192, "feedback_share_of_busy": pytest.approx(0.1)}
+                   "feedback_s": pytest.approx(0.4), "feedback_bytes": 8192,
+                   "feedback_share_of_busy": pytest.approx(0.1)}
     assert expert_precision([{"duration_s": 1.0}]) == {}  # engines that keep no bit widths

@@ -40,7 +40,7 @@ def guidellm_request(rng: np.random.Generator, i: int, t: float) -> dict:
 def report(benchmarks: int = 1, n: int = 30) -> dict:
     rng = np.random.default_rng(5)
     out = []
-    for b in range(benchmarks):
+    for _b in range(benchmarks):
         reqs, t = [], 1.7e9
         for i in range(n):
             t += float(rng.exponential(0.3))

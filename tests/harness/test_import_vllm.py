@@ -94,7 +94,8 @@ def test_import_vllm_round_trips_its_numbers(tmp_path, with_starts):
 
 
 @pytest.mark.parametrize("mutate, fragment", [
-    (lambda d: d.pop("itls"), "no per-request details (itls missing): save the vllm bench serve run with --save-result"),
+    (lambda d: d.pop("itls"),
+     "no per-request details (itls missing): save the vllm bench serve run with --save-result"),
     (lambda d: d["ttfts"].pop(), "per-request lists differ in length"),
     (lambda d: d.update(duration=0), "'duration' (seconds) is missing or not positive"),
 ])

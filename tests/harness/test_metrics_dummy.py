@@ -9,7 +9,7 @@ import pytest
 
 from engines.dummy import DummyConfig, DummyEngine
 from harness.metrics import percentile, summarize_requests, summarize_steps
-from harness.runner import Runner, RunLimits
+from harness.runner import RunLimits, Runner
 from workloads.base import Request
 
 

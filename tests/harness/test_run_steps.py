@@ -213,7 +213,8 @@ def test_offline_batch_bytes_moved_on_cuda(checkpoints, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PWBENCH_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "run", "--engine", "moe", "--device", "cuda",
                            "--warmup", "0", "--no-quality", "--output", str(out), "--quiet", "--model", str(folder),
-                           "--workload", "offline_batch", "--requests", "4", "--input-len", "20-40", "--output-len", "6"],
+                           "--workload", "offline_batch", "--requests", "4", "--input-len", "20-40", "--output-len",
+                           "6"],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     run = read_run(out)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from result_folders import pwbench
 
 from harness.suite import SUITE
-from result_folders import pwbench
 
 
 @pytest.mark.slow  # over a minute on 2 cores

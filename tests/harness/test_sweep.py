@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from result_folders import pwbench
 
 GRID = """workload = "offline_batch"
@@ -27,7 +26,8 @@ decode_ms_per_token = 15.0
 def test_interrupted_sweep_resumes_only_missing_points(tmp_path):
     (tmp_path / "grid.toml").write_text(GRID)
     out = tmp_path / "sweep"
-    args = [sys.executable, "-m", "harness.cli", "sweep", "--config", str(tmp_path / "grid.toml"), "--output", str(out), "--no-quality"]
+    args = [sys.executable, "-m", "harness.cli", "sweep", "--config", str(tmp_path / "grid.toml"), "--output", str(out),
+            "--no-quality"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 240

@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import CPU32, build_hf_model, edit_config
 
 from engines.base import EngineRequest, ModelLoadError
 from engines.moe import MoEEngine, MoEEngineConfig
-from tiny_models import CPU32, build_hf_model, edit_config
 
 F32 = 4  # bytes
 

@@ -9,7 +9,6 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from tiny_models import edit_config
 
 
@@ -56,7 +55,8 @@ def test_unsupported_architecture(checkpoints, copy_checkpoint):
     ({"scoring_func": "softmax"}, ("scoring_func 'softmax'", "supported: 'sigmoid'")),
     ({"model_type": "deepseek_v2"}, ("'deepseek_v2' is not supported", "deepseek_v3, glm4_moe")),
     ({"n_group": 5}, ("n_group=5", "n_routed_experts=12")),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, ("rope_type 'longrope'", "supported: default, yarn")),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+     ("rope_type 'longrope'", "supported: default, yarn")),
 ])
 def test_unsupported_deepseek_variants(change, fragments, checkpoints, copy_checkpoint):
     folder = copy_checkpoint(checkpoints("deepseek_v3"))
@@ -118,7 +118,8 @@ def test_token_ids_outside_vocabulary(engine, checkpoints):
     "args, fragment",
     [
         (["--prompt-ids", "1,x"], "comma-separated integers"),
-        (["--prompt-ids", "1", "--engine", "vllm-magic"], "valid engines: dummy, full, hf, moe, moegen, offload, openai, pagedweight, static-awq"),
+        (["--prompt-ids", "1", "--engine", "vllm-magic"],
+         "valid engines: dummy, full, hf, moe, moegen, offload, openai, pagedweight, static-awq"),
         (["--prompt-ids", "1", "--set", "block_size"], "key=value"),
         (["--prompt-ids", "1", "--set", "blocksize=4"], "valid options:"),
         (["--prompt-ids", "1", "--set", "block_size=four"], "expects int"),
@@ -137,7 +138,8 @@ DEMO = "engines/demo_model"
 
 
 @pytest.mark.parametrize("engine, budget, fragments", [
-    ("offload", "1MiB", ("too small for engine offload", "at least 1.13 MiB (1180672 bytes)", "one expert per MoE layer",
+    ("offload", "1MiB",
+     ("too small for engine offload", "at least 1.13 MiB (1180672 bytes)", "one expert per MoE layer",
                          "one KV block")),
     ("moe", "1.5MiB", ("too small for engine moe", "every routed expert", "engine offload keeps experts on the host")),
     ("hf", "1GiB", ("engine hf does not manage device memory", "offload")),
@@ -155,7 +157,8 @@ def test_bad_budgets(engine, budget, fragments):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--budget", "1MiB"], ("too small for engine moegen", "at least 1.02 MiB (1065984 bytes)", "one expert ring slot")),
+    (["--budget", "1MiB"],
+     ("too small for engine moegen", "at least 1.02 MiB (1065984 bytes)", "one expert ring slot")),
     (["--budget", "4MiB", "--set", "kv_placment=host"], ("has no option 'kv_placment'", "kv_placement")),
     (["--budget", "4MiB", "--set", "kv_placement=gpu"], ("kv_placement must be one of auto, device, host",)),
     (["--budget", "4MiB", "--engine", "offload"], ("--engine 'offload' has no plan", "moegen")),

@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
+from tiny_models import ARCHS
 
 from engines.runtime.checkpoint import load_weights, open_checkpoint
 from engines.runtime.transfer import TransferLedger
-from tiny_models import ARCHS
 
 CPU = torch.device("cpu")
 
@@ -49,7 +49,8 @@ def test_fused_and_sharded_generate_the_same(checkpoints):
     from harness.generate import GenerateArgs, run_generate
 
     outs = [
-        run_generate(GenerateArgs("moe", str(checkpoints("qwen2_moe", layout)), [[4, 5, 6], [9] * 12], 12, ignore_eos=True))
+        run_generate(GenerateArgs("moe", str(checkpoints("qwen2_moe", layout)), [[4, 5, 6], [9] * 12], 12,
+                                  ignore_eos=True))
         for layout in ("per_expert", "fused", "sharded")
     ]
     assert outs[0] == outs[1] == outs[2]

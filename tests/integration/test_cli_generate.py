@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import torch
-
 from tiny_models import build_hf_model
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import CPU32, build_hf_model
 
 from engines.base import EngineRequest, SamplingParams
 from engines.hf import HFEngine, HFEngineConfig
 from engines.moe import MoEEngine, MoEEngineConfig
 from harness.offline import run_offline
-from tiny_models import CPU32, build_hf_model
 
 NEW = 24
 PROMPT = tuple(range(20, 43))
@@ -38,7 +38,8 @@ def sampled_reference(model, prompt, n: int, temperature: float, seed: int) -> l
 
 def greedy_reference(model, prompt, n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -54,7 +55,8 @@ def drive(engine, requests: list[EngineRequest], on_step=None) -> tuple[dict, di
             on_step(engine, out)
 
     done = run_offline(engine, requests, on_step=step)
-    return ({k: c.output_ids for k, c in done.items()}, {k: c.finish_reason for k, c in done.items() if c.finish_reason},
+    return ({k: c.output_ids for k, c in done.items()},
+            {k: c.finish_reason for k, c in done.items() if c.finish_reason},
             preempted)
 
 

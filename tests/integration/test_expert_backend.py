@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny_models import CPU32, build_hf_model
 
 from engines.base import EngineRequest
 from engines.moe import MoEEngine, MoEEngineConfig
 from engines.runtime.experts import ExpertBackend
-from tiny_models import CPU32, build_hf_model
 
 PROMPTS = [list(range(20, 43)), [7, 8, 9, 10, 11, 12, 13], list(range(100, 164))]
 

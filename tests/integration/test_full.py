@@ -10,13 +10,13 @@ engine `pagedweight`, which refuses the budgets `full` runs.
 from __future__ import annotations
 
 import pytest
+from engine_runs import generate, random_requests
+from tiny_models import ARCHS, CPU32
 
 from engines.base import EngineError, SamplingParams
 from engines.registry import create_engine
 from harness.calibration import create_calibrated
 from harness.offline import run_offline
-from engine_runs import generate, random_requests
-from tiny_models import ARCHS, CPU32
 
 DEMO = "engines/demo_model"
 DEMO_DENSE = 967_680

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHS, CPU32, build_hf_model
 
 from engines.base import EngineRequest
 from engines.moe import MoEEngine, MoEEngineConfig
-from tiny_models import ARCHS, CPU32, build_hf_model
 
 NEW_TOKENS = 32
-PROMPTS = [[5], [7, 8, 9, 10, 11, 12, 13], list(range(20, 43)), list(range(100, 164)), [3, 250, 17, 4, 9, 33, 61, 2, 90, 44, 1]]
+PROMPTS = [[5], [7, 8, 9, 10, 11, 12, 13], list(range(20, 43)), list(range(100, 164)),
+           [3, 250, 17, 4, 9, 33, 61, 2, 90, 44, 1]]
 LOGIT_TOL = 1e-3
 
 
@@ -48,7 +49,8 @@ def run_engine(engine: MoEEngine, schedule: dict[int, list[int]]) -> tuple[dict,
     preempted, step = 0, 0
     while step <= max(schedule) or engine.has_unfinished():
         for i in schedule.get(step, []):
-            engine.add_request(EngineRequest(str(i), tuple(PROMPTS[i]), NEW_TOKENS, ignore_eos=True, return_logits=True))
+            engine.add_request(EngineRequest(str(i), tuple(PROMPTS[i]), NEW_TOKENS, ignore_eos=True,
+                                             return_logits=True))
             tokens[str(i)], logits[str(i)] = [], []
         out = engine.step()
         preempted += out.num_preempted
@@ -98,7 +100,8 @@ def test_preemption_under_kv_pressure(arch, checkpoints, references):
 
 def test_sliding_window(checkpoints, references):
     # Window 10 < prompt + output lengths: the mask must drop old keys exactly as transformers does.
-    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints("mixtral", sliding_window=10)), block_size=4, max_num_batched_tokens=16))
+    engine = MoEEngine(MoEEngineConfig(**CPU32, model=str(checkpoints("mixtral", sliding_window=10)), block_size=4,
+                                       max_num_batched_tokens=16))
     with engine:
         tokens, logits, _ = run_engine(engine, {0: [1, 2, 3], 3: [4]})
     check(tokens, logits, references("mixtral", sliding_window=10))

@@ -14,11 +14,11 @@ import json
 
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import CPU32, build_hf_model
 
 from engines.base import EngineRequest
 from engines.moe import MoEEngine, MoEEngineConfig
 from engines.runtime.mxfp4 import dequantize_mxfp4
-from tiny_models import CPU32, build_hf_model
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 PROMPTS = [[5, 9, 14], list(range(20, 43)), [3, 250, 17, 4, 9, 33, 61, 2, 90, 44, 1]]

@@ -7,15 +7,14 @@ here for the transfer counters; bytes / bandwidth for the link model.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from engine_runs import generate, random_requests
+from tiny_models import CPU32, PLAIN_EXPERT_ARCHS, build_hf_model
 
 from engines.base import EngineError, EngineRequest
 from engines.registry import create_engine
 from engines.runtime.checkpoint import open_checkpoint
-from engine_runs import generate, random_requests
-from tiny_models import CPU32, PLAIN_EXPERT_ARCHS, build_hf_model
 
 DEMO = "engines/demo_model"
 MOE_LAYERS = 2  # every test model has two MoE layers (qwen2_moe: layers 0 and 2; deepseek_v3, glm4_moe: 1, 2)
@@ -83,7 +82,8 @@ def test_a_budget_below_the_minimum_is_an_error_that_states_it():
     probe.stop()
     minimum = sum(n for _, n in parts)
     engine = create_engine("offload", {"model": DEMO, **CPU32, "budget_bytes": minimum - 1})
-    with pytest.raises(EngineError, match=rf"at least .* \({minimum} bytes\) = dense weights .* \+ one expert per MoE layer"):
+    with pytest.raises(EngineError,
+                       match=rf"at least .* \({minimum} bytes\) = dense weights .* \+ one expert per MoE layer"):
         engine.start()
     engine = create_engine("offload", {"model": DEMO, **CPU32, "budget_bytes": minimum})
     engine.start()  # exactly the minimum serves
@@ -175,7 +175,7 @@ def test_a_slower_link_adds_the_stall_the_engine_reports(prefetch):
     options = {"experts_per_layer": 1, "prefetch": prefetch}
 
     def timed(**extra):
-        import time  # noqa: PLC0415
+        import time
 
         engine = create_engine("offload", {"model": DEMO, **CPU32, **options, **extra})
         engine.start()

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
+from serving import ROOT, free_port
 
 from engines.base import EngineError, EngineRequest
 from engines.remote import OpenAIEngine, OpenAIEngineConfig
 from harness.bench.openai_client import _fake_server
 from harness.offline import run_offline
-from serving import ROOT, free_port
 
 
 @pytest.fixture(scope="module")

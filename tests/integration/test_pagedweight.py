@@ -8,15 +8,14 @@ quality feedback has to find.
 
 from __future__ import annotations
 
-
 import pytest
+from engine_runs import random_requests, run_engine
+from tiny_models import CPU32
 
 from engines.base import EngineRequest
 from harness.calibration import create_calibrated
 from harness.offline import run_offline
 from harness.run import RunArgs, execute
-from engine_runs import random_requests, run_engine
-from tiny_models import CPU32
 from workloads.registry import WorkloadSpec
 
 DEMO = "engines/demo_model"
@@ -34,7 +33,8 @@ def generate(name: str, model, reqs, **options):
 
 @pytest.mark.parametrize("model", ["demo", "mixtral"])
 @pytest.mark.parametrize("representation", ["bitplanes", "requantize"])
-def test_a_budget_for_everything_at_16_bits_gives_moes_tokens(model, representation, checkpoints, tmp_path, monkeypatch):
+def test_a_budget_for_everything_at_16_bits_gives_moes_tokens(model, representation, checkpoints, tmp_path,
+                                                              monkeypatch):
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
     folder = DEMO if model == "demo" else checkpoints("mixtral")
     reqs = requests(1109 if model == "demo" else 257)
@@ -48,10 +48,11 @@ def run_rag(tmp_path, engine: str, **options):
     # all at t=0: the steps do not depend on this machine's speed, so the bits do not either
     spec = WorkloadSpec("rag_long", requests=24, arrival="offline", seed=3)
     folder, run = execute(RunArgs(workload=spec, engine=engine, model=DEMO,
-                                  engine_options={**CPU32, **options}, output=str(tmp_path / f"{engine}-{len(list(tmp_path.iterdir()))}"),
+                                  engine_options={**CPU32, **options},
+                                  output=str(tmp_path / f"{engine}-{len(list(tmp_path.iterdir()))}"),
                                   warmup=0, quality=False))
     assert run["status"] == "complete", run["error"]
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
     return run, pd.read_parquet(folder / "steps.parquet")
 
@@ -136,9 +137,9 @@ def test_an_expert_at_0_bits_runs_through_the_staging_slot_at_its_quality_floor(
     """floor_bits=0: an expert that left the device is fetched on demand at its quality floor
     through the staging slots (counted in the device bytes and the budget minimum) and gives
     exactly what the same expert held at that width gives; the fetch's bytes are counted."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from engines.runtime.experts import dispatch  # noqa: PLC0415
+    from engines.runtime.experts import dispatch
 
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
     engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 2_000_000, "floor_bits": 0})
@@ -180,9 +181,9 @@ def test_on_demand_fetches_pipeline_through_two_slots(tmp_path, monkeypatch):
     expert's compute freed its slot, so expert k+1 copies while expert k computes and never
     more than two fetched experts are on the device (both slots in the budget minimum). The
     result is what the same experts held at their fetch widths give."""
-    import torch  # noqa: PLC0415
+    import torch
 
-    from engines.runtime.experts import dispatch  # noqa: PLC0415
+    from engines.runtime.experts import dispatch
 
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
     engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 2_000_000, "floor_bits": 0,

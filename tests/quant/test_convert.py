@@ -173,7 +173,8 @@ def hand_compressed_tensors(codes, zeros, scales, bits, legacy_3bit=False):
     signed_q, signed_zp = codes - offset, zeros - offset
     if legacy_3bit:  # compressed-tensors < dense packing: 10 values per word, 2 bits unused
         def pack_row(vals):
-            return [to_int32(sum(v << (3 * j) for j, v in enumerate(vals[i : i + 10]))) for i in range(0, len(vals), 10)]
+            return [to_int32(sum(v << (3 * j) for j, v in enumerate(vals[i : i + 10])))
+                    for i in range(0, len(vals), 10)]
     else:
         def pack_row(vals):
             return pack_dense_padded(vals, bits)
@@ -255,7 +256,8 @@ def test_folder_config_keeps_all_but_the_experts_full_precision_for_gptqmodel():
             "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.down_proj",  # and a dense MLP layer
             "model.layers.0.block_sparse_moe.experts.0.w1", "model.layers.0.mlp.experts.0.gate_proj.lora"]
     assert [n for n in quantized if skip.match(n)] == [] and [n for n in full if not skip.match(n)] == []
-    assert only_experts_dynamic(["a.0.x", "b.1.y", "a.2.z"]) == {r"-:^(?!(?:.*\.)?(?:a\.\d+\.(?:x|z)|b\.\d+\.(?:y))$).*": {}}
+    assert only_experts_dynamic(["a.0.x", "b.1.y",
+                                 "a.2.z"]) == {r"-:^(?!(?:.*\.)?(?:a\.\d+\.(?:x|z)|b\.\d+\.(?:y))$).*": {}}
 
 
 @pytest.mark.parametrize("sym, want", [(False, "gptq_v2"), (True, "gptq")])
@@ -264,4 +266,5 @@ def test_asymmetric_gptq_folders_are_written_as_gptq_v2(sym, want):
     assert scheme.checkpoint_format == want
     qc = quantization_config(scheme, ["mlp.experts.0.up_proj"], {})
     assert qc["checkpoint_format"] == want and read_scheme(qc, "t") == scheme
-    assert folder_scheme(QuantizeOptions("gptq", 4, 32, symmetric=sym), "compressed-tensors").checkpoint_format == "gptq"
+    assert folder_scheme(QuantizeOptions("gptq", 4, 32, symmetric=sym),
+                         "compressed-tensors").checkpoint_format == "gptq"

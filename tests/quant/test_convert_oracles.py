@@ -26,7 +26,8 @@ from engines.quant.convert import from_compressed_tensors, to_compressed_tensors
 from engines.quant.qweight import SUPPORTED_BITS, dequantize, quantize_rtn, unpack
 
 CT_VERSION = "0.20.1"
-ORACLE_DIR = Path(os.environ.get("PWBENCH_CACHE", Path.home() / ".cache" / "pwbench")) / "oracles" / f"compressed-tensors-{CT_VERSION}"
+ORACLE_DIR = Path(os.environ.get("PWBENCH_CACHE",
+                                 Path.home() / ".cache" / "pwbench")) / "oracles" / f"compressed-tensors-{CT_VERSION}"
 
 CASES = [(bits, symmetric) for bits in SUPPORTED_BITS for symmetric in (False, True)]
 GROUP_SIZE = 32

@@ -18,7 +18,8 @@ QUANT_MODULES = ("qweight", "convert", "ops", "configs", "tune", "rtn")
 
 
 def test_importing_engines_quant_never_imports_triton():
-    code = "import sys\n" + "".join(f"import engines.quant.{m}\n" for m in QUANT_MODULES) + "print('triton' in sys.modules)"
+    code = "import sys\n" + "".join(f"import engines.quant.{m}\n"
+                                    for m in QUANT_MODULES) + "print('triton' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["False"]

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 from safetensors.torch import load_file, save_file
+from tiny_models import edit_config
 
 from engines.quant.calibrate import QuantizeOptions
 from engines.quant.export import quantize_folder
-from tiny_models import edit_config
 
 
 def pwbench_error(*args: str) -> str:
@@ -49,7 +49,7 @@ def damaged(gptq_folder, tmp_path):
 ])
 def test_quantize_option_errors(args, fragments, checkpoints, tmp_path):
     base = {"--method": "gptq", "--group-size": "32"}
-    for flag, value in zip(args[::2], args[1::2]):
+    for flag, _value in zip(args[::2], args[1::2]):
         base.pop(flag, None)
     argv = [a for kv in base.items() for a in kv]
     line = pwbench_error("quantize", "--model", str(checkpoints("mixtral")), "--output", str(tmp_path / "o"),
@@ -115,7 +115,8 @@ def rtn_folders(checkpoints, tmp_path_factory):
     folders = {}
     for fmt in ("awq", "compressed-tensors"):
         folders[fmt] = root / fmt
-        quantize_folder(checkpoints("mixtral"), folders[fmt], QuantizeOptions("rtn", 4, 32), [[5, 6, 7, 8] * 4], fmt=fmt, device="cpu")
+        quantize_folder(checkpoints("mixtral"), folders[fmt], QuantizeOptions("rtn", 4, 32), [[5, 6, 7, 8] * 4],
+                        fmt=fmt, device="cpu")
     return folders
 
 

@@ -151,7 +151,8 @@ def test_quantized_folder_generates_like_its_dequantized_copy(case, checkpoints,
     expected = {
         "gptq": {"qweight": ([D // 8, I], "I32"), "qzeros": ([D // GROUP, I // 8], "I32"),
                  "scales": ([D // GROUP, I], "F16"), "g_idx": ([D], "I32")},
-        "awq": {"qweight": ([D, I // 8], "I32"), "qzeros": ([D // GROUP, I // 8], "I32"), "scales": ([D // GROUP, I], "F16")},
+        "awq": {"qweight": ([D, I // 8], "I32"), "qzeros": ([D // GROUP, I // 8], "I32"),
+                "scales": ([D // GROUP, I], "F16")},
         "compressed-tensors": {"weight_packed": ([I, D // 8], "I32"), "weight_scale": ([I, D // GROUP], "F16"),
                                "weight_zero_point": ([I // 8, D // GROUP], "I32"), "weight_shape": ([2], "I64")},
     }[fmt]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from tiny_models import build_hf_model
 
 from engines.quant.awq import act_scale, linear_loss, search_scale
 from engines.quant.calibrate import QuantizeOptions, quantize_model, random_prompts
@@ -14,7 +15,6 @@ from engines.quant.gptq import gptq_quantize, hessian
 from engines.quant.qweight import dequantize, quantize_rtn, unpack
 from engines.runtime.checkpoint import load_weights, open_checkpoint
 from engines.runtime.transfer import TransferLedger
-from tiny_models import build_hf_model
 
 CPU = torch.device("cpu")
 
@@ -79,7 +79,8 @@ def test_calibration_routes_layer_0_like_transformers_and_tops_up_experts(checkp
     weights, experts = load_weights(ckpt, CPU, torch.float32, TransferLedger(CPU))
     prompts = random_prompts(ckpt.config.vocab_size, 6, 40, seed=3, exclude=(2,))
     minimum = 150  # about the mean share of the 480 assignments; some experts get fewer
-    result = quantize_model(ckpt.config, weights, experts, prompts, QuantizeOptions("gptq", 4, 32, min_expert_tokens=minimum))
+    result = quantize_model(ckpt.config, weights, experts, prompts,
+                            QuantizeOptions("gptq", 4, 32, min_expert_tokens=minimum))
 
     model = build_hf_model("mixtral")
     counts = torch.zeros(ckpt.config.num_experts, dtype=torch.long)

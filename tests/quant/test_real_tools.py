@@ -31,12 +31,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_models import build_hf_model, save_checkpoint
 
 from engines.base import EngineRequest
 from engines.quant.hf_format import read_linear, read_scheme
 from engines.quant.qweight import dequantize
 from engines.registry import create_engine
-from tiny_models import build_hf_model, save_checkpoint
 
 pytestmark = [pytest.mark.real_tools, pytest.mark.usefixtures("one_thread")]
 
@@ -291,7 +291,8 @@ def test_pwbench_folder_as_written_reads_in_gptqmodel_as_in_pwbench(case, tool_v
     compare(folder, tmp_path / "tool.safetensors", "qweight", 1e-2 if case == "awq" else 1e-4, tokens, logits)
 
 
-CT_B = {"4bit-asym-gptq": ["--method", "gptq", "--bits", "4"], "3bit-sym-rtn": ["--method", "rtn", "--bits", "3", "--sym"]}
+CT_B = {"4bit-asym-gptq": ["--method", "gptq", "--bits", "4"],
+        "3bit-sym-rtn": ["--method", "rtn", "--bits", "3", "--sym"]}
 
 
 @pytest.mark.parametrize("case", list(CT_B))

@@ -60,7 +60,8 @@ def test_five_percent_slower_passes_10_and_fails_2(tmp_path):
     # 20% noise: 3 sigma is wider than 5%, so the same drop is not a regression
     noisy = [100.0, 130.0, 70.0, 115.0, 85.0]
     code, out, _ = gate("--baseline", str(side(tmp_path / "nb.json", noisy)), "--candidate",
-                        str(side(tmp_path / "nc.json", [x * 0.95 for x in noisy])), "--policy", str(strict), "--repeat", "5")
+                        str(side(tmp_path / "nc.json", [x * 0.95 for x in noisy])), "--policy", str(strict), "--repeat",
+                        "5")
     assert code == 0
     # fewer runs than --repeat: not judged, said so
     code, out, _ = gate("--baseline", str(base), "--candidate", str(cand), "--repeat", "6")
@@ -76,7 +77,8 @@ def test_any_deterministic_change_fails(runs, tmp_path):
     code, out, _ = gate("--baseline", str(runs / "dummy-fast"), "--candidate", str(changed))
     assert code == 1 and "FAIL       deterministic h2d_bytes_per_output_token" in out
     base = side(tmp_path / "b.json", SAMPLES)
-    code, out, _ = gate("--baseline", str(base), "--candidate", str(side(tmp_path / "c.json", SAMPLES, output_tokens=999)))
+    code, out, _ = gate("--baseline", str(base), "--candidate",
+                        str(side(tmp_path / "c.json", SAMPLES, output_tokens=999)))
     assert code == 1 and "FAIL       deterministic output_tokens" in out
 
 
@@ -86,7 +88,8 @@ def test_unusable_input_exits_2_with_one_line(runs, tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     cases = [
-        (["--baseline", str(tmp_path / "nope.json"), "--candidate", str(runs / "dummy-fast")], "nope.json: no such baseline file"),
+        (["--baseline", str(tmp_path / "nope.json"), "--candidate", str(runs / "dummy-fast")],
+         "nope.json: no such baseline file"),
         (["--baseline", str(broken), "--candidate", str(runs / "dummy-fast")], "broken.json: invalid JSON"),
         (["--baseline", str(runs / "dummy-fast"), "--candidate", str(tmp_path / "missing")], "missing: no such folder"),
         (["--baseline", str(runs / "dummy-fast"), "--candidate", str(runs / "dummy-fast"), "--policy", str(bad_toml)],
@@ -102,7 +105,8 @@ def test_update_baseline_then_gate_the_bundled_model(runs, tmp_path):
     """The project's own gate (CI runs it with the test suite): the fixture's `moe` run on the
     bundled model, 6 offline rag_long requests, seed 0, against the committed baseline."""
     fresh = tmp_path / "fresh.json"
-    code, out, _ = gate("--baseline", str(fresh), "--candidate", str(runs / "moe"), "--update-baseline", "--deterministic-only")
+    code, out, _ = gate("--baseline", str(fresh), "--candidate", str(runs / "moe"), "--update-baseline",
+                        "--deterministic-only")
     assert code == 0 and json.loads(fresh.read_text())["timing"] == {}
     code, out, err = gate("--baseline", str(BASELINE), "--candidate", str(runs / "moe"))
     assert code == 0, out + err

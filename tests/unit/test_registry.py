@@ -12,7 +12,9 @@ from engines.registry import build_config, create_engine, engine_class, list_eng
 
 
 def test_unknown_engine_lists_valid_names():
-    with pytest.raises(EngineError, match=r"unknown engine 'nope'; valid engines: dummy, full, hf, moe, moegen, offload, openai, pagedweight, static-awq, static-gptq, static-rtn"):
+    with pytest.raises(EngineError,
+                       match=r"unknown engine 'nope'; valid engines: dummy, full, hf, moe, moegen, offload, openai, "
+                             r"pagedweight, static-awq, static-gptq, static-rtn"):
         engine_class("nope")
 
 
@@ -66,5 +68,6 @@ def test_parse_set_options():
 
 def test_listing_has_one_line_each():
     rows = dict(list_engines())
-    assert set(rows) == {"dummy", "full", "hf", "moe", "moegen", "offload", "openai", "pagedweight", "static-awq", "static-gptq", "static-rtn"}
+    assert set(rows) == {"dummy", "full", "hf", "moe", "moegen", "offload", "openai", "pagedweight", "static-awq",
+                         "static-gptq", "static-rtn"}
     assert all(desc and "\n" not in desc for desc in rows.values())

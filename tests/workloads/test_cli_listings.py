@@ -49,7 +49,8 @@ def test_demo_tasks_writes_every_registered_task(tmp_path):
     named, _, folder = proc.stdout.strip().splitlines()[-1].removeprefix("wrote ").rpartition(" to ")
     assert folder == str(out.resolve())
     assert sorted(named.split(", ")) == sorted(DEMO_TASKS)  # each task named, none extra
-    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.{ext}" for n in DEMO_TASKS for ext in ("jsonl", "yaml"))
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.{ext}" for n in DEMO_TASKS
+                                                           for ext in ("jsonl", "yaml"))
 
     lang = demo_language()
     for name, task in DEMO_TASKS.items():

@@ -37,7 +37,8 @@ CASES = [
 def replay(tmp_path_factory):
     """The CASES as a Mooncake trace, built for max_model_len LIMIT and for a limit that clips nothing."""
     path = tmp_path_factory.mktemp("clip") / "trace.jsonl"
-    rows = [{"timestamp": 10 * i, "input_length": i_, "output_length": o, "hash_ids": ids} for i, ((i_, o, ids), _) in enumerate(CASES)]
+    rows = [{"timestamp": 10 * i, "input_length": i_, "output_length": o, "hash_ids": ids}
+            for i, ((i_, o, ids), _) in enumerate(CASES)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = WorkloadSpec(f"trace:{path}")
     clipped = build_workload(spec, ModelTarget(vocab_size=1000, max_model_len=LIMIT))

@@ -206,7 +206,7 @@ def test_rag_system_prompt(rag):
     assert (lead == 512).all()  # "always 512 tokens"
 
     variants = []
-    for first, group in sys_parts.groupby(("id", 0), sort=False):
+    for _first, group in sys_parts.groupby(("id", 0), sort=False):
         tail_tokens = int(group[("tokens", 2)].value_counts().idxmax())
         variants.append((len(group), tail_tokens, group[("id", 2)].nunique() == 1))
     assert fitted.RAG_SYS_VARIANTS == tuple(sorted(variants, key=lambda v: -v[0]))
@@ -234,7 +234,8 @@ def test_rag_history_web_question_template(rag):
     assert fitted.RAG_EMPTY_HISTORY_TOKENS == int(tokens[ids == most_common].iloc[0])
 
     web = parts[parts["kind"] == "web_search"]
-    assert fitted.RAG_WEB_PMF == counts_pmf(web.groupby("request").size().reindex(range(len(trace)), fill_value=0).value_counts())
+    assert fitted.RAG_WEB_PMF == counts_pmf(web.groupby("request").size().reindex(range(len(trace)),
+                                                                                  fill_value=0).value_counts())
     assert fitted.RAG_WEB_LEN_Q == quantile_table(web["tokens"])  # every reference, not distinct ids
     assert fitted.RAG_QUESTION_Q == quantile_table(parts.loc[parts["kind"] == "user_input", "tokens"])
 

@@ -78,7 +78,8 @@ def test_unknown_csv_names_its_columns(trace_cli, tmp_path):
 
 def test_ragpulse_and_mooncake_are_still_detected(tmp_path):
     path = tmp_path / "m.jsonl"
-    write_jsonl(path, [{"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [1, 2], "session_id": "x"}])
+    write_jsonl(path,
+                [{"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [1, 2], "session_id": "x"}])
     assert read_trace(path).format == "mooncake"  # a session_id key no longer means RAGPulse
 
 
@@ -90,7 +91,8 @@ def test_named_jsonl_columns_replay_with_the_written_times_and_lengths(trace_cli
     by_time = sorted(rows, key=lambda r: r["start_time_s"])
     t0 = by_time[0]["start_time_s"]
 
-    workload = build_workload(WorkloadSpec(f"trace:{path}", trace_format="jsonl", trace_map=MAP, time_scale=0.5), TARGET)
+    workload = build_workload(WorkloadSpec(f"trace:{path}", trace_format="jsonl", trace_map=MAP, time_scale=0.5),
+                              TARGET)
     got = [(r.arrival_s, r.num_prompt_tokens, r.max_new_tokens, r.session_id) for r in workload.requests]
     want = [((r["start_time_s"] - t0) * 0.5, r["input_tokens"], r["output_tokens"], r["session_id"]) for r in by_time]
     assert [g[1:] for g in got] == [w[1:] for w in want]
@@ -125,7 +127,8 @@ def test_milliseconds_relative_and_absolute_give_the_same_replay(tmp_path):
     columns = "arrival_s=t,input_tokens=in,output_tokens=out,time_unit=ms"
     for path in (absolute, relative):
         trace = read_trace(path, "jsonl", columns=columns)
-        assert [(r.arrival_s, r.input_tokens, r.output_tokens) for r in trace.rows] == [(t / 1000, i, o) for t, i, o in rows]
+        got = [(r.arrival_s, r.input_tokens, r.output_tokens) for r in trace.rows]
+        assert got == [(t / 1000, i, o) for t, i, o in rows]
         assert not trace.has_sessions
 
 
@@ -170,7 +173,8 @@ def test_a_mapped_column_that_is_missing_names_it_and_the_columns_present(trace_
     assert all(key in line for key in agentic_rows(1)[0])  # the keys that are there
     csv_path = tmp_path / "a.csv"
     csv_path.write_text("ts,in,out\n1,2,3\n")
-    line = one_error(trace_cli("info", csv_path, "--format", "csv", "--map", "arrival_s=time,input_tokens=in,output_tokens=out"))
+    line = one_error(trace_cli("info", csv_path, "--format", "csv", "--map",
+                               "arrival_s=time,input_tokens=in,output_tokens=out"))
     assert f"{csv_path}:1:" in line and "arrival_s=time" in line and "ts, in, out" in line
 
 
@@ -193,14 +197,16 @@ def test_format_and_map_must_agree(trace_cli, tmp_path):
     path = tmp_path / "a.jsonl"
     write_jsonl(path, [{"t": 1, "p": 2, "o": 3}])
     assert "needs --map" in one_error(trace_cli("info", path, "--format", "jsonl"))
-    assert "fixed columns" in one_error(trace_cli("info", path, "--format", "mooncake", "--map", "input_tokens=p,output_tokens=o"))
+    assert "fixed columns" in one_error(trace_cli("info", path, "--format", "mooncake", "--map",
+                                                  "input_tokens=p,output_tokens=o"))
     with pytest.raises(WorkloadError, match="trace:PATH"):
         WorkloadSpec("rag_long", trace_map="input_tokens=p,output_tokens=o")
 
 
 def test_a_bad_line_names_path_line_and_field_and_can_be_skipped(trace_cli, tmp_path):
     path = tmp_path / "a.jsonl"
-    write_jsonl(path, [{"t": 1, "p": 20, "o": 3}, {"t": 2, "o": 3}, {"t": "soon", "p": 5, "o": 1}, {"t": 4, "p": 9, "o": 1}])
+    write_jsonl(path,
+                [{"t": 1, "p": 20, "o": 3}, {"t": 2, "o": 3}, {"t": "soon", "p": 5, "o": 1}, {"t": 4, "p": 9, "o": 1}])
     columns = "arrival_s=t,input_tokens=p,output_tokens=o"
     line = one_error(trace_cli("info", path, "--map", columns))
     assert line.startswith(f"error: {path}:2: missing field 'p'")

@@ -51,28 +51,49 @@ TIMED_LENGTHS_HEADER = "arrived_at,num_prefill_tokens,num_decode_tokens"
 # case -> (format, file name, header lines, bad line, what the message must say).
 # The file is: header lines, a good row, a blank line, the bad line, a good row.
 CASES = {
-    "mooncake hash_ids not a list": ("mooncake", "t.jsonl", [], {**MOONCAKE, "hash_ids": "1,2"}, "hash_ids must be a list of integer ids"),
-    "mooncake more blocks than tokens": ("mooncake", "t.jsonl", [], {**MOONCAKE, "input_length": 512}, "hash_ids has 2 blocks but input_length 512 fills only 1"),
-    "mooncake zero input": ("mooncake", "t.jsonl", [], {**MOONCAKE, "input_length": 0, "hash_ids": []}, "input_length must be at least 1, got 0"),
+    "mooncake hash_ids not a list": ("mooncake", "t.jsonl", [], {**MOONCAKE, "hash_ids": "1,2"},
+                                     "hash_ids must be a list of integer ids"),
+    "mooncake more blocks than tokens": ("mooncake", "t.jsonl", [], {**MOONCAKE, "input_length": 512},
+                                         "hash_ids has 2 blocks but input_length 512 fills only 1"),
+    "mooncake zero input": ("mooncake", "t.jsonl", [], {**MOONCAKE, "input_length": 0, "hash_ids": []},
+                            "input_length must be at least 1, got 0"),
     "ragpulse bad JSON": ("ragpulse", "0_trace.jsonl", [], '{"timestamp": "7", "input_length": 40', "not valid JSON"),
-    "ragpulse missing session_id": ("ragpulse", "0_trace.jsonl", [], {k: v for k, v in RAG.items() if k != "session_id"}, "missing field 'session_id'"),
-    "ragpulse hash_ids not an object": ("ragpulse", "0_trace.jsonl", [], {**RAG, "hash_ids": [1, 10]}, "hash_ids must be an object of component id lists"),
-    "ragpulse unknown passage id": ("ragpulse", "0_trace.jsonl", [], {**RAG, "hash_ids": {**RAG["hash_ids"], "passages_ids": [11]}}, "hash_ids.passages_ids id 11 is not in 2_passages.jsonl"),
-    "ragpulse components too long": ("ragpulse", "0_trace.jsonl", [], {**RAG, "input_length": 30}, "components add up to 35 tokens, more than input_length 30"),
-    "ragpulse negative output": ("ragpulse", "0_trace.jsonl", [], {**RAG, "output_length": -1}, "output_length is negative (-1)"),
-    "azure negative context": ("azure", "t.csv", [AZURE_HEADER], "2023-11-16 18:17:04.1000000,-3,5", "ContextTokens is negative (-3)"),
-    "azure bad timestamp": ("azure", "t.csv", [AZURE_HEADER], "16/11/2023 18:17,10,5", "TIMESTAMP must look like 2023-11-16 18:17:03.9799600"),
-    "azure missing field": ("azure", "t.csv", [AZURE_HEADER], "2023-11-16 18:17:04.1000000,10", "expected 3 comma-separated fields"),
-    "azure fractional tokens": ("azure", "t.csv", [AZURE_HEADER], "2023-11-16 18:17:04.1000000,10,2.5", "GeneratedTokens must be a whole number, got '2.5'"),
-    "burstgpt wrong type": ("burstgpt", "t.csv", [BURST_HEADER], "822292,ChatGPT,abc,4,68,API log", "Request tokens must be a number, got 'abc'"),
-    "burstgpt negative time": ("burstgpt", "t.csv", [BURST_HEADER], "-5,ChatGPT,64,4,68,API log", "Timestamp is negative"),
+    "ragpulse missing session_id": ("ragpulse", "0_trace.jsonl", [],
+                                    {k: v for k, v in RAG.items() if k != "session_id"}, "missing field 'session_id'"),
+    "ragpulse hash_ids not an object": ("ragpulse", "0_trace.jsonl", [], {**RAG, "hash_ids": [1, 10]},
+                                        "hash_ids must be an object of component id lists"),
+    "ragpulse unknown passage id": ("ragpulse", "0_trace.jsonl", [],
+                                    {**RAG, "hash_ids": {**RAG["hash_ids"], "passages_ids": [11]}},
+                                    "hash_ids.passages_ids id 11 is not in 2_passages.jsonl"),
+    "ragpulse components too long": ("ragpulse", "0_trace.jsonl", [], {**RAG, "input_length": 30},
+                                     "components add up to 35 tokens, more than input_length 30"),
+    "ragpulse negative output": ("ragpulse", "0_trace.jsonl", [], {**RAG, "output_length": -1},
+                                 "output_length is negative (-1)"),
+    "azure negative context": ("azure", "t.csv", [AZURE_HEADER], "2023-11-16 18:17:04.1000000,-3,5",
+                               "ContextTokens is negative (-3)"),
+    "azure bad timestamp": ("azure", "t.csv", [AZURE_HEADER], "16/11/2023 18:17,10,5",
+                            "TIMESTAMP must look like 2023-11-16 18:17:03.9799600"),
+    "azure missing field": ("azure", "t.csv", [AZURE_HEADER], "2023-11-16 18:17:04.1000000,10",
+                            "expected 3 comma-separated fields"),
+    "azure fractional tokens": ("azure", "t.csv", [AZURE_HEADER], "2023-11-16 18:17:04.1000000,10,2.5",
+                                "GeneratedTokens must be a whole number, got '2.5'"),
+    "burstgpt wrong type": ("burstgpt", "t.csv", [BURST_HEADER], "822292,ChatGPT,abc,4,68,API log",
+                            "Request tokens must be a number, got 'abc'"),
+    "burstgpt negative time": ("burstgpt", "t.csv", [BURST_HEADER], "-5,ChatGPT,64,4,68,API log",
+                               "Timestamp is negative"),
     "lengths missing field": ("lengths", "t.csv", [LENGTHS_HEADER], "1730,415", "expected 4 comma-separated fields"),
-    "lengths negative decode": ("lengths", "t.csv", [LENGTHS_HEADER], "1730,-415,1315,-4.17", "num_decode_tokens is negative (-415)"),
-    "lengths bad arrived_at": ("lengths", "t.csv", [TIMED_LENGTHS_HEADER], "soon,1730,415", "arrived_at must be a number, got 'soon'"),
-    "pwbench bad JSON": ("pwbench", "t.jsonl", [j(PW_HEADER)], '{"arrival_s": 1.5, "input_tokens": 7', "not valid JSON"),
-    "pwbench missing input_tokens": ("pwbench", "t.jsonl", [j(PW_HEADER)], {"arrival_s": 2.0, "output_tokens": 3}, "missing field 'input_tokens'"),
-    "pwbench block_lengths mismatch": ("pwbench", "t.jsonl", [j(PW_HEADER)], {**PW, "block_lengths": [512]}, "blocks has 2 ids; block_lengths and block_kinds must match it"),
-    "pwbench string arrival": ("pwbench", "t.jsonl", [j(PW_HEADER)], {**PW, "arrival_s": "noon"}, "arrival_s must be a number, got 'noon'"),
+    "lengths negative decode": ("lengths", "t.csv", [LENGTHS_HEADER], "1730,-415,1315,-4.17",
+                                "num_decode_tokens is negative (-415)"),
+    "lengths bad arrived_at": ("lengths", "t.csv", [TIMED_LENGTHS_HEADER], "soon,1730,415",
+                               "arrived_at must be a number, got 'soon'"),
+    "pwbench bad JSON": ("pwbench", "t.jsonl", [j(PW_HEADER)], '{"arrival_s": 1.5, "input_tokens": 7',
+                         "not valid JSON"),
+    "pwbench missing input_tokens": ("pwbench", "t.jsonl", [j(PW_HEADER)], {"arrival_s": 2.0, "output_tokens": 3},
+                                     "missing field 'input_tokens'"),
+    "pwbench block_lengths mismatch": ("pwbench", "t.jsonl", [j(PW_HEADER)], {**PW, "block_lengths": [512]},
+                                       "blocks has 2 ids; block_lengths and block_kinds must match it"),
+    "pwbench string arrival": ("pwbench", "t.jsonl", [j(PW_HEADER)], {**PW, "arrival_s": "noon"},
+                               "arrival_s must be a number, got 'noon'"),
 }
 GOOD = {"mooncake": MOONCAKE, "ragpulse": RAG, "azure": AZURE, "burstgpt": BURST, "lengths": LENGTHS, "pwbench": PW}
 GOOD_FOR_HEADER = {TIMED_LENGTHS_HEADER: "0.5,1730,415"}
@@ -139,7 +160,8 @@ def test_ragpulse_bad_side_table_line_names_the_side_table(tmp_path):
     path, _ = write_case(tmp_path, "ragpulse bad JSON")
     path.write_text(json.dumps(RAG) + "\n")
     table = tmp_path / "3_history.jsonl"
-    table.write_text(json.dumps({"history_id": 20, "token_length": 11}) + "\n\n" + json.dumps({"history_id": 21}) + "\n")
+    table.write_text(json.dumps({"history_id": 20,
+                                 "token_length": 11}) + "\n\n" + json.dumps({"history_id": 21}) + "\n")
     line = the_error_line(info(tmp_path))  # the folder stands for its 0_trace.jsonl
     assert line == f"error: {table}:3: missing field 'token_length' {FIX}"
 
@@ -147,8 +169,10 @@ def test_ragpulse_bad_side_table_line_names_the_side_table(tmp_path):
 @pytest.mark.parametrize(
     "first, needle",
     [
-        ('{"pwbench": 1}', "bad pwbench header (missing field 'pwbench_trace'); the first line must be a header such as"),
-        ('{"pwbench_trace": 2}', "pwbench_trace version 2 is not supported (this pwbench reads 1); convert the source trace again"),
+        ('{"pwbench": 1}',
+         "bad pwbench header (missing field 'pwbench_trace'); the first line must be a header such as"),
+        ('{"pwbench_trace": 2}',
+         "pwbench_trace version 2 is not supported (this pwbench reads 1); convert the source trace again"),
     ],
 )
 def test_bad_pwbench_header_names_line_one_and_the_fix(tmp_path, first, needle):
@@ -159,7 +183,9 @@ def test_bad_pwbench_header_names_line_one_and_the_fix(tmp_path, first, needle):
     assert "pwbench trace convert" in line
 
 
-@pytest.mark.parametrize("fmt, header", [("azure", "TIMESTAMP,ContextTokens"), ("burstgpt", "Timestamp,Request tokens"), ("lengths", "num_prefill_tokens")])
+@pytest.mark.parametrize("fmt, header",
+                         [("azure", "TIMESTAMP,ContextTokens"), ("burstgpt", "Timestamp,Request tokens"),
+                          ("lengths", "num_prefill_tokens")])
 def test_csv_header_missing_a_column_names_it(tmp_path, fmt, header):
     path = tmp_path / "t.csv"
     path.write_text(header + "\n1,2\n")

@@ -43,7 +43,8 @@ def test_every_workload_fits_the_target(name):
     for r in workload.requests:
         assert r.num_prompt_tokens + r.max_new_tokens <= 1024 and r.max_new_tokens >= 1
         assert min(r.prompt_ids) >= 0 and max(r.prompt_ids) < 500 and not {0, 2} & set(r.prompt_ids)
-        covered = sum(r.block_lengths) if r.block_lengths else min(len(r.prefix_blocks) * r.block_tokens, r.num_prompt_tokens)
+        covered = (sum(r.block_lengths) if r.block_lengths
+                   else min(len(r.prefix_blocks) * r.block_tokens, r.num_prompt_tokens))
         assert covered <= r.num_prompt_tokens
 
 
@@ -170,7 +171,8 @@ def test_length_only_trace_needs_an_arrival_process(real_trace):
 def test_workload_modules_keep_their_arrows():
     """No workloads module imports torch, engines, harness or reports (numpy only where used)."""
     modules = [
-        "workloads.registry", "workloads.assemble", "workloads.synth", "workloads.arrivals", "workloads.shapes", "workloads.fit", "workloads.bench",
+        "workloads.registry", "workloads.assemble", "workloads.synth", "workloads.arrivals", "workloads.shapes",
+        "workloads.fit", "workloads.bench",
         "workloads.traces.formats", "workloads.traces.stats",
         "workloads.traces.csv_formats", "workloads.traces.jsonl_formats",
     ]

@@ -109,7 +109,8 @@ def test_mooncake_and_pwbench(data):
         header = json.dumps({"pwbench_trace": 1, "block_tokens": 512, "has_sessions": True})
         pw_rows = st.builds(
             lambda t, inp, out, s, ids: json.dumps(
-                {"arrival_s": t, "input_tokens": inp, "output_tokens": out, "session_id": s, "blocks": ids[: -(-inp // 512)]}
+                {"arrival_s": t, "input_tokens": inp, "output_tokens": out, "session_id": s,
+                 "blocks": ids[: -(-inp // 512)]}
             ),
             st.none() | st.floats(0, 1e6), st.integers(1, 3000), counts, st.none() | st.text(max_size=4),
             st.lists(st.integers(0, 9), max_size=4),
@@ -121,7 +122,8 @@ def test_mooncake_and_pwbench(data):
 CSV_FORMATS = {
     "azure": (
         "TIMESTAMP,ContextTokens,GeneratedTokens",
-        st.builds(lambda s, i, o: f"2023-11-16 18:17:{s:010.7f},{i},{o}", st.floats(0, 59.9), st.integers(1, 9000), counts),
+        st.builds(lambda s, i, o: f"2023-11-16 18:17:{s:010.7f},{i},{o}", st.floats(0, 59.9), st.integers(1, 9000),
+                  counts),
     ),
     "burstgpt": (
         "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type",

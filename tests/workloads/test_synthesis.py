@@ -130,7 +130,8 @@ def test_same_seed_is_identical_in_another_interpreter():
 
 def test_tokens_stay_in_the_vocabulary_and_avoid_special_ids():
     special = (0, 1, 2, 7, 99)
-    requests = build_workload(WorkloadSpec("rag_long", requests=30, scale=0.3), ModelTarget(100, 8192, special)).requests
+    requests = build_workload(WorkloadSpec("rag_long", requests=30, scale=0.3),
+                              ModelTarget(100, 8192, special)).requests
     tokens = np.concatenate([np.asarray(r.prompt_ids) for r in requests])
     assert tokens.min() >= 0 and tokens.max() < 100
     assert not np.isin(tokens, special).any()

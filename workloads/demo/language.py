@@ -25,19 +25,26 @@ STRUCTURE = (
 
 # Eight attributes, each with its own value words (real words keep outputs readable).
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "color": tuple("red blue green yellow purple orange black white brown pink gray gold silver violet teal maroon".split()),
+    "color": tuple("red blue green yellow purple orange black white brown pink gray gold "
+                   "silver violet teal maroon".split()),
     "city": tuple("paris rome tokyo lima cairo oslo delhi quito dakar hanoi perth kyiv riga sofia tunis accra".split()),
-    "job": tuple("baker pilot nurse farmer lawyer painter miner tailor chef judge poet sailor barber clerk coder mason".split()),
+    "job": tuple("baker pilot nurse farmer lawyer painter miner tailor chef judge poet sailor "
+                 "barber clerk coder mason".split()),
     "pet": tuple("cat dog parrot rabbit turtle hamster lizard goat pony ferret snake mouse duck frog owl pig".split()),
-    "food": tuple("rice bread pasta soup salad curry tofu cheese beans noodles pizza tacos sushi dumplings pie stew".split()),
-    "sport": tuple("tennis soccer hockey rugby boxing golf cricket chess rowing skiing fencing judo diving archery polo karate".split()),
-    "metal": tuple("iron copper zinc tin lead nickel cobalt chrome bronze brass steel titanium platinum mercury lithium cadmium".split()),
+    "food": tuple("rice bread pasta soup salad curry tofu cheese beans noodles pizza tacos "
+                  "sushi dumplings pie stew".split()),
+    "sport": tuple("tennis soccer hockey rugby boxing golf cricket chess rowing skiing fencing judo "
+                   "diving archery polo karate".split()),
+    "metal": tuple("iron copper zinc tin lead nickel cobalt chrome bronze brass steel titanium platinum "
+                   "mercury lithium cadmium".split()),
     "tree": tuple("oak pine birch maple cedar willow elm ash beech palm spruce fir yew alder aspen larch".split()),
 }
 
 # Filler: sentences built from these words carry no facts the questions ask about.
-FILLER_SUBJECTS = tuple("report market weather river team council museum garden festival bridge library harbor school village station forest".split())
-FILLER_VERBS = tuple("grew opened closed changed moved started ended improved declined rested returned arrived stayed waited".split())
+FILLER_SUBJECTS = tuple("report market weather river team council museum garden festival bridge library harbor "
+                        "school village station forest".split())
+FILLER_VERBS = tuple("grew opened closed changed moved started ended improved declined rested "
+                     "returned arrived stayed waited".split())
 FILLER_PLACES = tuple("north south east west center coast valley hills island plain border capital".split())
 FILLER_TIMES = tuple("today yesterday recently later early monday friday spring summer autumn winter".split())
 FILLER_EXTRA = tuple("near after before during quietly slowly again also very".split())
@@ -115,7 +122,7 @@ def demo_language() -> Language:
 
 def build_tokenizer(out_dir: Path) -> None:
     """Write tokenizer.json (+ tokenizer_config.json) loadable by `tokenizers` and AutoTokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: PLC0415
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     lang = demo_language()
     tok = Tokenizer(models.WordLevel(dict(lang.token_to_id), unk_token="<unk>"))

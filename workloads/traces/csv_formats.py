@@ -15,8 +15,18 @@ from pathlib import Path
 
 from workloads.base import WorkloadError
 from workloads.traces.common import (
-    LineError, LineLog, Trace, TraceRow, as_count, as_seconds, as_session, finish, header_was_skipped, listing,
-    parse_rows, read_lines,
+    LineError,
+    LineLog,
+    Trace,
+    TraceRow,
+    as_count,
+    as_seconds,
+    as_session,
+    finish,
+    header_was_skipped,
+    listing,
+    parse_rows,
+    read_lines,
 )
 
 # "2023-11-16 18:17:03.9799600": 7 fractional digits, more than datetime keeps, so parsed by hand.
@@ -25,7 +35,8 @@ _WALL_CLOCK = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:
 Parse = Callable[[int, dict[str, str]], TraceRow | None]
 
 
-def _read_csv(path: Path, skip_bad_lines: bool, fmt: str, required: tuple[str, ...], parse: Parse) -> tuple[list[TraceRow], LineLog]:
+def _read_csv(path: Path, skip_bad_lines: bool, fmt: str, required: tuple[str, ...],
+              parse: Parse) -> tuple[list[TraceRow], LineLog]:
     """Header first (matched case-insensitively), then `parse` gets each line as {column: text}."""
     log = LineLog(str(path), skip_bad_lines)
     lines = read_lines(path, log)

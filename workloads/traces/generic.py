@@ -28,14 +28,28 @@ from typing import Any
 
 from workloads.base import WorkloadError
 from workloads.traces.common import (
-    BLOCK_TOKENS, LineError, LineLog, Trace, TraceRow, as_count, as_ids, as_session, finish, json_object, listing,
-    parse_rows, read_lines, show,
+    BLOCK_TOKENS,
+    LineError,
+    LineLog,
+    Trace,
+    TraceRow,
+    as_count,
+    as_ids,
+    as_session,
+    finish,
+    json_object,
+    listing,
+    parse_rows,
+    read_lines,
+    show,
 )
 from workloads.traces.csv_formats import csv_fields, csv_header
 
 GENERIC_FORMATS = {
-    "jsonl": "any JSON-lines trace: name its keys with --map arrival_s=KEY,input_tokens=KEY,output_tokens=KEY[,session_id=KEY]",
-    "csv": "any CSV trace with a header: name its columns with --map arrival_s=COL,input_tokens=COL,output_tokens=COL[,session_id=COL]",
+    "jsonl": "any JSON-lines trace: name its keys with --map "
+             "arrival_s=KEY,input_tokens=KEY,output_tokens=KEY[,session_id=KEY]",
+    "csv": "any CSV trace with a header: name its columns with --map "
+           "arrival_s=COL,input_tokens=COL,output_tokens=COL[,session_id=COL]",
 }
 FIELDS = ("arrival_s", "input_tokens", "output_tokens", "session_id", "blocks")
 REQUIRED = ("input_tokens", "output_tokens")
@@ -69,7 +83,8 @@ def parse_map(text: str) -> ColumnMap:
         if not sep or not key or not value:
             raise _map_error(text, f"{part.strip()!r} is not FIELD=COLUMN")
         if key not in (*FIELDS, "time_unit", "block_tokens"):
-            raise _map_error(text, f"unknown field {key!r}; fields: {', '.join(FIELDS)}; options: time_unit, block_tokens")
+            raise _map_error(text,
+                             f"unknown field {key!r}; fields: {', '.join(FIELDS)}; options: time_unit, block_tokens")
         if key in given:
             raise _map_error(text, f"{key} is given twice")
         given[key] = value
@@ -115,7 +130,8 @@ def raw_time(value: Any, name: str) -> tuple[str, int | float]:
 def _date_time_ns(text: str, name: str) -> int:
     match = _DATE_TIME.fullmatch(text.strip())
     if not match:
-        raise LineError(f"{name} must be a number or an ISO 8601 date-time such as 2024-05-01T12:00:03.25Z, got {show(text)}")
+        raise LineError(f"{name} must be a number or an ISO 8601 date-time such as "
+                        f"2024-05-01T12:00:03.25Z, got {show(text)}")
     year, month, day, hour, minute, second, fraction, zone = match.groups()
     try:
         ordinal = datetime.date(int(year), int(month), int(day)).toordinal()
@@ -216,7 +232,8 @@ def _check_columns(path: Path, number: int, mapping: ColumnMap, present: list[st
     for field, column in mapping.columns:
         if not has(column):
             raise WorkloadError(
-                f"{path}:{number}: --map {field}={column}: no {what[0]} {column!r}; {what[1]} {listing(present)} (fix --map)"
+                f"{path}:{number}: --map {field}={column}: no {what[0]} {column!r}; {what[1]} "
+                f"{listing(present)} (fix --map)"
             )
 
 
@@ -238,7 +255,7 @@ def _read_jsonl(path: Path, lines, log: LineLog, mapping: ColumnMap) -> list[_Ro
 def _read_csv(path: Path, lines, log: LineLog, mapping: ColumnMap) -> list[_Row]:
     number, _, header = csv_header(path, lines, log)
     index: dict[str, int] = {}
-    for field, column in mapping.columns:
+    for _field, column in mapping.columns:
         exact = [i for i, h in enumerate(header) if h == column]
         loose = [i for i, h in enumerate(header) if h.lower() == column.lower()]
         found = exact or (loose if len(loose) == 1 else [])

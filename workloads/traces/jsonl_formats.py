@@ -16,8 +16,22 @@ from typing import Any
 
 from workloads.base import WorkloadError
 from workloads.traces.common import (
-    BLOCK_TOKENS, LineError, LineLog, Trace, TraceRow, as_count, as_ids, as_seconds, as_session,
-    field, finish, header_was_skipped, json_object, parse_rows, read_lines, show,
+    BLOCK_TOKENS,
+    LineError,
+    LineLog,
+    Trace,
+    TraceRow,
+    as_count,
+    as_ids,
+    as_seconds,
+    as_session,
+    field,
+    finish,
+    header_was_skipped,
+    json_object,
+    parse_rows,
+    read_lines,
+    show,
 )
 
 PWBENCH_VERSION = 1
@@ -129,7 +143,8 @@ def read_pwbench(path: Path, skip_bad_lines: bool = False) -> Trace:
         except LineError as exc:
             raise WorkloadError(
                 f"{path}:{number}: bad pwbench header ({exc}); the first line must be a header such as "
-                f'{{"pwbench_trace": {PWBENCH_VERSION}, "block_tokens": {BLOCK_TOKENS}}} (`pwbench trace convert` writes one)'
+                f'{{"pwbench_trace": {PWBENCH_VERSION}, "block_tokens": {BLOCK_TOKENS}}} (`pwbench '
+                'trace convert` writes one)'
             ) from None
         if version != PWBENCH_VERSION:
             raise WorkloadError(

@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import torch  # noqa: E402
+import torch
 
 
 def add_tokenizer(folder: Path, vocab_size: int) -> None:

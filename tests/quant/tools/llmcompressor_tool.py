@@ -23,10 +23,10 @@ from pathlib import Path
 
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gptqmodel_tool import with_tokenizer  # noqa: E402  (plain helper; imports no gptqmodel)
+from gptqmodel_tool import with_tokenizer
 
 
 def quantize(args: argparse.Namespace) -> None:
