@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import random
 
+from harness.demo_model import demo_synthesizer, uses_demo_language
+
 FULL_LENGTH = 1 << 20  # a model length no workload prompt reaches
 
 
@@ -20,7 +22,6 @@ def _model_config(model: str):
     """(the folder's ModelConfig, whether it speaks the demo language)."""
     from engines.base import EngineInfo  # noqa: PLC0415
     from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
-    from harness.run import uses_demo_language  # noqa: PLC0415
 
     cfg = open_checkpoint(model).config
     info = EngineInfo(name="calibration", model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
@@ -36,11 +37,7 @@ def calibration_prompts(model: str, workload: str, samples: int, seed: int, max_
     if samples < 1 or max_len < 1:
         raise EngineError(f"--calib-samples and --calib-len must be >= 1, got {samples} and {max_len}")
     cfg, demo = _model_config(model)
-    synthesizer = None
-    if workload in ("rag_long", "long_chat") and demo:
-        from workloads.demo.synth import DemoTaskSynthesizer  # noqa: PLC0415
-
-        synthesizer = DemoTaskSynthesizer(seed, "rag" if workload == "rag_long" else "chat")
+    synthesizer = demo_synthesizer(workload, seed) if demo else None
     # Prompts at their natural length (not clipped to the model's): windows are cut below.
     target = ModelTarget(cfg.vocab_size, FULL_LENGTH, tuple(cfg.eos_token_ids))
     built = build_workload(WorkloadSpec(workload, seed=seed, requests=samples), target, synthesizer)

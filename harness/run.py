@@ -18,21 +18,12 @@ from typing import Any
 from engines.base import Engine, EngineInfo
 from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class
 from harness.calibration import create_calibrated
+from harness.demo_model import DEMO_DEFAULTS, DEMO_TASK_STYLES, demo_synthesizer, uses_demo_language
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
 from harness.runner import RunLimits, Runner, RunRecords
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload
-
-# Defaults for the demo model (trained up to ~1.4k tokens, 2k positions, on a CPU), applied
-# only to options the user did not give: `scale` keeps each workload's shape at a size the
-# demo serves; `time_scale` 0.1 compresses the traces' think times (RAGPulse's run to an
-# hour) so the default run ends in minutes. Both are written into the run's notes.
-DEMO_DEFAULTS: dict[str, dict[str, float]] = {
-    "rag_long": {"scale": 0.25, "time_scale": 0.1},
-    "long_chat": {"scale": 0.1, "time_scale": 0.1},
-    "burst": {"scale": 0.25},
-}
 
 
 @dataclass(frozen=True)
@@ -78,27 +69,13 @@ def environment(info: EngineInfo, peaks: dict[str, Any], telemetry: dict[str, An
     }
 
 
-def uses_demo_language(model: str | None, info: EngineInfo) -> bool:
-    from engines.tokenizer import load_tokenizer  # noqa: PLC0415
-    from workloads.demo.language import demo_language  # noqa: PLC0415
-
-    if model is None or info.vocab_size != len(demo_language().vocab):
-        return False
-    tok = load_tokenizer(model)
-    return tok is not None and tok.get_vocab() == demo_language().token_to_id
-
-
 def build(args: RunArgs, info: EngineInfo, demo: bool):
     spec = args.workload
     base = spec.name.partition(":")[0]
     applied = {k: v for k, v in DEMO_DEFAULTS.get(base, {}).items() if k not in args.given} if demo else {}
     if applied:
         spec = replace(spec, **applied)
-    synthesizer = None
-    if demo and base in ("rag_long", "long_chat"):
-        from workloads.demo.synth import DemoTaskSynthesizer  # noqa: PLC0415
-
-        synthesizer = DemoTaskSynthesizer(spec.seed, "rag" if base == "rag_long" else "chat")
+    synthesizer = demo_synthesizer(base, spec.seed) if demo else None
     target = ModelTarget(info.vocab_size, info.max_model_len, tuple(info.eos_token_ids))
     workload = build_workload(spec, target, synthesizer)
     if applied:
@@ -168,7 +145,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "engine": asdict(info),
         "workload": {"name": workload.name, "arrival": workload.arrival, "requests": len(workload.requests),
                      "concurrency": workload.concurrency, "notes": list(workload.notes),
-                     "demo_tasks": demo and spec.name.partition(":")[0] in ("rag_long", "long_chat")},
+                     "demo_tasks": demo and spec.name.partition(":")[0] in DEMO_TASK_STYLES},
         "environment": environment(info, peaks, sampler.describe()),
         "telemetry": sampler.describe(),
         "summary": summary,
@@ -192,7 +169,8 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
     tokenizer = load_tokenizer(model) if model else None
     eos = set()
     if tokenizer is not None:
-        eos = {tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>") if tokenizer.token_to_id(t) is not None}
+        eos = {tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>")
+               if tokenizer.token_to_id(t) is not None}
     rows = []
     for r in records.requests:
         # Shallow: asdict() deep-copies every token-time list (most of the cost of 10k requests).

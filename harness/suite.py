@@ -1,6 +1,7 @@
-"""The PoC suite: `pwbench run --workload rag_long` with no `--engine` runs every engine of
-SUITE under one device budget, the same workload and seed, one result folder each inside a
-suite folder, then writes the HTML report (reports.html) there.
+"""The PoC suite: `pwbench run --workload rag_long` with no `--engine` runs every row of
+SUITE (harness/suite.toml: row -> engine and options) under one device budget, the same
+workload and seed, one result folder each inside a suite folder; the CLI command then writes
+the HTML report there (reports import the harness, never the other way round).
 
 The default budget for a model is dense weights + BUDGET_SHARE x (full-precision experts + the
 KV of KV_TOKENS tokens): below full precision + peak KV, so KV and experts compete. It is
@@ -9,25 +10,26 @@ derived from the engine's own sizes (EngineInfo.model_stats), not from the run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import tomllib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from harness.results import check_output, new_run_id
 from harness.run import RunArgs, execute
 
-# Row name -> (engine, options).
-# static-gptq: group 32 (the demo's experts are 64 wide, the default 128 does not divide it);
-# offload: one device slot per layer, the most KV full-precision experts can leave.
-SUITE: dict[str, tuple[str, dict[str, Any]]] = {
-    "moe": ("moe", {}),
-    "static-gptq-4bit": ("static-gptq", {"bits": 4, "group_size": 32}),
-    "offload": ("offload", {"experts_per_layer": 1}),
-    "pagedweight": ("pagedweight", {}),
-    "moegen": ("moegen", {}),
-    "full": ("full", {}),
-}
+
+def _rows(path: Path) -> Mapping[str, tuple[str, dict[str, Any]]]:
+    """suite.toml's tables, in file order: row name -> (engine, options)."""
+    tables = tomllib.loads(path.read_text())
+    return MappingProxyType({row: (t["engine"], dict(t.get("options", {}))) for row, t in tables.items()})
+
+
+# Row name -> (engine, options). Engine names live in data (like a sweep grid's), not in code:
+# the harness never names engines (tests/unit/test_layout.py).
+SUITE = _rows(Path(__file__).with_name("suite.toml"))
 BUDGET_SHARE = 0.4
 KV_TOKENS = 3000  # ~4 of rag_long's demo prompts (~690 tokens) with their answers
 # Demo-model traffic for the suite, applied only to options the user did not give: few
@@ -42,7 +44,6 @@ class SuiteResult:
     runs: dict[str, Path]  # row -> result folder
     failed: dict[str, str]  # row -> why it did not run
     budget_bytes: int
-    report: Path | None
 
 
 def default_budget(model: str | None, options: dict[str, Any]) -> int:
@@ -63,7 +64,7 @@ def default_budget(model: str | None, options: dict[str, Any]) -> int:
 
 def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dict] | None = None,
               say: Callable[[str], None] = print) -> SuiteResult:
-    """Run every SUITE row with `args` (engine replaced), then the report."""
+    """Run every SUITE row with `args` (engine replaced); the caller writes the report."""
     from engines.demo import demo_model_path  # noqa: PLC0415
 
     model = args.model or str(demo_model_path())
@@ -95,14 +96,7 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
             runs[row] = Path(out)
         else:
             failed[row] = f"status {run['status']}: {run.get('error')}"
-    report = None
-    if runs:
-        from reports.html import write_report  # noqa: PLC0415
-        from reports.roi import Prices  # noqa: PLC0415
-        from reports.runs import load_runs  # noqa: PLC0415
-
-        report = write_report(load_runs(list(runs.values())), Prices(), folder / "report.html")
-    return SuiteResult(folder, runs, failed, int(budget), report)
+    return SuiteResult(folder, runs, failed, int(budget))
 
 
 def _bytes(n: int) -> str:

@@ -25,24 +25,17 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import tomllib
 from pathlib import Path
+from types import MappingProxyType
 
 DEMO = Path(__file__).resolve().parents[2] / "engines" / "demo_model"
 CPU32 = {"device": "cpu", "dtype": "float32"}
-# row name -> (engine, options); static widths are chosen per budget
-# (group 32: the demo's experts are 64 wide, the static engines' default 128 does not divide it)
-ENGINES = {
-    # offload with one slot per layer: the most KV full-precision experts can leave
-    "moe": ("moe", {}), "offload": ("offload", {"experts_per_layer": 1}),
-    "static-rtn": ("static-rtn", {"group_size": 32}), "static-gptq": ("static-gptq", {"group_size": 32}),
-    "pagedweight-bitplanes": ("pagedweight", {"representation": "bitplanes"}),
-    "pagedweight-requantize": ("pagedweight", {"representation": "requantize"}),
-    # module-based batching: full precision streamed (moegen), and pagedweight's widths under it (full)
-    "moegen": ("moegen", {}), "full": ("full", {}),
-    # not run by default: pagedweight without quality floors (any width down to 2 bits)
-    "pagedweight-unbounded": ("pagedweight", {"representation": "bitplanes", "max_expert_error": None}),
-}
-DEFAULT_ROWS = [row for row in ENGINES if row != "pagedweight-unbounded"]
+# Row name -> (engine, options), from pagedweight.toml (engine names live in data, not code),
+# and the rows run when --engines is not given.
+_TABLES = tomllib.loads(Path(__file__).with_suffix(".toml").read_text())
+ENGINES = MappingProxyType({row: (t["engine"], dict(t.get("options", {}))) for row, t in _TABLES.items()})
+DEFAULT_ROWS = tuple(row for row, t in _TABLES.items() if t.get("default", True))
 
 
 def expert_bytes_at(bits: int, experts: int, per_expert_fp: int, group: int = 32) -> int:

@@ -165,6 +165,7 @@ def suite_command(options: dict[str, Any]) -> int:
     the report's path and the executive table."""
     from harness.suite import run_suite
     from reports.compare import print_comparison
+    from reports.html import write_report
     from reports.roi import Prices
     from reports.runs import load_runs
 
@@ -175,11 +176,14 @@ def suite_command(options: dict[str, Any]) -> int:
         return execute(run_args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start)
 
     result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True))
+    report = None
     if result.runs:
-        print_comparison(load_runs(list(result.runs.values())), Prices(), compact=True)
+        runs = load_runs(list(result.runs.values()))
+        report = write_report(runs, Prices(), result.folder / "report.html")
+        print_comparison(runs, Prices(), compact=True)
     for row, why in result.failed.items():
         typer.echo(f"suite: {row} did not run: {why}", err=True)
-    if result.report is not None:
-        typer.echo(f"report: {result.report}")
+    if report is not None:
+        typer.echo(f"report: {report}")
     typer.echo(f"results: {result.folder}")
     return 0 if result.runs and not result.failed else 1

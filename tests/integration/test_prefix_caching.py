@@ -170,7 +170,7 @@ def test_prefix_cache_saves_what_the_workload_repeats(name, demo_tasks):
     """
     with create_engine("moe", {**CPU32, "model": str(demo_model_path())}) as engine:
         info = engine.info()
-    scale = {"long_chat": 0.1, "rag_long": 0.25}[name]  # harness/run.py's DEMO_DEFAULTS
+    scale = {"long_chat": 0.1, "rag_long": 0.25}[name]  # harness/demo_model.py's DEMO_DEFAULTS
     _, workload = build(RunArgs(WorkloadSpec(name, requests=30, scale=scale), given=frozenset({"scale"})), info,
                         demo_tasks)
     assert all(r.prefix_blocks for r in workload.requests)
