@@ -15,10 +15,18 @@ from harness.cli.common import user_errors
 @user_errors
 def demo_train(
     output: Annotated[str, typer.Option(help="Folder to write the trained model to.")] = "demo-model",
-    steps: Annotated[int | None, typer.Option(help="Curriculum-stage optimizer steps, the lookup-circuit phase included (default 4000; deterministic for a fixed count).")] = None,
+    steps: Annotated[int | None,
+                     typer.Option(help="Curriculum-stage optimizer steps, the lookup-circuit phase included (default "
+                                       "4000; deterministic for a fixed count).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for weights and data (2: the shipped model).")] = 2,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Training option key=value (see harness/demo/train.py TrainConfig).")] = None,
-    from_: Annotated[str | None, typer.Option("--from", help="Skip the curriculum: run only the long-context stage on this finished curriculum checkpoint (same settings; one written with --set long_steps=0).")] = None,
+    set_: Annotated[list[str] | None,
+                    typer.Option("--set",
+                                 help="Training option key=value (see harness/demo/train.py TrainConfig).")] = None,
+    from_: Annotated[str | None,
+                     typer.Option("--from",
+                                  help="Skip the curriculum: run only the long-context stage on this finished "
+                                       "curriculum checkpoint (same settings; one written "
+                                       "with --set long_steps=0).")] = None,
 ) -> None:
     """Train the demo MoE model from scratch on the demo tasks (the shipped model's command:
     about 47 minutes on 2 CPU cores)."""
@@ -39,10 +47,18 @@ def demo_eval(
     model: Annotated[str | None, typer.Option(help="Model folder (default: the bundled demo model).")] = None,
     engine: Annotated[str, typer.Option(help="Engine name.")] = "moe",
     samples: Annotated[int, typer.Option(help="Examples per recall/copy task.")] = 200,
-    expert_bits: Annotated[int | None, typer.Option(help="RTN-quantize routed experts to this many bits first (moe engine).")] = None,
-    expert_group: Annotated[int, typer.Option(help="Inputs per RTN group with --expert-bits; 0 = one group per output row (plain per-channel RTN).")] = 32,
-    curve: Annotated[str | None, typer.Option(help="Also measure recall at these context lengths, e.g. 256,512,1024,2000.")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value, e.g. dtype=bfloat16 for 16-bit weights and activations.")] = None,
+    expert_bits: Annotated[int | None,
+                           typer.Option(help="RTN-quantize routed experts to this many "
+                                             "bits first (moe engine).")] = None,
+    expert_group: Annotated[int,
+                            typer.Option(help="Inputs per RTN group with --expert-bits; 0 = one group per output row "
+                                              "(plain per-channel RTN).")] = 32,
+    curve: Annotated[str | None,
+                     typer.Option(help="Also measure recall at these context lengths, e.g. 256,512,1024,2000.")] = None,
+    set_: Annotated[list[str] | None,
+                    typer.Option("--set",
+                                 help="Engine option key=value, e.g. dtype=bfloat16 for 16-bit "
+                                      "weights and activations.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Exact-match accuracy on held-out demo tasks (RAG and chat recall at 512-1024 tokens, closed book, copy)."""

@@ -35,26 +35,38 @@ def quantize(
     bits: Annotated[int, typer.Option(help="2 | 3 | 4 | 8 (AWQ format: 4).")] = 4,
     group_size: Annotated[int, typer.Option(help="32 | 64 | 128 inputs per scale.")] = 128,
     sym: Annotated[bool, typer.Option("--sym", help="Symmetric (no zero points).")] = False,
-    act_order: Annotated[bool, typer.Option("--act-order", help="GPTQ: columns by decreasing Hessian diagonal (g_idx).")] = False,
+    act_order: Annotated[bool,
+                         typer.Option("--act-order",
+                                      help="GPTQ: columns by decreasing Hessian diagonal (g_idx).")] = False,
     damp: Annotated[float, typer.Option(help="GPTQ: Hessian damping, fraction of its mean diagonal.")] = 0.01,
-    fmt: Annotated[str | None, typer.Option("--format", help="gptq | awq | compressed-tensors (default: gptq for gptq/rtn, awq for awq).")] = None,
-    calib_workload: Annotated[str, typer.Option(help="Workload the calibration prompts come from (see `pwbench ls workloads`).")] = "rag_long",
+    fmt: Annotated[str | None,
+                   typer.Option("--format",
+                                help="gptq | awq | compressed-tensors (default: gptq for "
+                                     "gptq/rtn, awq for awq).")] = None,
+    calib_workload: Annotated[str,
+                              typer.Option(help="Workload the calibration prompts come from (see "
+                                                "`pwbench ls workloads`).")] = "rag_long",
     calib_samples: Annotated[int, typer.Option(help="Calibration prompts.")] = 64,
     calib_len: Annotated[int, typer.Option(help="Tokens per calibration prompt, at most.")] = 2048,
-    min_expert_tokens: Annotated[int, typer.Option(help="Top up experts routed fewer calibration tokens than this.")] = 128,
+    min_expert_tokens: Annotated[int,
+                                 typer.Option(help="Top up experts routed fewer calibration tokens than this.")] = 128,
     seed: Annotated[int, typer.Option(help="Seed of the calibration prompts.")] = 0,
-    dtype: Annotated[str | None, typer.Option(help="Calibration dtype: float32 | bfloat16 | float16 (default: float32 on cpu, bf16 on cuda).")] = None,
+    dtype: Annotated[str | None,
+                     typer.Option(help="Calibration dtype: float32 | bfloat16 | float16 (default: "
+                                       "float32 on cpu, bf16 on cuda).")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N (default: cuda if present).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar or per-layer lines.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report summary as one JSON object as the last line.")] = False,
+    as_json: Annotated[bool,
+                       typer.Option("--json",
+                                    help="Print the report summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Quantize a model's routed experts (RTN, GPTQ or AWQ, calibrated on a workload) into a Hugging Face folder."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engines.quant.calibrate import QuantizeOptions  # noqa: PLC0415
-    from engines.folders import REPORT_FILE  # noqa: PLC0415
-    from engines.quant.export import preflight, quantize_folder  # noqa: PLC0415
-    from harness.calibration import calibration_prompts  # noqa: PLC0415
+    from engines.folders import REPORT_FILE
+    from engines.quant.calibrate import QuantizeOptions
+    from engines.quant.export import preflight, quantize_folder
+    from harness.calibration import calibration_prompts
 
     options = QuantizeOptions(method, bits, group_size, sym, act_order, damp, min_expert_tokens)
     ckpt, scheme = preflight(model, output, options, fmt)  # fail before building prompts

@@ -11,34 +11,57 @@ from typing import Annotated
 
 import typer
 
-from harness.cli.apps import app
 from engines.folders import engine_for_folder
+from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 
 
 @app.command("run")
 @user_errors
 def run(
-    workload: Annotated[str, typer.Option(help="Named workload (see `pwbench ls workloads`) or trace:PATH.")] = "rag_long",
-    engine: Annotated[str | None, typer.Option(help="Engine name (see `pwbench ls engines`). Default: with --workload rag_long, the PoC suite (every suite engine under one --budget, then the HTML report); otherwise full, or static-<method> for a quantized folder.")] = None,
+    workload: Annotated[str,
+                        typer.Option(help="Named workload (see `pwbench ls workloads`) or trace:PATH.")] = "rag_long",
+    engine: Annotated[str | None,
+                      typer.Option(help="Engine name (see `pwbench ls engines`). Default: with --workload rag_long, "
+                                        "the PoC suite (every suite engine under one --budget, then the HTML report); "
+                                        "otherwise full, or static-<method> for a quantized folder.")] = None,
     model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
     requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
     duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,
-    rate: Annotated[float | None, typer.Option(help="Open loop: mean requests per second; the first --requests N arrive over about N / rate seconds (session workloads: sessions start at the rate that makes their turns add up to it).")] = None,
+    rate: Annotated[float | None,
+                    typer.Option(help="Open loop: mean requests per second; the first --requests N arrive over about N "
+                                      "/ rate seconds (session workloads: sessions start at the rate that makes "
+                                      "their turns add up to it).")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Closed loop: this many users.")] = None,
-    time_scale: Annotated[float | None, typer.Option(help="Multiply trace times and think times (0.1 = 10x faster; default 1).")] = None,
-    arrival: Annotated[str | None, typer.Option(help="trace | poisson | gamma | closed | offline (default: the workload's).")] = None,
+    time_scale: Annotated[float | None,
+                          typer.Option(help="Multiply trace times and think times (0.1 = "
+                                            "10x faster; default 1).")] = None,
+    arrival: Annotated[str | None,
+                       typer.Option(help="trace | poisson | gamma | closed | offline "
+                                         "(default: the workload's).")] = None,
     burstiness: Annotated[float | None, typer.Option(help="Gamma arrivals: CV^2 of the gaps (1 = Poisson).")] = None,
-    scale: Annotated[float | None, typer.Option(help="Multiply every token length (default 1; smaller for the demo model).")] = None,
+    scale: Annotated[float | None,
+                     typer.Option(help="Multiply every token length (default 1; smaller for the demo model).")] = None,
     context: Annotated[int | None, typer.Option(help="rag_long: target prompt length in tokens (e.g. 16000).")] = None,
-    direct_share: Annotated[float | None, typer.Option(help="rag_long: this share of the requests are direct questions outside the RAG pipeline (no system prompt, passages or history; short prompts, on the demo model closed-book questions). Default 0.")] = None,
+    direct_share: Annotated[float | None,
+                            typer.Option(help="rag_long: this share of the requests are direct questions outside the "
+                                              "RAG pipeline (no system prompt, passages or history; short prompts, on "
+                                              "the demo model closed-book questions). Default 0.")] = None,
     input_len: Annotated[str | None, typer.Option(help="offline_batch: prompt length N or range A-B.")] = None,
     output_len: Annotated[str | None, typer.Option(help="offline_batch: output length N or range A-B.")] = None,
-    trace_format: Annotated[str | None, typer.Option("--format", help="trace:PATH: the trace format (default: detected).")] = None,
-    trace_map: Annotated[str | None, typer.Option("--map", help="trace:PATH in your own JSONL/CSV layout (--format jsonl|csv): FIELD=COLUMN pairs, e.g. arrival_s=start_time_s,input_tokens=input_tokens,output_tokens=output_tokens,session_id=session_id[,time_unit=ms]; times may be absolute or relative.")] = None,
+    trace_format: Annotated[str | None,
+                            typer.Option("--format", help="trace:PATH: the trace format (default: detected).")] = None,
+    trace_map: Annotated[str | None,
+                         typer.Option("--map",
+                                      help="trace:PATH in your own JSONL/CSV layout (--format jsonl|csv): "
+                                           "FIELD=COLUMN pairs, e.g. arrival_s=start_time_s,input_tokens=input_tokens,"
+                                           "output_tokens=output_tokens,session_id=session_id[,time_unit=ms]; "
+                                           "times may be absolute or relative.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the workload and sampling.")] = 0,
     output: Annotated[str | None, typer.Option(help="Result folder (default: results/<run_id>).")] = None,
-    slo: Annotated[str, typer.Option(help="Latency targets for goodput, e.g. ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
+    slo: Annotated[str,
+                   typer.Option(help="Latency targets for goodput, e.g. "
+                                     "ttft_ms=2000,tpot_ms=200.")] = "ttft_ms=2000,tpot_ms=200",
     warmup: Annotated[int, typer.Option(help="Requests run before measuring (excluded).")] = 2,
     telemetry_hz: Annotated[float, typer.Option(help="Telemetry samples per second.")] = 10.0,
     quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement against the float32 reference.")] = True,
@@ -47,14 +70,15 @@ def run(
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
+    as_json: Annotated[bool,
+                       typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Replay a workload against an engine and write a result folder (run.json + parquet files)."""
     from harness.cli.run_session import run_command
 
     options = dict(locals())
     if engine is None and workload == "rag_long" and engine_for_folder(model)[1] is None:  # not a quantized folder
-        from harness.cli.run_session import suite_command  # noqa: PLC0415
+        from harness.cli.run_session import suite_command
 
         raise typer.Exit(suite_command(options))
     options["engine"] = engine_for(engine, model)

@@ -43,7 +43,7 @@ def recall_grid(model, grid=GRID, attributes: tuple[str, ...] | None = None,
 @torch.no_grad()
 def expert_probes(model, facts: list[Sample] | None = None) -> dict[str, float]:
     """Closed-book accuracy (512 seeded facts unless given) as the routed experts change."""
-    from engines.quant.rtn import rtn_fake_quantize  # noqa: PLC0415
+    from engines.quant.rtn import rtn_fake_quantize
 
     facts = facts or [Sample("closed_book", "", (qa,)) for qa in closed_book(random.Random(5), 512).qa]
     saved = {k: v.clone() for k, v in model.state_dict().items()}
@@ -57,7 +57,8 @@ def expert_probes(model, facts: list[Sample] | None = None) -> dict[str, float]:
             for w in (ex.gate_up_proj, ex.down_proj):
                 w.copy_(rtn_fake_quantize(w, 2, group or w.shape[-1]))
 
-    changes = {"full precision": lambda: None, **{f"layer {i} experts zeroed": (lambda i=i: zero(i)) for i in range(len(layers))},
+    changes = {"full precision": lambda: None,
+               **{f"layer {i} experts zeroed": (lambda i=i: zero(i)) for i in range(len(layers))},
                "2-bit RTN per row": lambda: rtn(None), "2-bit RTN group 32": lambda: rtn(32)}
     out = {}
     for name, change in changes.items():
@@ -72,7 +73,7 @@ def main() -> None:
     parser.add_argument("--model", default=str(demo_model_path()))
     parser.add_argument("--theta", type=float, default=None, help="RoPE theta to measure with instead of the model's")
     args = parser.parse_args()
-    from transformers import MixtralForCausalLM  # noqa: PLC0415
+    from transformers import MixtralForCausalLM
 
     model = MixtralForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
     if args.theta:

@@ -16,8 +16,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from engines.base import EngineError, EngineRequest, SamplingParams
-from harness.calibration import create_calibrated
 from engines.tokenizer import load_tokenizer
+from harness.calibration import create_calibrated
 from harness.offline import cut_at_eos, run_offline
 
 _GROUP = 32  # requests in flight per scoring group
@@ -28,7 +28,7 @@ class PwbenchLM(LM):
     def __init__(self, engine: str = "moe", model: str | None = None, max_gen_toks: int = 64, **options: Any) -> None:
         super().__init__()
         if model is None:
-            from engines.demo import demo_model_path  # noqa: PLC0415
+            from engines.demo import demo_model_path
 
             model = str(demo_model_path())
         self.tokenizer = load_tokenizer(model)
@@ -44,7 +44,7 @@ class PwbenchLM(LM):
     # by itself, and its device comes from model_args (device=cuda).
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> PwbenchLM:
-        from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415
+        from lm_eval.utils import simple_parse_args_string
 
         return cls(**simple_parse_args_string(arg_string))
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHS, build_hf_model
 
 from engines.base import EngineRequest
 from engines.moe import MoEEngine, MoEEngineConfig
-from tiny_models import ARCHS, build_hf_model
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,8 @@ def run(engine: MoEEngine, requests: list[EngineRequest]) -> dict:
 def test_float32_on_cuda_matches_the_reference(arch, checkpoints):
     model = build_hf_model(arch)
     reqs = [EngineRequest(str(i), tuple(p), NEW, ignore_eos=True, return_logits=True) for i, p in enumerate(PROMPTS)]
-    with MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), device="cuda", dtype="float32", block_size=4)) as engine:
+    with MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), device="cuda", dtype="float32",
+                                   block_size=4)) as engine:
         got = run(engine, reqs)
     for i, p in enumerate(PROMPTS):
         with torch.inference_mode():
@@ -54,7 +55,8 @@ def test_float32_on_cuda_matches_the_reference(arch, checkpoints):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bfloat16_on_cuda_is_close_to_the_reference(arch, checkpoints):
     model = build_hf_model(arch)
-    reqs = [EngineRequest(str(i), tuple(p), 1, ignore_eos=True, return_prompt_logits=True) for i, p in enumerate(PROMPTS)]
+    reqs = [EngineRequest(str(i), tuple(p), 1, ignore_eos=True, return_prompt_logits=True)
+            for i, p in enumerate(PROMPTS)]
     with MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), device="cuda", dtype="bfloat16")) as engine:
         got = run(engine, reqs)
     agree = total = 0

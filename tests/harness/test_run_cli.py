@@ -168,11 +168,13 @@ def expected_summary(req: pd.DataFrame, steps: pd.DataFrame, slo: dict, model: d
     if "x_predicted_step_s" in steps and (steps["x_predicted_step_s"].fillna(0) > 0).any():
         pr = steps[steps["x_predicted_step_s"].fillna(0) > 0]
         pdec = pr[(pr["prefill_tokens"] == 0) & (pr["decode_tokens"] > 0)]
-        out["plan"] = {"steps": len(pr), "predicted_over_measured": pr["x_predicted_step_s"].sum() / pr["duration_s"].sum()}
+        out["plan"] = {"steps": len(pr),
+                       "predicted_over_measured": pr["x_predicted_step_s"].sum() / pr["duration_s"].sum()}
         if len(pdec):
             out["plan"].update(decode_steps=len(pdec), decode_predicted_step_s_p50=pdec["x_predicted_step_s"].median(),
                                decode_measured_step_s_p50=pdec["duration_s"].median(),
-                               decode_predicted_over_measured=pdec["x_predicted_step_s"].sum() / pdec["duration_s"].sum())
+                               decode_predicted_over_measured=(pdec["x_predicted_step_s"].sum()
+                                                               / pdec["duration_s"].sum()))
     # Accuracy: the output decoded up to its first EOS, words compared with the answer.
     acc: dict = {}
     scored = req[req["task"].notna() & req["answer"].notna() & ~has_error] if "task" in req else req.iloc[:0]
@@ -204,7 +206,8 @@ def assert_same(actual, expected, path: str = "summary") -> None:
     elif expected is None:
         assert actual is None, (path, actual)
     elif isinstance(expected, (int, float, np.integer, np.floating)) and not isinstance(expected, bool):
-        assert actual is not None and math.isclose(actual, float(expected), rel_tol=1e-9, abs_tol=1e-12), (path, actual, expected)
+        assert actual is not None and math.isclose(actual, float(expected), rel_tol=1e-9, abs_tol=1e-12), \
+            (path, actual, expected)
     else:
         assert actual == expected, (path, actual, expected)
 
@@ -271,7 +274,8 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
              "h2d_bytes_per_s": 5e9, "measured_at": "2030-01-01T00:00:00"}
     (cache / "hw.json").write_text(json.dumps({cpu: peaks}))
     out = tmp_path / "run"
-    proc = pwbench("run", "--workload", "rag_long", "--engine", "moe", "--requests", "5", "--rate", "20", "--device", "cpu",
+    proc = pwbench("run", "--workload", "rag_long", "--engine", "moe", "--requests", "5", "--rate", "20", "--device",
+                   "cpu",
                    "--warmup", "1", "--output", str(out), "--quiet", env=cli_env(cache))
     assert proc.returncode == 0, proc.stderr
     model = demo_model_path()
@@ -286,7 +290,8 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
     steps = pd.read_parquet(out / "steps.parquet")
     if "weight_bytes_read" in steps:  # float32 weights at their stored size: what model_stats says
         st, dec = run["engine"]["model_stats"], steps[(steps["prefill_tokens"] == 0) & (steps["decode_tokens"] > 0)]
-        assert (dec["weight_bytes_read"] == st["dense_weight_bytes"] + dec["experts_hit"] * st["bytes_per_expert"]).all()
+        expected = st["dense_weight_bytes"] + dec["experts_hit"] * st["bytes_per_expert"]
+        assert (dec["weight_bytes_read"] == expected).all()
     assert s["accuracy"]["overall"]["total"] == 5 and s["accuracy"]["overall"]["correct"] >= 1
     # `--device cpu` in float32 is the quality reference itself: not compared with itself.
     assert run["quality"] == {"skipped": "this engine is the float32 reference itself"}
@@ -304,7 +309,8 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     # On CPU float32 with MKL the LM head and every (resident) expert are also packed for its
     # GEMM, and decode attention says whether it ran the in-place kernel.
-    packed = {"prepacked_bytes": 4 * (numel.get("lm_head.weight", embed) + experts)} if gemm.can_pack(torch.zeros(2, 2)) else {}
+    can_pack = gemm.can_pack(torch.zeros(2, 2))
+    packed = {"prepacked_bytes": 4 * (numel.get("lm_head.weight", embed) + experts)} if can_pack else {}
     assert run["engine"]["model_stats"] == pytest.approx({
         "dense_weight_bytes": 4 * dense, "bytes_per_expert": 4 * per_expert,
         "active_params_per_token": dense + L * k * per_expert,
@@ -401,7 +407,8 @@ def test_peaks_are_the_engine_devices_not_the_gpu_nvml_sees(tmp_path, monkeypatc
     _, run = execute(RunArgs(WorkloadSpec("offline_batch", requests=2, input_tokens=4, output_tokens=2),
                              engine="dummy", output=str(tmp_path / "run"), quality=False))
     assert run["environment"]["gpu"] == "NVIDIA H200"
-    assert run["environment"]["peaks"] == {"device_name": cpu, "measured_at": "M", "source": "measured by pwbench hw at M"}
+    assert run["environment"]["peaks"] == {"device_name": cpu, "measured_at": "M",
+                                           "source": "measured by pwbench hw at M"}
 
 
 def test_without_nvml_the_run_says_why(tmp_path):

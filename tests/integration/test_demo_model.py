@@ -88,7 +88,8 @@ def long_recall(moe) -> dict[str, float]:
     """Recall at the demo workloads' 512-1024 tokens (48 held-out examples per task), measured once."""
     from harness.demo.eval import EvalSpec, demo_samples, run_samples
 
-    return {task: run_samples(moe, demo_samples(task, EvalSpec(samples=48)))[0] for task in ("rag_recall", "chat_recall")}
+    return {task: run_samples(moe, demo_samples(task, EvalSpec(samples=48)))[0]
+            for task in ("rag_recall", "chat_recall")}
 
 
 def test_long_recall_reaches_90_percent(long_recall):
@@ -169,7 +170,8 @@ def test_default_rag_long_run_reports_accuracy(tmp_path):
     """`pwbench run --workload rag_long --engine moe` on the bundled model (few requests, to stay
     quick; without --engine the command runs the suite, tests/harness/test_suite.py)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "harness.cli", "run", "--workload", "rag_long", "--engine", "moe", "--requests", "6", "--quiet",
+        [sys.executable, "-m", "harness.cli", "run", "--workload", "rag_long", "--engine", "moe", "--requests", "6",
+         "--quiet",
          "--output", str(tmp_path / "run"), "--json"],
         capture_output=True, text=True, timeout=900,
     )

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from tiny_models import CPU32, build_hf_model, save_checkpoint
 
 pytest.importorskip("lm_eval")
@@ -39,7 +38,8 @@ def test_loglikelihood_matches_transformers(demo_vocab_model):
 
     folder, model = demo_vocab_model
     lang = demo_language()
-    pairs = [("question : what is the color of suhas ? answer :", " red"), ("the report grew", " in the north ."), ("repeat : a", " b")]
+    pairs = [("question : what is the color of suhas ? answer :", " red"), ("the report grew", " in the north ."),
+             ("repeat : a", " b")]
     lm = PwbenchLM(engine="moe", model=str(folder), **CPU32)
     try:
         got = lm.loglikelihood([_Req(c, x) for c, x in pairs])
@@ -73,7 +73,8 @@ def test_pwbench_eval_offline_matches_own_scorer(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "ds"))
     proc = subprocess.run(
         [sys.executable, "-m", "harness.cli", "eval", "--model", str(DEMO_MODEL_DIR), "--tasks", "demo_copy,demo_rag",
-         "--samples", "12", "--set", "device=cpu", "--set", "dtype=float32", "--output", str(tmp_path / "run"), "--json"],
+         "--samples", "12", "--set", "device=cpu", "--set", "dtype=float32", "--output", str(tmp_path / "run"),
+         "--json"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from engine_runs import generate, random_requests
+from tiny_models import ARCHS, CPU32
 
 from engines.base import EngineError, EngineRequest, SamplingParams
 from engines.registry import create_engine
 from harness.offline import run_offline
-from engine_runs import generate, random_requests
-from tiny_models import ARCHS, CPU32
 
 DEMO = "engines/demo_model"
 DEMO_EXPERT = 3 * 128 * 64 * 4  # 98,304 bytes: gate, up, down of one demo expert in float32
@@ -35,7 +35,7 @@ REFUSED = {"deepseek_v3": "multi-head latent attention", "gpt_oss": "bias-free S
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))
 def test_moegen_refuses_what_it_cannot_compute_in_one_line(arch, checkpoints):
-    from engines.base import EngineError  # noqa: PLC0415
+    from engines.base import EngineError
 
     engine = create_engine("moegen", {"model": str(checkpoints(arch)), **CPU32, "budget_bytes": 64 << 20})
     with pytest.raises(EngineError, match=REFUSED[arch]) as err:
@@ -161,7 +161,8 @@ def test_a_fixed_ring_takes_its_slots_first_and_residents_fill_what_is_left():
     """expert_slots alone: the plan's resident experts shrink to fit beside the fixed ring
     (room for 5 experts: 3 slots + 2 resident), instead of an error."""
     budget = DEMO_DENSE + 5 * DEMO_EXPERT + DEMO_EXPERT // 2
-    free = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, "kv_placement": "host", **SMALL_HOST_KV})
+    free = create_engine("moegen",
+                         {"model": DEMO, **CPU32, "budget_bytes": budget, "kv_placement": "host", **SMALL_HOST_KV})
     free.start()
     try:
         chosen = free.plan
@@ -227,7 +228,8 @@ def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts(
     # The predicted loss comes from bytes and the link rate alone: positive, and never more
     # than the whole copy time. (How much of it the wall clock shows depends on this machine's
     # load, so no test asserts on that; harness.bench.moegen prints measured against predicted.)
-    predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
+    predicted_loss = (sum(s.extras["predicted_step_s"] for s in steps)
+                      - sum(s.extras["predicted_step_s"] for s in base_steps))
     assert 0 < predicted_loss <= busy * (1 + 1e-6)
     assert slow > base  # (not a speed threshold: the slow link's sleeps alone add `stall` seconds)
 
@@ -235,10 +237,10 @@ def test_a_slower_link_adds_the_stall_the_engine_reports_and_the_model_predicts(
 def test_pwbench_plan_prints_the_plan_the_engine_runs(tmp_path):
     """`pwbench plan --json` (from config.json alone) and a started engine with the same options
     agree on the plan and its prediction (same peaks given to both)."""
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import json
+    import os
+    import subprocess
+    import sys
 
     opts = {"peak_memory_gbps": "20", "peak_gflops": "100", "op_overhead_us": "5", "link_gbps": "25",
             "max_num_seqs": "64", "plan_context": "200"}
@@ -308,7 +310,7 @@ def test_split_moves_the_host_rows_activations_and_streams_the_others_kv():
 def test_the_next_micro_batchs_kv_copy_is_issued_before_this_one_attends(monkeypatch):
     """Double buffering, by the order of calls: when micro-batch j of a layer attends, the copy
     of j+1 (or of the next layer's first) has been issued already."""
-    import engines.modbatch.executor as executor  # noqa: PLC0415
+    import engines.modbatch.executor as executor
 
     events = []
     attend = executor.paged_attention
@@ -341,7 +343,8 @@ def test_a_slower_link_shows_the_kv_copies_busy_time_and_stall():
     busy = sum(s.copy_busy_s for s in steps)
     assert busy == pytest.approx(moved / (gbps * 1e9), rel=1e-6)  # every KV and activation copy crossed it
     assert sum(s.copy_stall_s for s in steps) > 0
-    predicted_loss = sum(s.extras["predicted_step_s"] for s in steps) - sum(s.extras["predicted_step_s"] for s in base_steps)
+    predicted_loss = (sum(s.extras["predicted_step_s"] for s in steps)
+                      - sum(s.extras["predicted_step_s"] for s in base_steps))
     assert 0 < predicted_loss <= busy * (1 + 1e-6)
 
 
@@ -377,7 +380,7 @@ def test_stream_and_split_match_moe_with_shared_prefixes_chunked_prefill_and_pre
     """Cached prefix blocks are copied like any held block, a prefill chunk continuing its
     sequence copies its earlier blocks, and a preempted sequence's recomputed prompt copies
     none; a host pool of ~25 blocks for 8 sequences of up to 80 tokens forces preemption."""
-    import random  # noqa: PLC0415
+    import random
 
     rng = random.Random(3)
     prefix = [rng.randrange(3, 1109) for _ in range(40)]
@@ -397,21 +400,23 @@ def test_stream_and_split_match_moe_with_shared_prefixes_chunked_prefill_and_pre
 
 @pytest.mark.parametrize("placement", ["stream", "split"])
 def test_pwbench_plan_prints_a_stream_or_split_plan_the_engine_runs(placement, tmp_path):
-    import json  # noqa: PLC0415
-    import os  # noqa: PLC0415
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import json
+    import os
+    import subprocess
+    import sys
 
     opts = {"peak_memory_gbps": "20", "peak_gflops": "100", "op_overhead_us": "5", "link_gbps": "25",
             "max_num_seqs": "64", "plan_context": "200", "kv_placement": placement, "max_model_len": "512"}
     budget = 8 << 20
     sets = [x for k, v in opts.items() for x in ("--set", f"{k}={v}")]
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), *sets],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert "KV staging" in proc.stdout and f"kv_placement                       {placement}" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "plan", "--budget", str(budget), "--json", *sets],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PWBENCH_CACHE": str(tmp_path)})
     printed = json.loads(proc.stdout.strip().splitlines()[-1])["plan"]
     engine = create_engine("moegen", {"model": DEMO, **CPU32, "budget_bytes": budget, **opts, **SMALL_HOST_KV})
     engine.start()

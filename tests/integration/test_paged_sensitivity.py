@@ -1,4 +1,4 @@
-"""The offline sensitivity table (engines/paged/sensitivity.py) on the bundled demo model.
+"""The offline sensitivity table (engines/pagedweight/sensitivity.py) on the bundled demo model.
 
 Calibration mixes every task the demo model serves (RAG recall, chat recall, closed-book
 questions, from workloads.demo.tasks, encoded as training does), since engines cannot build

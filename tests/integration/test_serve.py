@@ -15,12 +15,12 @@ import httpx
 import openai
 import pandas as pd
 import pytest
+from serving import DEMO, ROOT, Server
 
 from engines.base import EngineRequest
-from engines.registry import create_engine
 from engines.tokenizer import load_tokenizer
+from engines.registry import create_engine
 from harness.offline import run_offline
-from serving import DEMO, ROOT, Server
 
 KEY = "sk-test-0123456789"
 
@@ -250,7 +250,8 @@ def test_serve_bad_options_are_one_line_errors():
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        for args, fragment in (([], f"cannot listen on 127.0.0.1:{port}"), (["--set", "nope=1"], "has no option 'nope'"),
+        for args, fragment in (([], f"cannot listen on 127.0.0.1:{port}"),
+                               (["--set", "nope=1"], "has no option 'nope'"),
                                (["--max-queue", "0"], "--max-queue must be >= 1")):
             proc = _pwbench("serve", "--engine", "dummy", "--port", str(port), *args, timeout=60)
             assert proc.returncode == 2 and proc.stderr.startswith("error: ") and fragment in proc.stderr, proc.stderr

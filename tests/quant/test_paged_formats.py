@@ -1,4 +1,4 @@
-"""PagedWeight's expert versions (engines/paged/formats.py) against independent oracles.
+"""PagedWeight's expert versions (engines/pagedweight/formats.py) against independent oracles.
 
 Oracles: engines.quant.qweight's quantize_rtn + dequantize (re-quantize versions, and the 8-bit
 copy the planes are cut from); a per-element loop written here for the bit-plane midpoint

@@ -14,8 +14,8 @@ from html.parser import HTMLParser
 
 import pandas as pd
 import pytest
-
 from result_folders import make_run, pwbench
+
 from reports import roi
 from reports.html import render
 from reports.runs import load_runs
@@ -128,7 +128,8 @@ def test_executive_numbers_equal_the_result_files(runs):
     # every cell names its source: run folder and metric
     assert re.search(r'title="moe: summary\.output_tokens_per_s"', html)
     # plotly.js once, no CDN
-    assert html.count("Plotly.newPlot") >= 8 and html.count("plotly.js v") == 1 and not re.search(r"<script[^>]*\bsrc=", html)
+    assert html.count("Plotly.newPlot") >= 8 and html.count("plotly.js v") == 1
+    assert not re.search(r"<script[^>]*\bsrc=", html)
     # the recommendation is the rule's choice, stated on the page
     rows = roi.executive(load_runs([runs]), roi.Prices(4.0, 10.0, 0.7))
     assert roi.recommend(rows, roi.Prices(4.0, 10.0, 0.7))[1].replace("'", "&#x27;") in html
@@ -183,7 +184,8 @@ def test_cli_report_and_compare(runs, tmp_path):
 def test_report_and_gate_import_no_torch(runs, tmp_path):
     """A report renders on a machine without torch: the whole `pwbench report` and `pwbench
     gate` commands, in a fresh interpreter, import no torch and no engine runtime."""
-    code = (f"import sys\nfrom harness.cli import app\nfor argv in ({['report', str(runs), '--output', str(tmp_path / 'r.html')]!r},"
+    code = ("import sys\nfrom harness.cli import app\nfor argv in "
+            f"({['report', str(runs), '--output', str(tmp_path / 'r.html')]!r},"
             f" {['gate', '--baseline', str(runs / 'moe'), '--candidate', str(runs / 'moe')]!r}):\n"
             "    try:\n        app(argv)\n    except SystemExit as e:\n        assert e.code == 0, e.code\n"
             "print(' '.join(sorted(sys.modules)))")

@@ -28,7 +28,8 @@ def test_cli_paths_import_nothing_heavy(argv):
 def test_ls_engines_lists_every_engine():
     proc = subprocess.run([sys.executable, "-m", "harness.cli", "ls", "engines"], capture_output=True, text=True)
     names = [line.split()[0] for line in proc.stdout.splitlines()]
-    assert names == ["dummy", "full", "hf", "moe", "moegen", "offload", "openai", "pagedweight", "static-awq", "static-gptq", "static-rtn"]
+    assert names == ["dummy", "full", "hf", "moe", "moegen", "offload", "openai", "pagedweight", "static-awq",
+                     "static-gptq", "static-rtn"]
 
 
 @pytest.mark.parametrize(

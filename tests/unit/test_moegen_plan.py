@@ -12,9 +12,9 @@ import pytest
 
 from engines.modbatch.cost import (
     KV_READS,
+    BatchPlan,
     Hardware,
     ModelShape,
-    Plan,
     Workload,
     candidate_plans,
     choose_plan,
@@ -43,7 +43,7 @@ def test_one_layer_by_hand():
     """A one-layer toy, every number chosen so each module's roofline side is known."""
     shape = TOY
     hw = TOY_HW
-    plan = Plan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
+    plan = BatchPlan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
     c = step_cost(shape, hw, plan, decode_seqs=10, prefill_tokens=0, decode_context=10 * 50, prefill_context=0)
     dense = max(1_000 / 1e9, 2 * 10 * 100 * (2 * 100 + 2 * 50) / 1e12)  # 1 us (bytes)
     attention = max(KV_READS * 500 * 400 / 1e9, 4 * 2 * 50 * 500 / 1e12)  # 600 us (bytes)
@@ -63,13 +63,13 @@ def test_measured_decode_attention_rate_prices_the_kv_once():
     base = TOY_HW
     rated = dataclasses.replace(base, attention_bytes_per_s=5e7, host_attention_bytes_per_s=2.5e7)
     for placement, rate in (("device", 5e7), ("host", 2.5e7)):
-        plan = Plan(placement, 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
+        plan = BatchPlan(placement, 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
         before = step_cost(shape, base, plan, 10, 0, 10 * 50, 0)
         after = step_cost(shape, rated, plan, 10, 0, 10 * 50, 0)
         # 500 keys x 400 B: 600 us as KV_READS x bytes at 1 GB/s, 4 ms (device) or 8 ms (host) measured.
         assert after.total_s - before.total_s == pytest.approx(500 * 400 / rate - KV_READS * 500 * 400 / 1e9)
     # A prefill chunk of 20 tokens (210 causal key-query pairs) adds its own roofline to the measured decode part.
-    plan = Plan("device", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
+    plan = BatchPlan("device", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
     mixed = step_cost(shape, rated, plan, 10, 20, 10 * 50, 210, prefill_chunks=1)
     alone = step_cost(shape, dataclasses.replace(rated, attention_bytes_per_s=None), plan, 10, 20, 10 * 50, 210,
                       prefill_chunks=1)
@@ -84,7 +84,7 @@ def test_on_one_processor_copies_are_memcpys_beside_compute():
     shape = TOY
     gpu = dataclasses.replace(TOY_HW, link_bytes_per_s=1e10)
     cpu = dataclasses.replace(gpu, shared_processor=True)
-    plan = Plan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
+    plan = BatchPlan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
     apart = step_cost(shape, gpu, plan, 10, 0, 10 * 50, 0)
     shared = step_cost(shape, cpu, plan, 10, 0, 10 * 50, 0)
     # 4 experts of 1 MB streamed: 4 ms of link (hidden under 4.6 ms of compute), 8 ms of memcpy.
@@ -99,7 +99,7 @@ def test_host_attentions_round_trip_is_waited_for_and_activations_slow_with_the_
     its measured step sizes."""
     shape = TOY
     hw = dataclasses.replace(TOY_HW, link_bytes_per_s=1e7)
-    host = Plan("host", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
+    host = BatchPlan("host", 10, 10, expert_slots=4, resident_experts=4, device_kv_bytes=0)
     device = dataclasses.replace(host, kv_placement="device")
     c_host, c_dev = (step_cost(shape, hw, p, 10, 0, 10 * 50, 0) for p in (host, device))
     trip = 10 * (100 + 100 + 2 * 50) * 4 / 1e7  # 1.2 ms: q/k/v down, output up, nothing to hide under
@@ -141,7 +141,7 @@ def test_kv_goes_to_the_host_when_the_device_cannot_hold_the_batch():
 
 
 def test_link_bound_memory_bound_and_compute_bound_regimes():
-    plan = Plan("device", 256, 256, expert_slots=16, resident_experts=0, device_kv_bytes=0)
+    plan = BatchPlan("device", 256, 256, expert_slots=16, resident_experts=0, device_kv_bytes=0)
     slow = dataclasses.replace(H200, link_bytes_per_s=5e9)
     c = step_cost(MIXTRAL, slow, plan, 256, 0, 256 * 1000, 0)
     assert c.total_s == pytest.approx(c.link_s + (c.total_s - c.link_s), rel=1e-9) and c.link_s > 5 * c.compute_s
@@ -179,7 +179,7 @@ def test_stream_one_layer_by_hand():
     """10 sequences of 50 tokens in 2 micro-batches of 5, every expert resident (no expert link):
     200,000 KV bytes cross per layer, the second micro-batch's copy hidden under the first's
     attention, the first's (half) exposed once per step."""
-    plan = Plan("stream", 10, 5, expert_slots=0, resident_experts=4, device_kv_bytes=0, staging_bytes=1)
+    plan = BatchPlan("stream", 10, 5, expert_slots=0, resident_experts=4, device_kv_bytes=0, staging_bytes=1)
     c = step_cost(TOY, TOY_HW, plan, decode_seqs=10, prefill_tokens=0, decode_context=500, prefill_context=0)
     dense = 1_000 / 1e9  # bytes-bound (6e-7 s of FLOPs)
     attention = KV_READS * 500 * 400 / 1e9  # 600 us on the device over the staged blocks
@@ -199,13 +199,15 @@ def test_split_one_layer_by_hand():
     """The same batch with host_share 0.5: the host attends 5 sequences (q/k/v down, output up)
     while the device attends the other 5 over their streamed KV (half the bytes): max of the
     two on separate processors, their sum on one."""
-    plan = Plan("split", 10, 5, expert_slots=0, resident_experts=4, device_kv_bytes=0, staging_bytes=1, host_share=0.5)
+    plan = BatchPlan("split", 10, 5, expert_slots=0, resident_experts=4, device_kv_bytes=0, staging_bytes=1,
+                     host_share=0.5)
     c = step_cost(TOY, TOY_HW, plan, decode_seqs=10, prefill_tokens=0, decode_context=500, prefill_context=0)
     host = KV_READS * 250 * 400 / 1e9  # 300 us
     device = KV_READS * 250 * 400 / 1e9  # 300 us
     kv_link = 250 * 400 / 1e8  # 1 ms
     gather = 2 * 250 * 400 / 1e9
-    act = (5 * 100 * 4 + 5 * (100 + 2 * 50) * 4 + 5 * 2 * 50 * 4) / 1e8  # host rows' o up and q/k/v down; device rows' k/v down
+    # host rows' o up and q/k/v down; device rows' k/v down
+    act = (5 * 100 * 4 + 5 * (100 + 2 * 50) * 4 + 5 * 2 * 50 * 4) / 1e8
     rest = 1_000 / 1e9 + 4 * 1e6 / 1e9 + gather
     head = 4_000 / 1e9
     assert c.host_s == pytest.approx(host)
@@ -237,8 +239,8 @@ def test_stream_is_chosen_when_the_link_is_fast_the_host_slow_and_device_kv_does
     assert best["device"].batch_seqs < 256 and best["device"].tokens_per_s < plan.tokens_per_s
     # The staging buffer is inside the budget, beside the weights.
     assert 0 < plan.staging_bytes
-    assert MIXTRAL.dense_bytes + plan.staging_bytes + (plan.expert_slots + plan.resident_experts) * MIXTRAL.expert_bytes \
-        <= 20 << 30
+    experts = (plan.expert_slots + plan.resident_experts) * MIXTRAL.expert_bytes
+    assert MIXTRAL.dense_bytes + plan.staging_bytes + experts <= 20 << 30
 
 
 def test_host_is_chosen_when_the_link_is_slow():
@@ -285,7 +287,7 @@ def test_few_row_matmuls_and_greedy_sampling_cost_what_pwbench_hw_measured():
     assert hw.matmul_flops(4) == 1e11 and hw.matmul_flops(8) == 1e11 and hw.matmul_flops(4096) == 1e12
     assert hw.matmul_flops(32) == pytest.approx(1e11 + 0.5 * 4e11)  # halfway from 8 to 128 in log(rows)
     shape = TOY
-    plan = Plan("device", 32, 32, expert_slots=0, resident_experts=4, device_kv_bytes=0)
+    plan = BatchPlan("device", 32, 32, expert_slots=0, resident_experts=4, device_kv_bytes=0)
     c = step_cost(shape, hw, plan, decode_seqs=32, prefill_tokens=0, decode_context=32 * 50, prefill_context=0)
     rate32, rate16 = hw.matmul_flops(32), hw.matmul_flops(16)  # projections: 32 rows; experts: 32 x 2 / 4
     dense = max(1_000 / 1e9, 2 * 32 * 100 * (2 * 100 + 2 * 50) / rate32)
@@ -301,7 +303,7 @@ def test_activations_move_through_elementwise_kernels_at_the_measured_rate():
     shape = TOY
     base = Hardware(device_bytes_per_s=1e9, device_flops_per_s=1e12, host_bytes_per_s=1e9, host_flops_per_s=1e12,
                     link_bytes_per_s=None)
-    plan = Plan("device", 10, 10, expert_slots=0, resident_experts=4, device_kv_bytes=0)
+    plan = BatchPlan("device", 10, 10, expert_slots=0, resident_experts=4, device_kv_bytes=0)
     args = dict(decode_seqs=10, prefill_tokens=0, decode_context=500, prefill_context=0)
     without = step_cost(shape, base, plan, **args)
     with_act = step_cost(shape, dataclasses.replace(base, elementwise_bytes_per_s=5e8), plan, **args)
