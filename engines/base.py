@@ -198,6 +198,9 @@ class Engine(ABC):
     # a JSON list of token-id lists). Engines do not read workloads, so the harness writes the
     # file (harness/calibration.py: create_calibrated) when the option is not given.
     needs_calibration: ClassVar[bool] = False
+    # Has a cost-model plan `pwbench plan` prints: its config_cls extends engines/moegen/plan.py's
+    # MoEGenConfig, and its start runs make_plan over it.
+    plannable: ClassVar[bool] = False
 
     @abstractmethod
     def start(self) -> None: ...

@@ -31,7 +31,7 @@ from engines.base import (
     RequestOutput,
     StepOutput,
 )
-from engines.device import dtype_name, resolve_device, resolve_dtype
+from engines.common.device import dtype_name, resolve_device, resolve_dtype
 from engines.runtime.checkpoint import read_json
 
 

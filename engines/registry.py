@@ -39,15 +39,15 @@ _ENGINES: dict[str, tuple[str, str]] = {
         "moe runtime, every routed expert round-to-nearest quantized (a quantized folder, or --set bits=N)",
     ),
     "offload": (
-        "engines.offload:OffloadEngine",
+        "engines.offload.engine:OffloadEngine",
         "moe runtime, experts in host memory and a per-layer device cache sized from --budget (lru/lfu, prefetch)",
     ),
     "pagedweight": (
-        "engines.pagedweight:PagedWeightEngine",
+        "engines.pagedweight.engine:PagedWeightEngine",
         "moe runtime, experts paged at bit widths (16/8/4/3/2) chosen per step against KV demand in --budget",
     ),
     "moegen": (
-        "engines.moegen:MoEGenEngine",
+        "engines.moegen.engine:MoEGenEngine",
         "moe runtime, module-based batching (MoE-Gen): KV in host memory, experts streamed per layer, cost-model plan",
     ),
     "full": (
@@ -156,7 +156,7 @@ def _coerce(raw: Any, hint: Any, what: str) -> Any:
                 return False
             raise ValueError(raw)
         if hint is int and what.endswith("_bytes'"):
-            from engines.sizes import parse_size  # noqa: PLC0415
+            from engines.common.sizes import parse_size  # noqa: PLC0415
 
             return parse_size(raw, what)
         if hint in (int, float, str):

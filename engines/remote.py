@@ -85,7 +85,7 @@ class OpenAIEngine(Engine):
         cfg = self.config
         self._tokenizer, folder = None, {}
         if cfg.model is not None:
-            from engines.tokenizer import load_tokenizer  # noqa: PLC0415
+            from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
 
             path = Path(cfg.model).expanduser()
             if not path.is_dir():

@@ -17,25 +17,26 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from engines import folders
-from engines.base import EngineError, EngineInfo
-from engines.device import dtype_name
-from engines.moe import MoEEngine, MoEEngineConfig
+from engines.common import folders
+from engines.base import EngineError
+from engines.common.device import dtype_name
+from engines.moe import resident_parts
 from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import read_scheme
 from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_backend
+from engines.common.device import resolve_device, resolve_dtype
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
-from engines.runtime.experts import ExpertBackend
-from engines.runtime.weights import ModelWeights
+from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.transfer import TransferLedger
 
 
 @dataclass(frozen=True)
-class StaticQuantConfig(MoEEngineConfig):
-    """MoEEngineConfig plus how to quantize a full-precision folder at start (ignored, or checked
+class StaticQuantConfig(RuntimeConfig):
+    """The runtime's options plus how to quantize a full-precision folder at start (ignored, or checked
     against the folder, when the folder is already quantized)."""
 
     bits: int | None = None  # None: the model folder must be quantized already
@@ -49,21 +50,35 @@ class StaticQuantConfig(MoEEngineConfig):
     cache_dir: str | None = None  # None: $PWBENCH_CACHE/quantized or ~/.cache/pwbench/quantized
 
 
-class StaticQuantEngine(MoEEngine):
+class StaticQuantEngine(RuntimeEngine):
     method: ClassVar[str]
     config_cls = StaticQuantConfig
-    float32_reference = False
     plain_experts_only = True  # fused_moe and the quantized formats have no expert biases
 
-    def _load(self) -> tuple[Checkpoint, ModelWeights, ExpertBackend]:
+    def load(self, cfg: StaticQuantConfig) -> Loaded:
         """The quantized folder (given, or quantized now from a full-precision one and cached)."""
-        self.source = open_checkpoint(self.config.model)
-        self.check_experts(self.source.config)
-        folder, self.quantized_at_start = self._quantized_folder(self.source)
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        self.device, self.dtype, ledger = device, dtype, TransferLedger(device)
+        source = open_checkpoint(cfg.model)
+        self.check_model(source.config)
+        folder, self.quantized_at_start = self._quantized_folder(source)
         checkpoint = open_checkpoint(folder)
         self._check_method(checkpoint)
-        self.loaded: QuantizedLoad = load_quantized_weights(checkpoint, self.device, self.dtype, self.ledger)
-        return checkpoint, self.loaded.weights, quantized_backend(self.loaded.experts)
+        self.quantized: QuantizedLoad = load_quantized_weights(checkpoint, device, dtype, ledger)
+        return Loaded(checkpoint, self.quantized.weights, device, dtype, ledger,
+                      backend=quantized_backend(self.quantized.experts), source=source)
+
+    def build(self, cfg: StaticQuantConfig, loaded: Loaded) -> EngineParts:
+        s = self.quantized.scheme
+        parts = resident_parts(cfg, loaded, loaded.backend)
+        # Non-expert layers stored quantized run dequantized at the model dtype.
+        parts.info_config = {"quantization": {
+            "method": self.method, "format": s.fmt, "bits": s.bits, "group_size": s.group_size, "sym": s.symmetric,
+            "act_order": s.act_order, "folder": str(loaded.checkpoint.path),
+            "quantized_at_start": self.quantized_at_start, "dequantized_at_load": list(self.quantized.dequantized),
+        }}
+        return parts
 
     # -- which folder to serve -------------------------------------------------------------------
     def _quantized_folder(self, src: Checkpoint) -> tuple[Path, bool]:
@@ -133,20 +148,6 @@ class StaticQuantEngine(MoEEngine):
                 f"{ckpt.path} holds {method}-quantized weights; engine {self.name} serves {self.method} "
                 f"weights: use --engine static-{method}"
             )
-
-    # -- info --------------------------------------------------------------------------------------
-    def info(self) -> EngineInfo:
-        info = super().info()
-        s = self.loaded.scheme
-        quantization: dict[str, Any] = {
-            "method": self.method, "format": s.fmt, "bits": s.bits, "group_size": s.group_size, "sym": s.symmetric,
-            "act_order": s.act_order, "folder": str(self.checkpoint.path),
-            "quantized_at_start": self.quantized_at_start,
-            # Non-expert layers stored quantized run dequantized at the model dtype.
-            "dequantized_at_load": list(self.loaded.dequantized),
-        }
-        return dataclasses.replace(info, model=str(self.source.path),
-                                   config={**info.config, "quantization": quantization})
 
 
 class StaticGPTQEngine(StaticQuantEngine):

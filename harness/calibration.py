@@ -61,7 +61,7 @@ def create_calibrated(name: str, options: dict):
     import os  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from engines.folders import cache_dir  # noqa: PLC0415
+    from engines.common.folders import cache_dir  # noqa: PLC0415
     from engines.registry import create_engine, engine_class  # noqa: PLC0415
 
     cls = engine_class(name)

@@ -27,7 +27,7 @@ DEMO_TASK_STYLES = {"rag_long": "rag", "long_chat": "chat"}
 
 def uses_demo_language(model: str | None, info: EngineInfo) -> bool:
     """Whether `model`'s vocabulary is the demo language's (its tokenizer maps the same ids)."""
-    from engines.tokenizer import load_tokenizer  # noqa: PLC0415
+    from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
     from workloads.demo.language import demo_language  # noqa: PLC0415
 
     if model is None or info.vocab_size != len(demo_language().vocab):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.base import EngineError, EngineRequest, SamplingParams
+from engines.common.tokenizer import load_tokenizer
 from harness.calibration import create_calibrated
-from engines.tokenizer import load_tokenizer
 from harness.offline import run_offline
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 # Where measurements are cached and how they are read live beside the engines' cost model,
 # which reads them too (engines import no harness).
-from engines.modbatch.hardware import cache_path, cpu_model
-from engines.modbatch.hardware import cached_peaks as load_cached
+from engines.common.peaks import cache_path, cpu_model
+from engines.common.peaks import cached_peaks as load_cached
 
 # NVIDIA datasheets (dense tensor-core rates, no sparsity); PCIe per direction, theoretical.
 # H200/H100/PCIe Gen5 figures as in the pwbench brief; an H200 measures ~790 TFLOP/s bf16.

@@ -96,7 +96,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
     cls = engine_class(args.engine)  # an unknown engine name fails before anything else
     model = args.model
     if model is None and cls.needs_model:
-        from engines.demo import demo_model_path  # noqa: PLC0415
+        from engines.common.demo import demo_model_path  # noqa: PLC0415
 
         model = str(demo_model_path())
     run_id = new_run_id(args.workload.name, args.engine)
@@ -164,7 +164,7 @@ def _cpu_name() -> str:
 
 
 def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]]:
-    from engines.tokenizer import load_tokenizer  # noqa: PLC0415
+    from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(model) if model else None
     eos = set()

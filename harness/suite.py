@@ -65,7 +65,7 @@ def default_budget(model: str | None, options: dict[str, Any]) -> int:
 def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dict] | None = None,
               say: Callable[[str], None] = print) -> SuiteResult:
     """Run every SUITE row with `args` (engine replaced); the caller writes the report."""
-    from engines.demo import demo_model_path  # noqa: PLC0415
+    from engines.common.demo import demo_model_path  # noqa: PLC0415
 
     model = args.model or str(demo_model_path())
     folder = Path(args.output) if args.output else Path(args.results_dir) / new_run_id(args.workload.name, "suite")
@@ -76,7 +76,7 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
         spec = replace(spec, **applied)
         if applied:
             say("suite: demo defaults " + ", ".join(f"{k}={v}" for k, v in applied.items()))
-    from engines.sizes import parse_size  # noqa: PLC0415
+    from engines.common.sizes import parse_size  # noqa: PLC0415
 
     given = args.engine_options.get("budget_bytes")
     budget = parse_size(given, "--budget") if given is not None else default_budget(model, args.engine_options)

@@ -1,6 +1,6 @@
 """StepBatch: one step's work as a record, built in one place from the scheduler's plan.
 
-The flow of a step (engines/moe.py): Scheduler.schedule() -> Plan (which tokens of which
+The flow of a step (engines/moe.py): Scheduler.schedule() -> Schedule (which tokens of which
 sequences) -> build_batch() -> StepBatch (host bookkeeping plus the device tensors the model
 reads: token ids, positions, cache slots, attention layout, logit rows) -> an executor runs
 it -> the engine updates sequences from the executor's result. Decodes come first in the
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from engines.runtime.attention import AttentionBatch, DecodeGroup, PrefillSegment, group_by_length
 from engines.runtime.kv_cache import BlockAllocator
-from engines.runtime.scheduler import Chunk, Plan
+from engines.runtime.scheduler import Chunk, Schedule
 from engines.runtime.transfer import TransferLedger
 
 
@@ -42,7 +42,7 @@ class StepBatch:
     prompt_rows: list[tuple[Chunk, int, int]]  # chunk, first and end index in logit_rows of prompt logits
 
 
-def build_batch(plan: Plan, allocator: BlockAllocator, ledger: TransferLedger) -> StepBatch | None:
+def build_batch(plan: Schedule, allocator: BlockAllocator, ledger: TransferLedger) -> StepBatch | None:
     """The plan's chunks as one flat batch (None when the plan runs nothing). Advances each
     prompt-logit-collecting sequence's `prompt_rows_done` to what this batch computes."""
     if not plan.decodes and not plan.prefills:

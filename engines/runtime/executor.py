@@ -28,6 +28,10 @@ class Executor:
     def __init__(self, model: MoEModel, ledger: TransferLedger) -> None:
         self.model, self.ledger = model, ledger
 
+    def device_kv_bytes(self) -> int:
+        """Device bytes the executor holds for KV kept in the host tier (a staging buffer); 0 here."""
+        return 0
+
     def execute(self, batch: StepBatch) -> StepResult:
         return self.sample(batch, self.forward(batch))
 

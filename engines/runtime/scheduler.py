@@ -69,7 +69,7 @@ class Chunk:
 
 
 @dataclass
-class Plan:
+class Schedule:
     decodes: list[Chunk] = field(default_factory=list)
     prefills: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -106,14 +106,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _preempt(self, seq: Sequence, plan: Plan) -> None:
+    def _preempt(self, seq: Sequence, plan: Schedule) -> None:
         self.running.remove(seq)
         self.allocator.free(seq.id)
         seq.num_computed = seq.num_registered = 0
         plan.preempted.append(seq)
 
-    def schedule(self) -> Plan:
-        plan = Plan()
+    def schedule(self) -> Schedule:
+        plan = Schedule()
         alloc = self.allocator
         budget = self.max_num_batched_tokens
         while alloc.over_capacity and self.running:
@@ -178,7 +178,7 @@ class Scheduler:
             self.allocator.register(seq.id, i, hashes[i])
         seq.num_registered = full
 
-    def _prefill(self, seq: Sequence, budget: int, plan: Plan) -> int:
+    def _prefill(self, seq: Sequence, budget: int, plan: Schedule) -> int:
         length = min(seq.num_pending, budget, self.allocator.tokens_fitting(seq.id, seq.num_computed))
         if length <= 0:
             return 0

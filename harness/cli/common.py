@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from engines.base import EngineError
-from engines.folders import engine_for_folder
+from engines.common.folders import engine_for_folder
 from harness.errors import HarnessError
 from workloads.base import WorkloadError
 

@@ -62,7 +62,7 @@ def demo_eval(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Exact-match accuracy on held-out demo tasks (RAG and chat recall at 512-1024 tokens, closed book, copy)."""
-    from engines.demo import demo_model_path
+    from engines.common.demo import demo_model_path
     from engines.registry import parse_set_options
     from harness.demo.eval import EvalSpec, context_curve, evaluate
 

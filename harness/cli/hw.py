@@ -18,7 +18,7 @@ def hw(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Measure this machine's memory bandwidth, matmul FLOP/s and host<->device bandwidth; cache them."""
-    from engines.device import resolve_device
+    from engines.common.device import resolve_device
     from harness.hw import datasheet_for, measure, save_cached
 
     dev = str(resolve_device(device))

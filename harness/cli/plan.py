@@ -17,7 +17,6 @@ from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, user_errors
 from harness.errors import HarnessError
 
-PLANNED_ENGINES = ("moegen",)
 PLACEMENT_WORDS = {"device": "on device", "host": "on host", "stream": "streamed to the device",
                    "split": "split host/streamed"}
 
@@ -37,24 +36,27 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Print the plan (KV placement, batch, micro-batch, expert ring and residents) and its predicted decode step."""
-    from engines.demo import demo_model_path
-    from engines.modbatch.cost import Workload, candidate_plans
-    from engines.modbatch.hardware import cpu_model, hardware, model_shape
-    from engines.moegen import MoEGenConfig, make_plan, seq_blocks
-    from engines.registry import build_config, parse_set_options
+    from engines.common.demo import demo_model_path
+    from engines.common.peaks import cpu_model
+    from engines.moegen.cost import Workload, candidate_plans
+    from engines.moegen.hardware import hardware, model_shape
+    from engines.moegen.plan import make_plan, seq_blocks
+    from engines.registry import build_config, engine_class, list_engines, parse_set_options
     from engines.runtime.checkpoint import read_json
     from engines.runtime.config import parse_config
-    from engines.sizes import format_size, parse_size
+    from engines.common.sizes import format_size, parse_size
     from harness.hw import datasheet_for, peaks_for
 
-    if engine not in PLANNED_ENGINES:
-        raise HarnessError(f"--engine {engine!r} has no plan; plannable engines: {', '.join(PLANNED_ENGINES)}")
+    cls = engine_class(engine)
+    if not cls.plannable:
+        plannable = [name for name, _ in list_engines() if engine_class(name).plannable]
+        raise HarnessError(f"--engine {engine!r} has no plan; plannable engines: {', '.join(plannable)}")
     options = {"budget_bytes": parse_size(budget, "--budget"), **parse_set_options(set_ or [])}
     if seqs is not None:
         options["max_num_seqs"] = seqs
     if context is not None:
         options["plan_context"] = context
-    cfg: MoEGenConfig = build_config(MoEGenConfig, options, owner="engine 'moegen'")
+    cfg = build_config(cls.config_cls, options, owner=f"engine {engine!r}")
     config_path = Path(model or demo_model_path()).expanduser() / "config.json"
     if not config_path.is_file():
         raise HarnessError(f"{config_path.parent} has no config.json; --model takes a Hugging Face model folder")
@@ -82,7 +84,7 @@ def plan(
                   host if host.get("memory_bandwidth_bytes_per_s") else None, op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
     if given:
         hw = dataclasses.replace(hw, source=peaks["source"])
-    chosen = make_plan(cfg, shape, hw, mc.max_position_embeddings)
+    chosen = make_plan(cfg, shape, hw, mc.max_position_embeddings, engine)
     work = Workload(cfg.max_num_seqs, cfg.plan_context)
     alternatives = {}
     for p in candidate_plans(shape, hw, cfg.budget_bytes, work, cfg.block_size * shape.kv_bytes_per_token,
@@ -97,7 +99,7 @@ def plan(
                                "alternatives": {k: plan_row(v) for k, v in alternatives.items()}}))
         return
     e = shape.expert_bytes
-    typer.echo(f"moegen plan for {mc.architecture} ({shape.moe_layers} MoE layers x {shape.experts} experts of "
+    typer.echo(f"{engine} plan for {mc.architecture} ({shape.moe_layers} MoE layers x {shape.experts} experts of "
                f"{format_size(e)}) within {format_size(cfg.budget_bytes)} on {name}")
     typer.echo(f"  peaks: {hw.device_bytes_per_s / 1e9:,.1f} GB/s, {hw.device_flops_per_s / 1e9:,.0f} GFLOP/s"
                + (f", link {hw.link_bytes_per_s / 1e9:,.1f} GB/s" if hw.link_bytes_per_s else ", no link modelled")

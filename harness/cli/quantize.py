@@ -63,7 +63,7 @@ def quantize(
     """Quantize a model's routed experts (RTN, GPTQ or AWQ, calibrated on a workload) into a Hugging Face folder."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from engines.folders import REPORT_FILE
+    from engines.common.folders import REPORT_FILE
     from engines.quant.calibrate import QuantizeOptions
     from engines.quant.export import preflight, quantize_folder
     from harness.calibration import calibration_prompts

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from engines.folders import engine_for_folder
+from engines.common.folders import engine_for_folder
 from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 

@@ -21,7 +21,7 @@ import random
 
 import torch
 
-from engines.demo import demo_model_path
+from engines.common.demo import demo_model_path
 from harness.demo.train import answer_accuracy, set_rope_theta
 from workloads.demo.tasks import Sample, chat_recall, closed_book, rag_recall
 

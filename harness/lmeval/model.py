@@ -16,7 +16,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from engines.base import EngineError, EngineRequest, SamplingParams
-from engines.tokenizer import load_tokenizer
+from engines.common.tokenizer import load_tokenizer
 from harness.calibration import create_calibrated
 from harness.offline import cut_at_eos, run_offline
 
@@ -28,7 +28,7 @@ class PwbenchLM(LM):
     def __init__(self, engine: str = "moe", model: str | None = None, max_gen_toks: int = 64, **options: Any) -> None:
         super().__init__()
         if model is None:
-            from engines.demo import demo_model_path
+            from engines.common.demo import demo_model_path
 
             model = str(demo_model_path())
         self.tokenizer = load_tokenizer(model)

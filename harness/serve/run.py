@@ -29,14 +29,14 @@ def serve_engine(name: str, model: str | None, host: str, port: int, api_key: st
                  served_name: str | None, options: dict[str, Any], set_items: list[str]) -> None:
     import uvicorn  # noqa: PLC0415
 
-    from engines.tokenizer import load_tokenizer  # noqa: PLC0415
+    from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
     from harness.serve.app import ServeOptions, create_app  # noqa: PLC0415
 
     if not 0 <= port < 65536:
         raise HarnessError(f"--port must be in [0, 65535], got {port}")
     cls = engine_class(name)
     if model is None and cls.needs_model:
-        from engines.demo import demo_model_path  # noqa: PLC0415
+        from engines.common.demo import demo_model_path  # noqa: PLC0415
 
         model = str(demo_model_path())
     engine_options = {k: v for k, v in {**options, **parse_set_options(set_items)}.items() if v is not None}

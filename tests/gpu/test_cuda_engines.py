@@ -97,7 +97,7 @@ def test_bytes_moved_are_the_weights_and_the_step_tensors(checkpoints):
 def test_offload_on_cuda_copies_from_pinned_memory_and_matches_moe(arch, checkpoints):
     """Experts in pinned host memory, copied on the copy stream: the same greedy tokens as `moe`
     on the GPU in float32, and the expert bytes the ledger counts are misses x expert bytes."""
-    from engines.offload import OffloadConfig, OffloadEngine
+    from engines.offload.engine import OffloadConfig, OffloadEngine
 
     folder = str(checkpoints(arch))
     reqs = [EngineRequest(str(i), tuple(p), NEW, ignore_eos=True) for i, p in enumerate(PROMPTS)]

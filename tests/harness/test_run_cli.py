@@ -265,7 +265,7 @@ def test_demo_model_run_summary_with_efficiency_and_accuracy(tmp_path):
     from safetensors import safe_open
     from tokenizers import Tokenizer
 
-    from engines.demo import demo_model_path
+    from engines.common.demo import demo_model_path
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -331,7 +331,7 @@ def test_offload_run_under_a_budget_summary_recomputes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     from tokenizers import Tokenizer
 
-    from engines.demo import demo_model_path
+    from engines.common.demo import demo_model_path
 
     model = demo_model_path()
     eos = {json.loads((model / "config.json").read_text())["eos_token_id"]}
@@ -356,7 +356,7 @@ def test_moegen_run_records_its_plan_and_the_summary_compares_predicted_and_meas
     assert proc.returncode == 0, proc.stderr
     from tokenizers import Tokenizer
 
-    from engines.demo import demo_model_path
+    from engines.common.demo import demo_model_path
 
     model = demo_model_path()
     eos = {json.loads((model / "config.json").read_text())["eos_token_id"]}
@@ -372,7 +372,7 @@ def test_output_text_is_cut_at_the_first_eos():
     after its answer, so the runs above cannot tell a cut from no cut)."""
     from tokenizers import Tokenizer
 
-    from engines.demo import demo_model_path
+    from engines.common.demo import demo_model_path
     from harness.run import _request_rows
     from harness.runner import RequestRecord, RunRecords
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from engines.demo import DEMO_MODEL_DIR
+from engines.common.demo import DEMO_MODEL_DIR
 from workloads.demo.tasks import chat_recall, rag_recall
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").is_file(),

@@ -5,13 +5,14 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+from tiny_models import CPU32
 
 from engines.base import EngineRequest, InvalidRequestError
+from engines.full import FullConfig, FullEngine
 from engines.hf import HFEngine, HFEngineConfig
 from engines.moe import MoEEngine, MoEEngineConfig
-from engines.full import FullConfig, FullEngine
-from engines.moegen import MoEGenConfig, MoEGenEngine
-from tiny_models import CPU32
+from engines.runtime.engine import RuntimeEngine
+from engines.moegen.engine import MoEGenConfig, MoEGenEngine
 
 
 def collect(engine, steps=None):
@@ -53,7 +54,7 @@ def test_abort_mid_decode(engine_cls, cfg_cls, checkpoints):
         assert len(first["drop"]) == 3  # one token per step: the prefill's, then two decodes
         assert rest.get("drop", []) == []  # nothing after the abort
         assert first["keep"] + rest["keep"] == expected["keep"]
-        if isinstance(engine, MoEEngine):
+        if isinstance(engine, RuntimeEngine):
             assert engine.kv.allocator.num_free == engine.kv.allocator.num_blocks
 
 

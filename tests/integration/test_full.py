@@ -96,7 +96,7 @@ def test_below_full_precision_the_budget_holds_and_no_expert_sits_below_its_qual
                 steps.append(s)
                 bits_seen.append({k: engine.experts.bits(k) for k in engine.experts.stores})
             done = run_offline(engine, reqs, on_step=on_step)
-            sens, bound, widths = engine.sensitivity, engine.config.max_expert_error, engine.bit_widths
+            sens, bound, widths = engine.paged.sensitivity, engine.config.max_expert_error, engine.paged.bit_widths
         finally:
             engine.stop()
         assert len(done) == len(reqs) and all(c.finish_reason == "length" for c in done.values())
@@ -123,7 +123,7 @@ def test_an_expert_that_left_the_device_crosses_once_per_layer_step_at_its_quali
     probe.start()
     try:
         staging = probe.experts.staging_slot_bytes()  # one: copies are memcpys at issue without a link model
-        fetch = {k: probe.experts.stores[k].transfer_bytes(0, probe.quality[k]) for k in probe.experts.stores}
+        fetch = {k: probe.experts.stores[k].transfer_bytes(0, probe.paged.quality[k]) for k in probe.experts.stores}
     finally:
         probe.stop()
     engine = create_calibrated("full", {"model": DEMO, **CPU32, "kv_placement": "host", **SMALL_HOST_KV,

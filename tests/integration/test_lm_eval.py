@@ -64,7 +64,7 @@ def test_pwbench_eval_offline_matches_own_scorer(tmp_path):
     """`pwbench eval --model DIR --output` (lm-eval's simple_evaluate, offline) reports the
     same exact match as pwbench's own scorer on the same held-out examples. The bundled model
     scores far from 0 on both tasks, so agreement says something (a random model scores 0)."""
-    from engines.demo import DEMO_MODEL_DIR
+    from engines.common.demo import DEMO_MODEL_DIR
     from engines.moe import MoEEngine, MoEEngineConfig
     from harness.demo.eval import EvalSpec, demo_samples, run_samples
 

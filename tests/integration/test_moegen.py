@@ -310,7 +310,7 @@ def test_split_moves_the_host_rows_activations_and_streams_the_others_kv():
 def test_the_next_micro_batchs_kv_copy_is_issued_before_this_one_attends(monkeypatch):
     """Double buffering, by the order of calls: when micro-batch j of a layer attends, the copy
     of j+1 (or of the next layer's first) has been issued already."""
-    import engines.modbatch.executor as executor
+    import engines.moegen.executor as executor
 
     events = []
     attend = executor.paged_attention

@@ -50,7 +50,7 @@ def test_offload_at_any_budget_keeps_within_it_and_serves_every_request():
     expected, _, _ = generate("moe", DEMO, reqs)
     probe = create_engine("offload", {"model": DEMO, **CPU32, "experts_per_layer": 1})
     probe.start()
-    minimum = sum(n for _, n in probe.budget_minimum())
+    minimum = sum(n for _, n in probe.budget.parts())
     probe.stop()
     preempted = 0
     for budget in (minimum + 16 * 16384, minimum + 400_000, minimum + 1_500_000, 6 << 20):
@@ -78,7 +78,7 @@ def test_moe_under_a_budget_keeps_within_it(budget):
 def test_a_budget_below_the_minimum_is_an_error_that_states_it():
     probe = create_engine("offload", {"model": DEMO, **CPU32, "experts_per_layer": 1})
     probe.start()
-    parts = probe.budget_minimum()
+    parts = probe.budget.parts()
     probe.stop()
     minimum = sum(n for _, n in parts)
     engine = create_engine("offload", {"model": DEMO, **CPU32, "budget_bytes": minimum - 1})

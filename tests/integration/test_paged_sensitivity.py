@@ -17,9 +17,9 @@ import pytest
 from tiny_models import CPU32
 
 from engines.base import EngineError
-from engines.demo import DEMO_MODEL_DIR
+from engines.common.demo import DEMO_MODEL_DIR
 from engines.moe import MoEEngine, MoEEngineConfig
-from engines.paged.sensitivity import (
+from engines.pagedweight.sensitivity import (
     calibration_set,
     load_or_measure,
     load_or_measure_engine,

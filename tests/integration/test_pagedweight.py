@@ -149,10 +149,10 @@ def test_an_expert_at_0_bits_runs_through_the_staging_slot_at_its_quality_floor(
         key = (1, 2)
         store = backend.stores[key]
         lowest = backend.fetch_bits[key]  # its quality floor (max_expert_error)
-        assert lowest == min(b for b in store.bits if b == 16 or engine.sensitivity[key][b] <= 0.01)
+        assert lowest == min(b for b in store.bits if b == 16 or engine.paged.sensitivity[key][b] <= 0.01)
         slot = max(s.nbytes(backend.fetch_bits[k]) for k, s in backend.stores.items())
         assert backend.staging_bytes == slot  # copies are memcpys at issue here: one slot, nothing to overlap
-        minimum = dict(engine.budget_minimum())
+        minimum = dict(engine.budget.parts())
         assert minimum["a staging slot for one expert fetched on demand at its quality floor"] == backend.staging_bytes
         held_bytes = backend.device_bytes()
         x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
@@ -193,7 +193,7 @@ def test_on_demand_fetches_pipeline_through_two_slots(tmp_path, monkeypatch):
     try:
         backend = engine.experts
         assert backend.staging_bytes == 2 * backend.staging_slot_bytes()
-        minimum = dict(engine.budget_minimum())
+        minimum = dict(engine.budget.parts())
         assert minimum["2 staging slots for experts fetched on demand at their quality floor (one copies while "
                        "another computes)"] == backend.staging_bytes
         keys = [(1, e) for e in range(4)]
@@ -248,7 +248,7 @@ def test_kv_demand_counts_only_queued_requests_that_could_be_admitted(tmp_path, 
             engine.add_request(EngineRequest(f"w{i}", (3,) * (size - new), new, ignore_eos=True))
         per = alloc.blocks_for(size)
         assert 2 * per <= alloc.num_blocks < 3 * per
-        assert engine._kv_demand_blocks() == 2 * per  # w0 and w1; w2 would not fit even at the floors
+        assert engine.controller.kv_demand_blocks() == 2 * per  # w0 and w1; w2 would not fit even at the floors
     finally:
         engine.stop()
 
@@ -264,8 +264,8 @@ def test_quality_floors_keep_every_expert_within_max_expert_error(bound, tmp_pat
     engine.start()  # feedback off: the floors stay the ones the measured sensitivities give
     try:
         expected = {k: 2 if bound is None else min(b for b in (16, 8, 4, 3, 2) if b == 16 or s[b] <= bound)
-                    for k, s in engine.sensitivity.items()}
-        assert engine.floors == expected
+                    for k, s in engine.paged.sensitivity.items()}
+        assert engine.paged.floors == expected
         steps = []
         run_offline(engine, requests(1109, n=10, new=24, seed=2), on_step=steps.append)
     finally:

@@ -20,7 +20,7 @@ import torch
 from tiny_models import ARCHS, CPU32
 
 from engines.base import EngineRequest, SamplingParams
-from engines.demo import demo_model_path
+from engines.common.demo import demo_model_path
 from engines.registry import create_engine
 from harness.offline import run_offline
 from harness.run import RunArgs, build

@@ -18,7 +18,7 @@ import pytest
 from serving import DEMO, ROOT, Server
 
 from engines.base import EngineRequest
-from engines.tokenizer import load_tokenizer
+from engines.common.tokenizer import load_tokenizer
 from engines.registry import create_engine
 from harness.offline import run_offline
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from engines.paged.formats import (
+from engines.pagedweight.formats import (
     FULL,
     dequantize_planes,
     make_store,
@@ -224,7 +224,7 @@ def test_error_decreases_with_bits_on_random_weights(rep):
 def test_bitplanes_vs_requantize_on_the_demo_models_experts():
     """Mean relative output error over the demo model's 8 experts on unit-Gaussian rows (the
     calibrated table, on the rows the router sends, is tests/integration/test_paged_sensitivity)."""
-    from engines.demo import DEMO_MODEL_DIR
+    from engines.common.demo import DEMO_MODEL_DIR
 
     if not (DEMO_MODEL_DIR / "config.json").is_file():
         pytest.skip("engines/demo_model is not built")

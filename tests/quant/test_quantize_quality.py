@@ -14,21 +14,20 @@ from collections import defaultdict
 
 import pytest
 import torch
+from tiny_models import build_hf_model, save_checkpoint
 
 from engines.base import EngineRequest
-from engines.demo import DEMO_MODEL_DIR
+from engines.common.demo import DEMO_MODEL_DIR
+from engines.moe import MoEEngine, MoEEngineConfig
 from engines.quant.calibrate import QuantizeOptions
 from engines.quant.export import quantize_folder
-from engines.quant.qweight import SUPPORTED_GROUP_SIZES, dequantize
-from engines.moe import MoEEngine, MoEEngineConfig
 from engines.quant.load import load_quantized_weights
+from engines.quant.qweight import SUPPORTED_GROUP_SIZES, dequantize
 from engines.runtime.checkpoint import open_checkpoint
-from engines.runtime.experts import ResidentBackend
-from engines.runtime.experts import grouped_swiglu
+from engines.runtime.experts import ResidentBackend, grouped_swiglu
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import DenseExperts
 from harness.calibration import calibration_prompts
-from tiny_models import build_hf_model, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -100,7 +99,8 @@ def layer_error(folder, held_out) -> float:
 @pytest.mark.parametrize("bits", [4, 3])
 def test_gptq_and_awq_beat_rtn_on_held_out_prompts(model_dir, held_out, bits, tmp_path, record_property):
     cfg = open_checkpoint(model_dir).config
-    group_size = max(g for g in SUPPORTED_GROUP_SIZES if cfg.hidden_size % g == 0 and cfg.moe_intermediate_size % g == 0)
+    group_size = max(g for g in SUPPORTED_GROUP_SIZES if cfg.hidden_size % g == 0
+                     and cfg.moe_intermediate_size % g == 0)
     prompts = calibration_prompts(str(model_dir), "rag_long", CALIB, 0, LENGTH)
     errors = {}
     for method in ("rtn", "gptq", "awq"):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engines.paged.arbiter import Arbiter, Choice, Decision, solve_exact, solve_greedy
+from engines.pagedweight.arbiter import Arbiter, Choice, Decision, solve_exact, solve_greedy
 
 BITS = (16, 8, 4, 3, 2)
 GROUP = 64  # weights per quantization group: one fp16 scale + one fp16 zero each

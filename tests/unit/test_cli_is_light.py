@@ -41,8 +41,8 @@ def test_ls_engines_lists_every_engine():
         ("engines.remote", HEAVY + ("harness", "workloads", "reports", "aiohttp")),  # aiohttp only at start()
         ("engines.moe", ("harness", "workloads", "reports", "triton")),
         ("engines.hf", ("harness", "workloads", "reports", "transformers")),  # transformers only at start()
-        ("engines.moegen", ("harness", "workloads", "reports", "triton")),
-        ("engines.modbatch.cost", HEAVY + ("harness", "workloads", "reports")),
+        ("engines.moegen.engine", ("harness", "workloads", "reports", "triton")),
+        ("engines.moegen.cost", HEAVY + ("harness", "workloads", "reports")),
         ("reports", HEAVY + ("engines", "harness", "workloads")),
         ("reports.summary_table", HEAVY + ("engines", "workloads")),
         # the report and the gate read result files: pandas/pyarrow (so numpy), never torch or an engine

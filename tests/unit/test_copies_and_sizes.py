@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from engines.base import EngineError
+from engines.common.sizes import format_size, parse_size
+from engines.offload.cache import ExpertCache
 from engines.runtime.copies import CopyEngine
-from engines.runtime.offload import ExpertCache
 from engines.runtime.transfer import TransferLedger
-from engines.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [

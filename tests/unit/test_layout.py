@@ -11,9 +11,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# One folder per technique (its engine, parts and planning); recipes at the top combine them.
+TECHNIQUE_FOLDERS = ("offload", "pagedweight", "moegen")
+TECHNIQUES = tuple(f"engines.{t}" for t in TECHNIQUE_FOLDERS)
+RECIPES = ("engines.moe", "engines.full", "engines.static_quant")
+
 # package folder -> module prefixes its files must not import
 RULES = {
-    "engines/runtime": ("engines.quant", "engines.paged", "harness", "workloads", "reports"),
+    # the runtime is the parts every engine is assembled from: it knows no technique
+    "engines/runtime": ("engines.quant", *TECHNIQUES, *RECIPES, "harness", "workloads", "reports"),
+    # a technique folder stands alone; only recipes (engines/full.py) combine techniques
+    **{f"engines/{t}": tuple(f"engines.{o}" for o in TECHNIQUE_FOLDERS if o != t) + RECIPES
+       for t in TECHNIQUE_FOLDERS},
+    # the light helpers the harness may import know no engine part
+    "engines/common": ("engines.runtime", "engines.quant", *TECHNIQUES, *RECIPES),
     "engines": ("harness", "workloads", "reports"),
     "workloads": ("engines", "harness", "reports"),
     # reports read result files: harness.results / harness.metrics and nothing that runs engines

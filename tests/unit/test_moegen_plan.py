@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from engines.modbatch.cost import (
+from engines.moegen.cost import (
     KV_READS,
     BatchPlan,
     Hardware,

@@ -62,7 +62,7 @@ POLISH_KEYS = 12  # ~10 ms at 10 keys in CPython; ~200 ms at 32, too slow per st
 
 
 @dataclass(frozen=True)
-class Plan:
+class Allocation:
     bits: dict[Key, int]
     nbytes: int
     cost: float
@@ -197,9 +197,9 @@ def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity
     return capacity - slack
 
 
-def _plan(pick: Mapping[Key, Choice], capacity: int) -> Plan:
+def _plan(pick: Mapping[Key, Choice], capacity: int) -> Allocation:
     nbytes = sum(o.nbytes for o in pick.values())
-    return Plan({k: o.bits for k, o in pick.items()}, nbytes, sum(o.cost for o in pick.values()), nbytes <= capacity)
+    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, sum(o.cost for o in pick.values()), nbytes <= capacity)
 
 
 def _fit(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, fixed: Key) -> bool:
@@ -240,7 +240,7 @@ def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
 
 
 def _greedy(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
-            polish_keys: int = POLISH_KEYS) -> Plan:
+            polish_keys: int = POLISH_KEYS) -> Allocation:
     if sum(opts[0].nbytes for opts in allowed.values()) > capacity:
         return _plan({k: opts[0] for k, opts in allowed.items()}, capacity)
     pick = dict(start) if start is not None else {k: _top(opts) for k, opts in allowed.items()}
@@ -252,7 +252,7 @@ def _greedy(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Ch
 
 
 def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | None = None,
-                 start: Mapping[Key, int] | None = None, polish_keys: int = POLISH_KEYS) -> Plan:
+                 start: Mapping[Key, int] | None = None, polish_keys: int = POLISH_KEYS) -> Allocation:
     """Hull greedy for the MCKP, then the local search if there are <= `polish_keys` keys (0: never).
 
     From `start` (key -> bits) instead of each key's cheapest option if given."""
@@ -267,7 +267,7 @@ def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | No
     return _greedy(allowed, capacity, first, polish_keys)
 
 
-def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | None = None) -> Plan:
+def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | None = None) -> Allocation:
     """Exact MCKP by DP over keys: reachable byte totals -> least cost, dominated totals pruned.
 
     Exponential in the worst case (about 5^keys totals); meant for <= 12 keys, as a test oracle."""

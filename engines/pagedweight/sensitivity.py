@@ -5,7 +5,7 @@ calibration inputs x: the rows the router really sends it when the full-precisio
 the calibration prompts (one flat prefill through the runtime's own MoEModel with a recording
 expert backend; every layer computes at full precision, so each expert is measured with the
 rest of the model exact: the additive cost model the arbiter assumes). f is the master, f_b
-the store's version (engines/paged/formats.py), both evaluated in float32; 16 bits is 0.
+the store's version (engines/pagedweight/formats.py), both evaluated in float32; 16 bits is 0.
 At most `max_rows` evenly spaced rows per expert are used (they span every prompt). An expert
 that got no calibration rows gets its layer's mean at each width (listed under "filled").
 
@@ -34,10 +34,10 @@ import torch
 from torch import Tensor
 
 from engines.base import EngineError
-from engines.demo import DEMO_MODEL_DIR
-from engines.device import dtype_name
-from engines.folders import cache_dir as pwbench_cache
-from engines.paged.formats import FULL, PAGED_BITS, make_store
+from engines.common.demo import DEMO_MODEL_DIR
+from engines.common.device import dtype_name
+from engines.common.folders import cache_dir as pwbench_cache
+from engines.pagedweight.formats import FULL, PAGED_BITS, make_store
 from engines.quant.calibrate import random_prompts
 from engines.runtime.attention import AttentionBatch, PrefillSegment
 from engines.runtime.checkpoint import Checkpoint

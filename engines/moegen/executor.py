@@ -326,6 +326,10 @@ class LayerMajorExecutor(Executor):
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
         self.micro_batch, self.attend, self.host_layout = micro_batch, attend, host_layout
 
+    def device_kv_bytes(self) -> int:
+        """The KV staging buffer of placements stream and split (0 for host and device)."""
+        return self.attend.nbytes() if isinstance(self.attend, StreamAttention) else 0
+
     def forward(self, batch: StepBatch) -> ForwardResult:
         m = self.model
         cfg, experts = m.config, m.experts

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engines.runtime.copies import CopyEngine, CopyHandle
-from engines.runtime.experts import Dispatch, StackedBackend, combine, segments, swiglu
+from engines.runtime.experts import Dispatch, combine, segments, swiglu
+from engines.runtime.host_tier import HostTierBackend
 from engines.runtime.weights import DenseExperts
 
 POLICIES = ("lru", "lfu")
@@ -79,16 +80,6 @@ class ExpertCache:
             self.prefetched.discard(evicted)
         self.slot_of[expert] = slot
         return slot, evicted
-
-
-class HostTierBackend(StackedBackend):
-    """Full-precision experts kept in the host tier (`host`: MoE layer -> DenseExperts) and
-    copied to device slots when used: what OffloadBackend and moegen's StreamingBackend share."""
-
-    def __init__(self, experts: dict[int, DenseExperts], copies: CopyEngine) -> None:
-        self.copies = copies
-        self.host = {i: DenseExperts(copies.host(w.gate_up), copies.host(w.down)) for i, w in experts.items()}
-        super().__init__(self.host)
 
 
 class OffloadBackend(HostTierBackend):

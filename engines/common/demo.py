@@ -6,7 +6,7 @@ from pathlib import Path
 
 from engines.base import ModelLoadError
 
-DEMO_MODEL_DIR = Path(__file__).with_name("demo_model")
+DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 
 
 def demo_model_path() -> Path:

@@ -162,7 +162,7 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Plan:
+class BatchPlan:
     # device: KV blocks in the budget; host: KV in the host tier, attention on the host; stream:
     # KV in the host tier, attention on the device over staged blocks; split: host_share of each
     # decode micro-batch as host, the rest as stream
@@ -218,7 +218,7 @@ def attention_s(shape: ModelShape, hw: Hardware, on_host: bool, decode_keys: flo
     return decode + prefill
 
 
-def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, prefill_tokens: int,
+def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int, prefill_tokens: int,
               decode_context: int, prefill_context: int, prefill_chunks: int = 0) -> StepCost:
     """One step: `decode_seqs` decode tokens attending `decode_context` keys in all (summed over
     sequences), `prefill_tokens` prompt tokens in `prefill_chunks` chunks attending
@@ -316,13 +316,13 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: Plan, decode_seqs: int, pre
     return StepCost(compute + head, host, link_busy, layer_total + head + first_copy, h2d)
 
 
-def decode_cost(shape: ModelShape, hw: Hardware, plan: Plan, seqs: int, context: int) -> StepCost:
+def decode_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, seqs: int, context: int) -> StepCost:
     return step_cost(shape, hw, plan, seqs, 0, seqs * context, 0)
 
 
 def choose_plan(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv_block_bytes: int,
                 host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS,
-                max_seq_blocks: int = 0, host_share: float | None = None) -> Plan:
+                max_seq_blocks: int = 0, host_share: float | None = None) -> BatchPlan:
     """The plan with the highest predicted decode tokens/s within `budget` (see module doc);
     ties go to fewer bytes over the link, then to fewer ring slots."""
     plans = candidate_plans(shape, hw, budget, work, kv_block_bytes, host_scratch_bytes, placements,
@@ -350,7 +350,7 @@ def balanced_host_share(shape: ModelShape, hw: Hardware, context: int) -> float:
 
 def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload, kv_block_bytes: int,
                     host_scratch_bytes: int = 256 << 20, placements: tuple[str, ...] = PLACEMENTS,
-                    max_seq_blocks: int = 0, host_share: float | None = None) -> list[Plan]:
+                    max_seq_blocks: int = 0, host_share: float | None = None) -> list[BatchPlan]:
     """Every plan choose_plan weighs, each with its predicted decode step. `max_seq_blocks`: the
     fewest blocks a staging half may hold (stream, split); `host_share`: split's share, fixed
     (None: the balance of host and link time and a few shares around it)."""
@@ -359,7 +359,7 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
         raise ValueError(f"budget {budget} holds no expert slot beside the dense weights ({shape.dense_bytes})")
     per_seq_kv = max(1, work.context) * shape.kv_bytes_per_token
     kv_layer = max(1, shape.kv_bytes_per_token // shape.layers)
-    candidates: list[Plan] = []
+    candidates: list[BatchPlan] = []
     slot_options = sorted({1, max(1, shape.experts // 2), shape.experts, 2 * shape.experts})
     for placement in placements:
         if placement in STREAMED:
@@ -389,7 +389,7 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
                 else:
                     seqs = work.seqs
                     micro = max(1, min(seqs, host_scratch_bytes // (max(1, work.context) * kv_layer)))
-                plan = Plan(placement, seqs, micro, slots_used, resident, max(0, kv_bytes) if placement == "device" else 0)
+                plan = BatchPlan(placement, seqs, micro, slots_used, resident, max(0, kv_bytes) if placement == "device" else 0)
                 candidates.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
     if not candidates:
         if all(p in STREAMED for p in placements):
@@ -403,7 +403,7 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
 
 
 def _streamed_plans(shape: ModelShape, hw: Hardware, free: int, work: Workload, kv_block_bytes: int, placement: str,
-                    slot_options: list[int], max_seq_blocks: int, host_share: float | None) -> list[Plan]:
+                    slot_options: list[int], max_seq_blocks: int, host_share: float | None) -> list[BatchPlan]:
     """stream/split plans: per micro-batch size (it sizes the staging buffer) and ring size,
     everything the staging buffer and the ring leave goes to resident experts."""
     seqs = work.seqs
@@ -428,6 +428,6 @@ def _streamed_plans(shape: ModelShape, hw: Hardware, free: int, work: Workload, 
                     share = round(share * micro) / micro  # the executor splits whole sequences
                     if share in (0.0, 1.0):
                         continue  # that is stream or host
-                plan = Plan(placement, seqs, micro, slots_used, resident, 0, staging_bytes=staged, host_share=share)
+                plan = BatchPlan(placement, seqs, micro, slots_used, resident, 0, staging_bytes=staged, host_share=share)
                 out.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
     return out

@@ -1,6 +1,6 @@
 """PagedWeightBackend: every routed expert on the device at a bit width that changes while serving.
 
-Each (layer, expert) has a store in the host tier (engines/paged/formats.py) that names the
+Each (layer, expert) has a store in the host tier (engines/pagedweight/formats.py) that names the
 parts a version at b bits is made of: for bit-planes the top b planes plus the shared scales
 and zeros, for re-quantize that width's own codes, at 16 bits the full-precision master. The
 device holds one committed `Held` per expert (its parts' device buffers) or nothing (bits 0).
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from engines.paged.importance import Importance, Key
+from engines.pagedweight.importance import Importance, Key
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
 

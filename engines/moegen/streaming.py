@@ -29,7 +29,7 @@ from torch import Tensor
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, combine, segments, swiglu
 from engines.runtime.gemm import PackedWeight, pack, packed_bytes
-from engines.runtime.offload import HostTierBackend
+from engines.runtime.host_tier import HostTierBackend
 from engines.runtime.weights import DenseExperts
 
 Key = tuple[int, int]  # (layer, expert)

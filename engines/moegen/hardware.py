@@ -7,26 +7,13 @@ else from a stated assumption. On a CPU run host and device are the same process
 
 from __future__ import annotations
 
-import json
-import platform
-from pathlib import Path
 from typing import Any
 
-from engines.folders import cache_dir
-from engines.modbatch.cost import Hardware, ModelShape
+from engines.common.peaks import cached_peaks, cpu_model
+from engines.moegen.cost import Hardware, ModelShape
 
 # Used only when neither options nor a `pwbench hw` measurement give the peaks; said in the plan.
 ASSUMED_CPU = {"memory_bandwidth_bytes_per_s": 20e9, "matmul_flops_per_s": 100e9}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_name(device: Any) -> str:
@@ -36,18 +23,6 @@ def device_name(device: Any) -> str:
 
         return torch.cuda.get_device_name(device)
     return cpu_model()
-
-
-def cache_path() -> Path:
-    return cache_dir() / "hw.json"
-
-
-def cached_peaks() -> dict[str, dict[str, Any]]:
-    """`pwbench hw` measurements by device name ({} when none were taken)."""
-    try:
-        return json.loads(cache_path().read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
 
 
 def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, peaks: dict[str, Any] | None = None,

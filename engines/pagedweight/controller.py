@@ -1,0 +1,217 @@
+"""PagedWeight's per-step controller: before each step the arbiter sees the KV demand and gives
+the expert pages what the budget leaves (and the KV pool what the pages leave); after it, the
+bit-width series, the quality feedback (measured errors move the sensitivities; a layer over
+the threshold pins its worst experts one width up) and the tables that trace them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engines.pagedweight.arbiter import Arbiter, Choice, solve_greedy
+from engines.pagedweight.backend import FeedbackSample, PagedWeightBackend
+from engines.pagedweight.importance import Importance, Key
+from engines.runtime.batch import StepBatch
+from engines.runtime.engine import Controller
+from engines.runtime.kv_cache import PagedKVCache
+from engines.runtime.scheduler import Scheduler
+
+MISS_COST = 10.0  # sensitivity of an expert not resident (fetched on demand at its lowest width)
+
+
+@dataclass
+class PagedExperts:
+    """The experts' host-tier stores behind `backend`, with what the arbiter weighs them by:
+    measured sensitivity per width, routing importance, each expert's quality floor (lowest
+    width within max_expert_error) and its floor on the device (0: it may leave)."""
+
+    backend: PagedWeightBackend
+    bit_widths: tuple[int, ...]
+    sensitivity: dict[Key, dict[int, float]]
+    importance: Importance
+    quality: dict[Key, int]
+    floors: dict[Key, int]
+
+    def floor_bytes(self) -> int:
+        """Every expert at its floor, plus the on-demand staging slots when a floor is 0."""
+        b = self.backend
+        return b.staging_bytes + sum(s.nbytes(self.floors[k]) if self.floors[k] else 0 for k, s in b.stores.items())
+
+
+@dataclass(frozen=True)
+class PageBudget:
+    """What the pages share the device with: `budget_bytes` less the dense weights and a
+    `reserved` buffer (moegen's KV staging under engine full), and the KV blocks when
+    `kv_on_device` (`kv_reserve_bytes` of them planned for at start; None: a quarter)."""
+
+    budget_bytes: int
+    dense_bytes: int
+    kv_block_bytes: int
+    kv_on_device: bool = True
+    reserved_bytes: int = 0
+    kv_reserve_bytes: int | None = None
+
+    @property
+    def pages(self) -> int:
+        return self.budget_bytes - self.dense_bytes - self.reserved_bytes
+
+
+class PagedController(Controller):
+    def __init__(self, cfg: Any, paged: PagedExperts, room: PageBudget) -> None:
+        self.cfg, self.paged, self.room = cfg, paged, room
+        self.backend = paged.backend
+        self.engine_step = 0
+        self.events: list[dict[str, Any]] = []
+        self.matrix: list[dict[str, Any]] = []
+
+    # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
+    def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
+        self.kv, self.scheduler = kv, scheduler
+        cfg, p, room = self.cfg, self.paged, self.room
+        reserve = 0
+        if room.kv_on_device:
+            reserve = room.kv_reserve_bytes if room.kv_reserve_bytes is not None else room.pages // 4
+            reserve = min(max(reserve, room.kv_block_bytes), room.pages - p.floor_bytes())
+        initial = solve_greedy(self.options(), room.pages - reserve - self.backend.staging_bytes, p.floors)
+        for key, bits in initial.bits.items():
+            if bits:
+                self.backend.start_move(key, bits)
+        self.backend.commit()
+        self.arbiter = Arbiter(hysteresis=cfg.hysteresis, min_residence_steps=cfg.min_residence_steps,
+                               transition_bytes_per_step=cfg.transition_bytes_per_step,
+                               transfer=lambda key, a, b: self.backend.stores[key].transfer_bytes(a, b),
+                               floors=p.floors, initial=dict(initial.bits))
+
+    def options(self) -> dict[Key, list[Choice]]:
+        p, out = self.paged, {}
+        for key, store in self.backend.stores.items():
+            imp = p.importance[key]
+            # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
+            # the expert may leave the device, but not sit on it at a width over the bound).
+            opts = [Choice(b, store.nbytes(b), imp * (0.0 if b == 16 else p.sensitivity[key][b]))
+                    for b in p.bit_widths if b >= p.quality[key]]
+            if p.floors[key] == 0:
+                opts.append(Choice(0, 0, imp * MISS_COST))
+            out[key] = opts
+        return out
+
+    def kv_demand_blocks(self) -> int:
+        """Blocks the running requests need to finish, plus what the queue would take next:
+        waiting requests in admission order (the scheduler admits first come, first served)
+        while they fit the pool as it is with every expert at its floor. A request that would
+        not fit even then waits either way, so no expert is demoted for it."""
+        alloc, sched = self.kv.allocator, self.scheduler
+        need = sum(alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens) for s in sched.running)
+        room = max(0, sched.max_num_seqs - len(sched.running))
+        for s in list(sched.waiting)[:room]:
+            more = alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens)
+            if need + more > alloc.num_blocks:
+                break
+            need += more
+        return need
+
+    # -- around each step ----------------------------------------------------------------------------
+    def before_step(self) -> None:
+        backend, room, alloc = self.backend, self.room, self.kv.allocator
+        committed = backend.commit()
+        self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
+                            self.engine_step)
+        block = self.kv.block_bytes
+        # What the pages, the staging slots and (KV on the device) the KV blocks share.
+        pages, on_device = room.pages, room.kv_on_device
+        kv_bytes = min(self.kv_demand_blocks(), alloc.num_blocks) * block if on_device else 0
+        decision = self.arbiter.plan(self.engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self.options())
+        if decision.cancelled:
+            backend.cancel([m.key for m in decision.cancelled])
+        moved = promotions = demotions = deferred = 0
+        # What the pages may hold while moves are in flight: a promotion's new buffers exist
+        # beside the version they replace until the commit, so one that would take the device
+        # over the budget now waits (the arbiter plans it again next step). Cached KV blocks do
+        # not count: lowering the KV capacity below drops them.
+        limit = pages - (alloc.num_used * block if on_device else 0)
+        used = backend.device_bytes()  # walked once; a promotion adds its new buffers
+        for move in decision.moves:
+            promote = move.to_bits > move.from_bits
+            if promote and used + backend.move_bytes(move.key, move.to_bits) > limit:
+                self.arbiter.abort([move])
+                deferred += 1
+                continue
+            started = backend.start_move(move.key, move.to_bits)
+            used = used + started.nbytes if promote else backend.device_bytes()  # a demotion may free parts
+            moved += started.nbytes
+            promotions += promote
+            demotions += move.to_bits < move.from_bits
+            if started.handle is None:
+                self.arbiter.commit([move], self.engine_step)
+        if on_device:
+            blocks = max(0, (pages - backend.device_bytes()) // block)
+            alloc.set_capacity(min(blocks, alloc.num_blocks))
+        every = self.cfg.feedback_every
+        backend.step_index = self.engine_step
+        backend.feedback_due = every > 0 and self.engine_step % every == every - 1
+        self._moves = (decision.fits, moved, promotions, demotions, deferred)
+
+    def after_step(self, batch: StepBatch | None) -> Mapping[str, float]:
+        self.paged.importance.end_step()
+        fits, moved, promotions, demotions, deferred = self._moves
+        extras = {**self._observe(fits, moved, promotions, demotions), "deferred_promotions": deferred}
+        self.engine_step += 1
+        return extras
+
+    def _observe(self, fits: bool, moved: int, promotions: int, demotions: int) -> dict[str, float]:
+        backend, p = self.backend, self.paged
+        bits = {k: backend.bits(k) for k in backend.stores}
+        extras: dict[str, float] = {"engine_step": self.engine_step, "mean_bits": sum(bits.values()) / len(bits),
+                                    "promotions": promotions, "demotions": demotions, "move_bytes": moved,
+                                    "floors_fit": int(fits)}
+        for b in (*p.bit_widths, 0):
+            extras[f"experts_at_{b}_bits"] = sum(v == b for v in bits.values())
+        feedback = backend.take_feedback() if backend.feedback_due else None
+        extras.update(feedback_checks=0, fallbacks=0)
+        if feedback is not None and feedback.layer_error:
+            extras.update(feedback_checks=1, feedback_error_max=max(feedback.layer_error.values()),
+                          feedback_rows=feedback.rows, feedback_s=feedback.seconds, feedback_bytes=feedback.bytes)
+            extras["fallbacks"] = self._apply_feedback(feedback)
+        if self.engine_step % max(1, self.cfg.matrix_every) == 0:
+            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1], "bits": b,
+                             "importance": p.importance[k]} for k, b in bits.items()]
+        return extras
+
+    def _apply_feedback(self, sample: FeedbackSample) -> int:
+        """Measured errors move the sensitivity estimates; a layer over the threshold has its
+        experts that measured over it (or, if none alone, all it sampled) pinned one width up."""
+        cfg, p, backend = self.cfg, self.paged, self.backend
+        w = cfg.feedback_weight
+        for key, (bits, err) in sample.expert_error.items():
+            old = p.sensitivity[key][bits]
+            p.sensitivity[key][bits] = (1 - w) * old + w * err
+        pinned = 0
+        for layer, err in sample.layer_error.items():
+            if err <= cfg.feedback_threshold:
+                continue
+            sampled = {k: v for k, v in sample.expert_error.items() if k[0] == layer}
+            worst = [k for k, (_, e) in sampled.items() if e > cfg.feedback_threshold] or list(sampled)
+            for key in worst:
+                bits = sampled[key][0]
+                higher = min(b for b in p.bit_widths if b > bits)
+                if p.floors[key] < higher:
+                    p.floors[key] = higher
+                    # Its quality floor rises with it (the widths it may hold, and fetch at).
+                    p.quality[key] = max(p.quality[key], higher)
+                    backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
+                    if self.arbiter.raise_floor(key, higher, self.engine_step):
+                        backend.cancel([key])
+                        backend.start_move(key, higher)
+                    pinned += 1
+                    self.events.append({"engine_step": self.engine_step, "layer": layer, "expert": key[1],
+                                        "layer_error": err, "expert_error": sampled[key][1], "from_bits": bits,
+                                        "floor_bits": higher})
+        return pinned
+
+    def tables(self) -> dict[str, list[dict[str, Any]]]:
+        imp = self.paged.importance
+        usage = [{"layer": k[0], "expert": k[1], "tokens": n, "routing_mass": imp.total_mass[k]}
+                 for k, n in sorted(imp.total_tokens.items())]
+        return {"expert_bits": list(self.matrix), "expert_usage": usage, "fallbacks": list(self.events)}

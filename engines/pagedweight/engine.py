@@ -1,0 +1,153 @@
+"""Engine `pagedweight`: routed experts in pages whose bit widths change while serving,
+arbitrated with the KV cache inside one device budget, with a quality feedback loop.
+
+A recipe of runtime parts and this folder's: every expert's master and quantized versions in
+the host tier (formats.py, `representation` bitplanes or requantize), a backend that holds each
+on the device at one width (backend.py), and a controller (controller.py) whose arbiter
+(arbiter.py) picks the widths every step from routing importance (importance.py) x measured
+sensitivity (sensitivity.py) against the KV demand. Design and measurements: docs/pagedweight.md.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.base import EngineError
+from engines.pagedweight.backend import PagedWeightBackend
+from engines.pagedweight.controller import PageBudget, PagedController, PagedExperts
+from engines.pagedweight.importance import Importance
+from engines.runtime.budget import OFFLOAD_FIX, Claim
+from engines.runtime.copies import CopyEngine
+from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.kv_cache import PagedKVCache
+
+REPRESENTATIONS = ("bitplanes", "requantize")
+
+
+@dataclass(frozen=True)
+class PagedWeightConfig(RuntimeConfig):
+    representation: str = "bitplanes"  # bitplanes | requantize
+    bits: str = "16,8,4,3,2"  # widths an expert may hold on the device (16 = full precision)
+    floor_bits: int = 2  # no expert below this (0: experts may leave the device)
+    # Quality floors: no expert at a width whose measured relative output error (its
+    # sensitivity, squared error over squared output on calibration activations) exceeds this;
+    # 0.01 is about 20 dB SNR, ~4-bit RTN on the demo model. None: any width down to floor_bits.
+    max_expert_error: float | None = 0.01
+    group_size: int = 32  # inputs per quantization group
+    importance_decay: float = 0.9  # EMA of each expert's routing-mass share, per step
+    hysteresis: float = 0.02  # an optional re-plan must lower the expected cost by this share
+    min_residence_steps: int = 8  # steps an expert keeps a width before an optional change
+    transition_bytes_per_step: int | None = None  # bytes of optional page moves per step; None: any
+    kv_reserve_bytes: int | None = None  # KV room planned for at start; None: 25% of budget - dense
+    feedback_every: int = 16  # steps between quality-feedback checks (0: off)
+    feedback_share: float = 0.05  # share of each quantized expert's rows recomputed with the master
+    feedback_threshold: float = 0.05  # a layer's relative error above this pins its worst experts up
+    feedback_weight: float = 0.5  # how far a measurement moves the sensitivity estimate
+    matrix_every: int = 16  # steps between rows of the (layer, expert) -> bits table
+    calib_prompts: int = 24  # seeded random-token calibration prompts (models other than demo-language)
+    calib_file: str | None = None  # JSON list of token-id prompts to calibrate on (the harness writes one)
+    link_gbps: float | None = None  # CPU only: modelled host->device link (as engine offload)
+
+
+
+def parse_bits(text: str, floor: int) -> tuple[int, ...]:
+    try:
+        bits = tuple(sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True))
+    except ValueError:
+        raise EngineError(f"engine pagedweight: bits must be comma-separated integers, got {text!r}") from None
+    bad = [b for b in bits if b not in (16, 8, 4, 3, 2)]
+    if bad or 16 not in bits:
+        raise EngineError(f"engine pagedweight: bits must include 16 and be among 16,8,4,3,2; got {text!r}")
+    if floor not in (0, *bits):
+        raise EngineError(f"engine pagedweight: floor_bits must be 0 or one of {bits}, got {floor}")
+    return bits
+
+
+def calibration_prompts(cfg: PagedWeightConfig, name: str) -> int | list[list[int]]:
+    if cfg.calib_file is None:
+        return cfg.calib_prompts
+    try:
+        prompts = json.loads(Path(cfg.calib_file).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise EngineError(f"engine {name}: cannot read calib_file {cfg.calib_file}: {exc}") from None
+    if not isinstance(prompts, list) or not all(isinstance(p, list) and all(isinstance(t, int) for t in p)
+                                                for p in prompts):
+        raise EngineError(f"engine {name}: calib_file {cfg.calib_file} must hold a JSON list of token-id lists")
+    return prompts
+
+
+def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExperts:
+    """The experts' host-tier stores, their measured sensitivities and quality floors, and the
+    backend over them (nothing on the device yet)."""
+    from engines.pagedweight.formats import make_store  # noqa: PLC0415
+    from engines.pagedweight.sensitivity import load_or_measure  # noqa: PLC0415
+    from engines.quant.qweight import QuantFormatError  # noqa: PLC0415
+
+    if cfg.budget_bytes is None:
+        raise EngineError(f"engine {name} needs a device budget (--budget SIZE)")
+    if cfg.representation not in REPRESENTATIONS:
+        raise EngineError(f"engine {name}: representation must be one of {', '.join(REPRESENTATIONS)}, "
+                          f"got {cfg.representation!r}")
+    widths = parse_bits(cfg.bits, cfg.floor_bits)
+    bound = cfg.max_expert_error
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0):
+        raise EngineError(f"engine {name}: max_expert_error must be a number > 0 (e.g. 0.01) or none, got {bound!r}")
+    dense = loaded.experts
+    copies = CopyEngine(loaded.ledger, loaded.device, cfg.link_gbps)
+    try:
+        stores = {(i, e): make_store(cfg.representation, w.gate_up[e], w.down[e], widths, cfg.group_size, copies.host)
+                  for i, w in dense.items() for e in range(w.num_experts)}
+    except QuantFormatError as exc:
+        raise EngineError(f"engine {name}: {exc} (set group_size to one that divides it, "
+                          "e.g. --set group_size=64)") from None
+    sensitivity = {k: dict(v) for k, v in load_or_measure(
+        loaded.checkpoint, dense, loaded.weights, cfg.representation, widths, cfg.group_size,
+        prompts=calibration_prompts(cfg, name), device=loaded.device, dtype=loaded.dtype).items()}
+    importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay)
+    # The lowest width whose measured error is within max_expert_error (16 always is).
+    quality = {key: min(b for b in widths if bound is None or b == 16 or sensitivity[key][b] <= bound)
+               for key in stores}
+    floors = {key: max(cfg.floor_bits, q) if cfg.floor_bits else 0 for key, q in quality.items()}
+    backend = PagedWeightBackend(stores, copies, loaded.device, importance, cfg.feedback_share, cfg.seed)
+    backend.fetch_bits = dict(quality)  # an expert that left the device comes back at its quality floor
+    if 0 in floors.values():
+        backend.staging_bytes = backend.fetch_slots * backend.staging_slot_bytes()
+    return PagedExperts(backend, widths, sensitivity, importance, quality, floors)
+
+
+def floor_claim(cfg: PagedWeightConfig, paged: PagedExperts, fix: str | None = None) -> Claim:
+    """The least the pages hold: every expert at its floor, or the on-demand staging slots."""
+    widths = sorted(set(paged.floors.values()))
+    slots = paged.backend.fetch_slots
+    what = (f"every routed expert at its floor ({'/'.join(map(str, widths))} bits: floor_bits {cfg.floor_bits}, "
+            f"max_expert_error {cfg.max_expert_error})" if cfg.floor_bits else
+            "a staging slot for one expert fetched on demand at its quality floor" if slots == 1 else
+            f"{slots} staging slots for experts fetched on demand at their quality floor (one copies while "
+            "another computes)")
+    return Claim(what, paged.floor_bytes(), fix)
+
+
+def paged_stats(paged: PagedExperts) -> dict[str, float]:
+    return {"bytes_per_expert": max(s.nbytes(16) for s in paged.backend.stores.values())}
+
+
+class PagedWeightEngine(RuntimeEngine):
+    name = "pagedweight"
+    config_cls = PagedWeightConfig
+    plain_experts_only = True  # its pages and precision tiers hold gate_up/down only
+    needs_calibration = True
+
+    def build(self, cfg: PagedWeightConfig, loaded: Loaded) -> EngineParts:
+        self.paged = paged = paged_experts(cfg, loaded, self.name)
+        block = PagedKVCache.model_block_bytes(loaded.checkpoint.config, cfg.block_size, loaded.dtype)
+        dense = loaded.dense_bytes
+        claims = [Claim("dense weights", dense), floor_claim(cfg, paged, OFFLOAD_FIX), Claim("one KV block", block)]
+        room = PageBudget(cfg.budget_bytes, dense, block, kv_reserve_bytes=cfg.kv_reserve_bytes)
+        # The KV pool is as large as the budget allows with every expert at its floor; each
+        # step sets its capacity to what the weights leave then.
+        kv = KVPool(on_device=True, weights_beside=dense + paged.floor_bytes())
+        self.controller = PagedController(cfg, paged, room)
+        return EngineParts(paged.backend, claims, kv, copies=paged.backend.copies, controllers=[self.controller],
+                           stats=lambda: paged_stats(paged))

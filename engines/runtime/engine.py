@@ -1,0 +1,445 @@
+"""`RuntimeEngine`: the Engine protocol over pwbench's MoE runtime, assembled from parts.
+
+An engine is a recipe of two hooks: `load(cfg) -> Loaded` (checkpoint, dense weights, experts)
+and `build(cfg, loaded) -> EngineParts` (expert backend, budget claims, KV pool, copy path,
+executor, per-step controllers, stats, notes). `start()` and `step()` below read as the flow;
+no engine overrides them. Why the parts are these: docs/moe.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from engines.base import Engine, EngineError, EngineInfo, EngineRequest, InvalidRequestError, RequestOutput, StepOutput
+from engines.common.device import dtype_name, resolve_device, resolve_dtype
+from engines.runtime import cpu_attention
+from engines.runtime.batch import SeqState, StepBatch, build_batch
+from engines.runtime.budget import Claim, DeviceBudget
+from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
+from engines.runtime.config import ModelConfig
+from engines.runtime.copies import CopyEngine, CopyStats
+from engines.runtime.executor import Executor, StepResult
+from engines.runtime.experts import ExpertBackend
+from engines.runtime.kv_cache import PagedKVCache
+from engines.runtime.memory import KVSizing, kv_cache_blocks
+from engines.runtime.model import MoEModel
+from engines.runtime.sampling import make_generator
+from engines.runtime.scheduler import Schedule, Scheduler, Sequence
+from engines.runtime.transfer import TransferLedger
+from engines.runtime.weights import DenseExperts, ModelWeights
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The runtime's options, which every recipe's config extends (so `--set` keys stay flat)."""
+
+    model: str | None = None
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    block_size: int = 16  # tokens per KV block
+    kv_cache_gb: float | None = None  # None: 1 GiB on cpu; on cuda what gpu_memory_utilization leaves
+    kv_blocks: int | None = None  # exact number of KV blocks (overrides kv_cache_gb)
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256  # sequences in flight at once
+    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
+    seed: int = 0  # seeds sampling for requests that give no seed
+    # Device memory for dense + expert weights + KV blocks together (--budget); None: no bound
+    # (the KV cache is sized by kv_cache_gb / kv_blocks / gpu_memory_utilization).
+    budget_bytes: int | None = None
+    # Automatic prefix caching: full KV blocks are shared between sequences with the same
+    # leading tokens and kept after a request ends while memory allows (vLLM's APC).
+    prefix_caching: bool = True
+    # Fake quantization (what `pwbench demo eval --expert-bits` measures): routed experts
+    # RTN-rounded to this many bits at start and computed at full precision; None: off.
+    expert_bits: int | None = None
+    expert_group: int = 32  # inputs per RTN group with expert_bits; 0: one group per output row
+    # CPU float32: the LM head and the experts that stay resident also held in MKL's packed
+    # GEMM layout, so matmuls of 16+ rows skip MKL's per-call packing (same results; their
+    # bytes again in host RAM, reported as prepacked_bytes, not charged to --budget).
+    prepack: bool = True
+
+
+@dataclass
+class Loaded:
+    """What `load` read: the checkpoint served, its dense weights on the device, and its routed
+    experts, either full precision (MoE layer -> DenseExperts) or, for a quantized folder, as
+    a ready backend. `source` is the folder the user named (a quantized copy may be served)."""
+
+    checkpoint: Checkpoint
+    weights: ModelWeights
+    device: torch.device
+    dtype: torch.dtype
+    ledger: TransferLedger
+    experts: dict[int, DenseExperts] = field(default_factory=dict)
+    backend: ExpertBackend | None = None
+    source: Checkpoint | None = None
+
+    @property
+    def dense_bytes(self) -> int:
+        """Device bytes of the dense weights."""
+        return self.weights.nbytes()
+
+    @property
+    def kv_block_bytes_per_token(self) -> int:
+        return PagedKVCache.model_block_bytes(self.checkpoint.config, 1, self.dtype)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """Where the KV blocks live. On the device they share `--budget` and leave room for
+    `weights_beside` device bytes of weights; in the host tier `host_gb` sizes the pool."""
+
+    on_device: bool = True
+    weights_beside: int = 0
+    host_gb: float = 1.0
+
+
+class Controller:
+    """A part that acts around every step (PagedWeight's arbiter loop, a plan's predictions).
+    `start` runs once the KV pool and scheduler exist; `before_step` may move weights and change
+    the KV capacity; `after_step` returns the step's extras. Defaults do nothing."""
+
+    def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
+        return None
+
+    def before_step(self) -> None:
+        return None
+
+    def after_step(self, batch: StepBatch | None) -> Mapping[str, float]:
+        return {}
+
+    def tables(self) -> Mapping[str, list[dict[str, Any]]]:
+        return {}
+
+
+# The executor a recipe runs, built once the model and the KV pool exist.
+ExecutorFactory = Callable[[MoEModel, PagedKVCache, TransferLedger], Executor]
+
+
+def plain_executor(model: MoEModel, kv: PagedKVCache, ledger: TransferLedger) -> Executor:
+    return Executor(model, ledger)
+
+
+@dataclass
+class EngineParts:
+    """What an engine is made of (built by its recipe's `build`)."""
+
+    experts: ExpertBackend
+    claims: Sequence[Claim]  # the least each part holds on the device: the budget minimum
+    kv: KVPool = KVPool()
+    copies: CopyEngine | None = None  # the host<->device copy path of engines with a host tier
+    executor: ExecutorFactory = plain_executor
+    controllers: Sequence[Controller] = ()
+    stats: Callable[[], Mapping[str, float]] | None = None  # engine-specific model_stats
+    notes: Sequence[str] = ()
+    info_config: Mapping[str, Any] = field(default_factory=dict)  # added to info().config
+    config: Any = None  # the options as the parts run them, when the recipe changed one
+
+
+class RuntimeEngine(Engine):
+    """Lifecycle and step shared by every engine on the runtime; recipes give `build` (and
+    `load` when they read weights differently)."""
+
+    config_cls: ClassVar[type] = RuntimeConfig
+    prompt_logits = True
+    # Engines whose expert storage or kernels know only bias-free SwiGLU experts set this, so a
+    # model with other experts (gpt-oss) is refused at start instead of computed wrongly.
+    plain_experts_only: ClassVar[bool] = False
+    # Engines whose attention path runs grouped-query attention only (no MLA, sinks or scale).
+    gqa_only: ClassVar[bool] = False
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.copies: CopyEngine | None = None
+        self.parts: EngineParts | None = None
+        self._started = False
+
+    # -- the recipe's hooks ----------------------------------------------------------------------
+    def load(self, cfg: Any) -> Loaded:
+        """Open the folder and load its weights at full precision."""
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+        ledger = TransferLedger(device)
+        checkpoint = open_checkpoint(cfg.model)
+        self.check_model(checkpoint.config)
+        weights, experts = load_weights(checkpoint, device, dtype, ledger)
+        return Loaded(checkpoint, weights, device, dtype, ledger, experts)
+
+    def build(self, cfg: Any, loaded: Loaded) -> EngineParts:
+        raise NotImplementedError
+
+    def check_model(self, mc: ModelConfig) -> None:
+        """Refuse, in one line, a model whose experts or attention this engine cannot compute."""
+        if not mc.plain_experts and (self.plain_experts_only or self.config.expert_bits is not None):
+            what = f"engine {self.name}" if self.plain_experts_only else "expert_bits (fake quantization)"
+            raise EngineError(
+                f"{what} runs bias-free SwiGLU experts only; {mc.architecture}'s experts have biases and a "
+                "clamped SwiGLU: use engine moe (without expert_bits) for this model"
+            )
+        what = ("multi-head latent attention" if mc.mla is not None else "attention sinks" if mc.attention_sinks
+                else "a non-default softmax scale" if mc.attn_scale is not None else None)
+        if self.gqa_only and what:
+            raise EngineError(f"engine {self.name} runs grouped-query attention only; {mc.architecture} uses {what}: "
+                              "use engine moe or offload for this model")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.config
+        if cfg.model is None:
+            raise EngineError(f"engine {self.name} needs a model folder (--model DIR)")
+        if cfg.block_size < 1 or cfg.max_num_seqs < 1 or cfg.max_num_batched_tokens < 1:
+            raise EngineError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if cfg.budget_bytes is not None and (cfg.kv_cache_gb is not None or cfg.kv_blocks is not None):
+            raise EngineError("--budget sizes the KV cache from what the weights leave; drop kv_cache_gb / kv_blocks")
+        loaded = self.load(cfg)
+        self.loaded, self.checkpoint, self.weights = loaded, loaded.checkpoint, loaded.weights
+        self.device, self.dtype, self.ledger = loaded.device, loaded.dtype, loaded.ledger
+        self._dense_bytes = loaded.dense_bytes
+        self.parts = parts = self.build(cfg, loaded)
+        self.config = cfg = parts.config or cfg
+        self.experts, self.copies = parts.experts, parts.copies
+        self.budget = DeviceBudget(self.name, cfg.budget_bytes, parts.claims)
+        self.budget.check()
+        self.kv = self._kv_cache(cfg, parts.kv)
+        mc = self.checkpoint.config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.kv_capacity_tokens = self.kv.allocator.num_blocks * cfg.block_size
+        self.scheduler = Scheduler(self.kv.allocator, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        for controller in parts.controllers:
+            controller.start(self.kv, self.scheduler)
+        self.model = MoEModel(mc, self.weights, self.experts, self.kv, self.ledger)
+        self.prepacked_bytes = self.model.prepack() if cfg.prepack else 0
+        self.executor = parts.executor(self.model, self.kv, self.ledger)
+        self._dense_bytes_read = self._dense_weight_bytes()
+        self._aborted: list[str] = []
+        self._num_requests = 0
+        self.ledger.take_step()  # loading traffic is not part of any step
+        if self.copies is not None:
+            self.copies.take_step()
+        self._started = True
+
+    def _kv_cache(self, cfg: Any, pool: KVPool) -> PagedKVCache:
+        mc = self.checkpoint.config
+        block_bytes = PagedKVCache.model_block_bytes(mc, cfg.block_size, self.dtype)
+        longest = cfg.max_model_len or mc.max_position_embeddings
+        if not pool.on_device:
+            host = torch.device("cpu")  # the host tier
+            sizing = KVSizing(cfg.block_size, pool.host_gb, None, cfg.gpu_memory_utilization, cfg.max_num_seqs, longest)
+            blocks = kv_cache_blocks(sizing, block_bytes, host)
+            return PagedKVCache(mc.num_layers, blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, host)
+        sizing = KVSizing(cfg.block_size, cfg.kv_cache_gb, cfg.kv_blocks, cfg.gpu_memory_utilization,
+                          cfg.max_num_seqs, longest)
+        if cfg.budget_bytes is None:
+            num_blocks = kv_cache_blocks(sizing, block_bytes, self.device)
+        else:
+            num_blocks = self.budget.kv_blocks(sizing, block_bytes, pool.weights_beside)
+        return PagedKVCache.for_model(mc, num_blocks, cfg.block_size, self.dtype, self.device)
+
+    def stop(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
+        if self._started:
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+            del self.model, self.weights, self.experts, self.kv, self.loaded
+            self._started = False
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        self._check_started()
+        vocab = self.checkpoint.config.vocab_size
+        bad = next((t for t in request.prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        total = len(request.prompt_ids) + request.max_new_tokens
+        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        if total > limit:
+            raise InvalidRequestError(
+                f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
+                f"({request.max_new_tokens}) = {total} tokens exceeds the limit of {limit} "
+                f"(max_model_len {self.max_model_len}, KV cache {self.kv_capacity_tokens} tokens)"
+                + ("; a larger --budget leaves more for the KV cache" if self.config.budget_bytes is not None else "")
+            )
+        if any(s.id == request.request_id for s in self.scheduler.running + list(self.scheduler.waiting)):
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in flight")
+        state = SeqState()
+        if not request.sampling.greedy:
+            seed = request.sampling.seed
+            if seed is None:
+                seed = self.config.seed * 1_000_003 + self._num_requests
+            state.generator = make_generator(seed, self.device)
+        self._num_requests += 1
+        prompt = list(request.prompt_ids)
+        self.scheduler.add(Sequence(request, prompt, len(prompt), state=state,
+                                    prefix_caching=self.config.prefix_caching))
+
+    def abort(self, request_id: str) -> None:
+        self._check_started()
+        if self.scheduler.remove(request_id) is not None:
+            self._aborted.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self._started and (self.scheduler.has_work() or bool(self._aborted))
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> StepOutput:
+        self._check_started()
+        for controller in self.parts.controllers:
+            controller.before_step()
+        outputs = [RequestOutput(rid, finished=True, finish_reason="abort") for rid in self._aborted]
+        self._aborted = []
+        schedule = self.scheduler.schedule()
+        batch = build_batch(schedule, self.kv.allocator, self.ledger)
+        result = self.executor.execute(batch) if batch is not None else None
+        started = self._update(schedule, batch, result, outputs)
+        out = self._step_output(schedule, batch, result, outputs, started)
+        extras = dict(out.extras)
+        for controller in self.parts.controllers:
+            extras.update(controller.after_step(batch))
+        return dataclasses.replace(out, extras=extras)
+
+    def _update(self, schedule: Schedule, batch: StepBatch | None, result: StepResult | None,
+                outputs: list[RequestOutput]) -> tuple[str, ...]:
+        """Apply an executed batch: collected prompt logits, computed positions (full blocks
+        registered in the prefix cache), new tokens. Returns the requests whose prompt this
+        step began to compute (their first chunk; after a cached prefix it starts later)."""
+        started = tuple(c.seq.id for c in schedule.prefills if not c.seq.prompt_started)
+        for c in schedule.prefills:
+            c.seq.prompt_started = True
+        if batch is None or result is None:
+            return started
+        for c, lo, hi in batch.prompt_rows:
+            c.seq.state.prompt_logits.append(self.ledger.to_host(result.logits[lo:hi], "logits"))
+        for c in batch.chunks:
+            c.seq.num_computed += c.length
+            self.scheduler.register_computed(c.seq)
+        for (c, row), token in zip(batch.sampled, result.tokens):
+            outputs.append(self._append_token(c.seq, token, result.logits[row]))
+        return started
+
+    def _step_output(self, schedule: Schedule, batch: StepBatch | None, result: StepResult | None,
+                     outputs: list[RequestOutput], started: tuple[str, ...]) -> StepOutput:
+        counts = result.expert_counts if result is not None else {}
+        chunks = batch.chunks if batch is not None else []
+        copied = self.copies.take_step() if self.copies is not None else CopyStats()
+        moved = self.ledger.take_step()
+        expert_stats = self.experts.step_stats()
+        bytes_read = expert_stats.pop("expert_bytes_read")
+        # KV blocks on the device are the device's KV bytes; a pool in the host tier leaves only
+        # what the executor stages on the device (moegen's stream and split placements).
+        kv_bytes = (self.kv.allocator.num_held * self.kv.block_bytes if self.parts.kv.on_device
+                    else self.executor.device_kv_bytes())
+        return StepOutput(
+            outputs=tuple(outputs),
+            started=started,
+            cached_prompt_tokens=schedule.cached_tokens,
+            num_prefill_tokens=sum(c.length for c in schedule.prefills),
+            num_decode_tokens=len(schedule.decodes),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preempted=len(schedule.preempted),
+            experts_hit=sum(n > 0 for layer_counts in counts.values() for n in layer_counts),
+            context_tokens=sum(c.start + c.length for c in chunks),
+            weight_bytes_read=(self._dense_bytes_read + bytes_read) if batch is not None else 0,
+            h2d_bytes=moved.h2d_bytes,
+            d2h_bytes=moved.d2h_bytes,
+            h2d_transfers=moved.h2d_transfers,
+            d2h_transfers=moved.d2h_transfers,
+            device_weight_bytes=self._dense_bytes + self.experts.device_bytes(),
+            device_kv_bytes=kv_bytes,
+            copy_busy_s=copied.busy_s,
+            copy_stall_s=copied.stall_s,
+            extras=expert_stats,
+        )
+
+    def _append_token(self, seq: Sequence, token: int, logits_row: torch.Tensor) -> RequestOutput:
+        req = seq.request
+        seq.token_ids.append(token)
+        logits = None
+        if req.return_logits:
+            seq.state.logits.append(self.ledger.to_host(logits_row, "logits"))
+            logits = seq.state.logits[-1][None]
+        prompt_logits = None
+        if req.return_prompt_logits and seq.num_generated == 1:
+            prompt_logits = torch.cat(seq.state.prompt_logits)
+            seq.state.prompt_logits = []
+        reason = None
+        if not req.ignore_eos and token in self.checkpoint.config.eos_token_ids:
+            reason = "stop"
+        elif seq.num_generated >= req.max_new_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.remove(seq.id)
+        return RequestOutput(req.request_id, (token,), reason is not None, reason, logits, prompt_logits)
+
+    # -- results ---------------------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        self._check_started()
+        mc = self.checkpoint.config
+        source = self.loaded.source or self.checkpoint
+        return EngineInfo(
+            name=self.name,
+            model=str(source.path),
+            architecture=mc.architecture,
+            device=str(self.device),
+            dtype=dtype_name(self.dtype),
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=mc.eos_token_ids,
+            weight_bytes=self._dense_bytes + self.experts.device_bytes(),
+            kv_cache_bytes=self.kv.nbytes(),
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            device_budget_bytes=self.config.budget_bytes,
+            config={**dataclasses.asdict(self.config), **self.parts.info_config},
+            model_stats=self._model_stats(),
+        )
+
+    def tables(self) -> dict[str, list[dict[str, Any]]]:
+        return {name: rows for c in self.parts.controllers for name, rows in c.tables().items()}
+
+    def notes(self) -> list[str]:
+        return list(self.parts.notes) if self.parts is not None else []
+
+    def _dense_weight_bytes(self) -> int:
+        """Dense bytes a step reads: every dense tensor except the embedding table (a step
+        reads only its rows), plus the LM head when it is the tied embedding."""
+        w = self.weights
+        dense = w.nbytes() - w.embed.numel() * w.embed.element_size()
+        if self.checkpoint.config.tie_word_embeddings:
+            dense += w.lm_head.numel() * w.lm_head.element_size()
+        return dense
+
+    def _model_stats(self) -> dict[str, float]:
+        mc = self.checkpoint.config
+        per_expert = 3 * mc.hidden_size * mc.moe_intermediate_size
+        if mc.expert_bias:
+            per_expert += 2 * mc.moe_intermediate_size + mc.hidden_size
+        dense_bytes = self._dense_bytes_read
+        dense_params = dense_bytes // self.weights.embed.element_size()
+        stats: dict[str, float] = {
+            "dense_weight_bytes": dense_bytes,
+            "bytes_per_expert": self.experts.device_bytes() / max(1, sum(mc.moe_layers) * mc.num_experts),
+            "active_params_per_token": dense_params + sum(mc.moe_layers) * mc.top_k * per_expert,
+            "kv_bytes_per_token": PagedKVCache.model_block_bytes(mc, 1, self.dtype),
+            **({"device_budget_bytes": self.config.budget_bytes} if self.config.budget_bytes is not None else {}),
+            **({"prepacked_bytes": self.prepacked_bytes} if self.prepacked_bytes else {}),
+            # CPU float32: 1 when decode attention runs the in-place C kernel, 0 when it could not
+            # be built here (gather + SDPA then; engines/runtime/cpu_attention.py)
+            **({"cpu_attention_kernel": float(cpu_attention.available())}
+               if self.device.type == "cpu" and self.dtype == torch.float32 else {}),
+        }
+        if self.parts.stats is not None:
+            stats.update(self.parts.stats())
+        return stats
+
+    def _check_started(self) -> None:
+        if not self._started:
+            raise EngineError(f"engine {self.name} is not started; call start() first")
