@@ -101,7 +101,8 @@ class DummyEngine(Engine):
         cfg = self.config
         self._steps += 1
         if cfg.fail_after_steps is not None and self._steps > cfg.fail_after_steps:
-            raise RuntimeError(f"dummy engine: injected failure in step {self._steps} (fail_after_steps={cfg.fail_after_steps})")
+            raise RuntimeError(f"dummy engine: injected failure in step {self._steps} "
+                               f"(fail_after_steps={cfg.fail_after_steps})")
         outputs = [RequestOutput(rid, finished=True, finish_reason="abort") for rid in self._aborted]
         self._aborted = []
         decode_ids = list(self._running)

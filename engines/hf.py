@@ -90,7 +90,8 @@ class HFEngine(Engine):
         # random weights and a warning; refuse it instead.
         bad = [k for key in ("missing_keys", "unexpected_keys", "mismatched_keys") for k in loading.get(key, [])]
         if bad:
-            raise ModelLoadError(f"transformers loaded {root} with {len(bad)} missing or unexpected tensors (first: {bad[0]})")
+            raise ModelLoadError(f"transformers loaded {root} with {len(bad)} missing or unexpected tensors "
+                                 f"(first: {bad[0]})")
         self.model = model.to(self.device).eval()
         mc = self.model.config
         self.vocab_size = mc.vocab_size
@@ -177,7 +178,8 @@ class HFEngine(Engine):
             num_waiting=len(self._waiting),
         )
 
-    def _emit(self, row: _Row, token: int, logits: torch.Tensor | None, prompt_logits: torch.Tensor | None) -> RequestOutput:
+    def _emit(self, row: _Row, token: int, logits: torch.Tensor | None,
+              prompt_logits: torch.Tensor | None) -> RequestOutput:
         req = row.request
         row.generated += 1
         reason = None
@@ -288,7 +290,7 @@ class HFEngine(Engine):
                     stopping_criteria=StoppingCriteriaList([Finished()]),
                 )
             events.put(("done", None, None))
-        except Exception as exc:  # surfaced by step() in the caller's thread
+        except Exception as exc:  # noqa: BLE001  (surfaced by step() in the caller's thread)
             events.put(("error", exc, None))
 
     def info(self) -> EngineInfo:

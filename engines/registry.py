@@ -99,7 +99,8 @@ def engine_class(name: str) -> type[Engine]:
 def create_engine(name: str, options: Mapping[str, Any]) -> Engine:
     """Build (not start) engine `name` with options checked against its config dataclass."""
     cls = engine_class(name)
-    if options.get("budget_bytes") is not None and "budget_bytes" not in {f.name for f in dataclasses.fields(cls.config_cls)}:
+    if (options.get("budget_bytes") is not None
+            and "budget_bytes" not in {f.name for f in dataclasses.fields(cls.config_cls)}):
         takes = [n for n in _ENGINES if n != name and _takes_budget(n)]
         raise EngineError(f"engine {name} does not manage device memory, so --budget does not apply to it; "
                           f"engines that take a budget: {', '.join(takes)}")
@@ -156,7 +157,7 @@ def _coerce(raw: Any, hint: Any, what: str) -> Any:
                 return False
             raise ValueError(raw)
         if hint is int and what.endswith("_bytes'"):
-            from engines.common.sizes import parse_size  # noqa: PLC0415
+            from engines.common.sizes import parse_size
 
             return parse_size(raw, what)
         if hint in (int, float, str):

@@ -89,7 +89,8 @@ class OpenAIEngine(Engine):
 
             path = Path(cfg.model).expanduser()
             if not path.is_dir():
-                raise EngineError(f"engine openai option 'model' is a local folder for the tokenizer; {path} is not one")
+                raise EngineError("engine openai option 'model' is a local folder for the tokenizer; "
+                                  f"{path} is not one")
             self._tokenizer = load_tokenizer(path)
             if (path / "config.json").is_file():
                 folder = json.loads((path / "config.json").read_text())
@@ -125,7 +126,8 @@ class OpenAIEngine(Engine):
         # pwbench serve lists its vocabulary beside max_model_len (vLLM lists max_model_len only).
         self._vocab = (cfg.vocab_size or folder.get("vocab_size") or entry.get("vocab_size")
                        or (self._tokenizer.get_vocab_size() if self._tokenizer else 32000))
-        self._max_len = (cfg.max_model_len or folder.get("max_position_embeddings") or entry.get("max_model_len") or 4096)
+        self._max_len = (cfg.max_model_len or folder.get("max_position_embeddings") or entry.get("max_model_len")
+                         or 4096)
         if entry.get("max_model_len"):
             self._max_len = min(self._max_len, int(entry["max_model_len"]))
         self._cpu0 = self._cpu_prev = self._client_cpu_s()
@@ -182,7 +184,8 @@ class OpenAIEngine(Engine):
             raise InvalidRequestError(f"request {request.request_id}: engine openai returns no logits")
         bad = next((t for t in request.prompt_ids if not 0 <= t < self._vocab), None)
         if bad is not None:
-            raise InvalidRequestError(f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {self._vocab})")
+            raise InvalidRequestError(f"request {request.request_id}: token id {bad} is outside the vocabulary "
+                                      f"[0, {self._vocab})")
         total = len(request.prompt_ids) + request.max_new_tokens
         if total > self._max_len:
             raise InvalidRequestError(f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + "
@@ -212,7 +215,8 @@ class OpenAIEngine(Engine):
         if cfg.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": self._tokenizer.decode(list(request.prompt_ids))}]
         else:
-            body["prompt"] = list(request.prompt_ids) if cfg.token_ids else self._tokenizer.decode(list(request.prompt_ids))
+            body["prompt"] = (list(request.prompt_ids) if cfg.token_ids
+                              else self._tokenizer.decode(list(request.prompt_ids)))
         return body
 
     def _spawn(self, rid: str, body: dict[str, Any]) -> None:
@@ -224,7 +228,8 @@ class OpenAIEngine(Engine):
         self._wake.set()
 
     async def _stream(self, rid: str, body: dict[str, Any]) -> None:
-        url = f"{self.config.base_url.rstrip('/')}/{'chat/completions' if self.config.endpoint == 'chat' else 'completions'}"
+        url = (f"{self.config.base_url.rstrip('/')}/"
+               f"{'chat/completions' if self.config.endpoint == 'chat' else 'completions'}")
         chat = self.config.endpoint == "chat"
         try:
             async with self._session.post(url, data=json.dumps(body)) as resp:

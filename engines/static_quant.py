@@ -19,16 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from engines.common import folders
 from engines.base import EngineError
-from engines.common.device import dtype_name
+from engines.common import folders
+from engines.common.device import dtype_name, resolve_device, resolve_dtype
 from engines.moe import resident_parts
 from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import read_scheme
 from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_backend
-from engines.common.device import resolve_device, resolve_dtype
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
 from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine
 from engines.runtime.transfer import TransferLedger
@@ -105,7 +104,8 @@ class StaticQuantEngine(RuntimeEngine):
         mc = src.config
         length = min(cfg.calib_len, mc.max_position_embeddings)
         prompts = random_prompts(mc.vocab_size, cfg.calib_samples, length, cfg.calib_seed, mc.eos_token_ids)
-        calibration = {"source": "random tokens", "samples": cfg.calib_samples, "length": length, "seed": cfg.calib_seed}
+        calibration = {"source": "random tokens", "samples": cfg.calib_samples, "length": length,
+                       "seed": cfg.calib_seed}
         folder.parent.mkdir(parents=True, exist_ok=True)
         try:
             quantize_folder(src.path, folder, options, prompts, fmt=fmt, device=str(self.device),

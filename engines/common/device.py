@@ -24,7 +24,8 @@ def resolve_device(name: str | None) -> torch.device:
     except RuntimeError:
         raise EngineError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise EngineError(f"device {name!r} requested but this torch ({torch.__version__}) sees no CUDA device; use --device cpu")
+        raise EngineError(f"device {name!r} requested but this torch ({torch.__version__}) sees no CUDA device; "
+                          "use --device cpu")
     if device.type not in ("cpu", "cuda"):
         raise EngineError(f"device {name!r} is not supported; use cpu, cuda or cuda:N")
     return device

@@ -17,5 +17,5 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
 
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+    except Exception as exc:  # noqa: BLE001  (tokenizers raises a bare Exception on a malformed file)
         raise ModelLoadError(f"cannot read {path}: {exc}") from None

@@ -210,8 +210,8 @@ def attention_s(shape: ModelShape, hw: Hardware, on_host: bool, decode_keys: flo
     measured = hw.host_attention_bytes_per_s if on_host else hw.attention_bytes_per_s
     causal = hw.host_prefill_attention_flops_per_s if on_host else hw.prefill_attention_flops_per_s
     if measured is None and causal is None:
-        return roof(KV_READS * decode_keys * kv_layer + prefill_tokens * kv_layer, per_key * (decode_keys + prefill_keys),
-                    bw, rate)
+        return roof(KV_READS * decode_keys * kv_layer + prefill_tokens * kv_layer,
+                    per_key * (decode_keys + prefill_keys), bw, rate)
     prefill = roof(prefill_tokens * kv_layer, per_key * prefill_keys, bw, causal or rate) if prefill_tokens else 0.0
     decode = decode_keys * kv_layer / measured if measured else roof(KV_READS * decode_keys * kv_layer,
                                                                       per_key * decode_keys, bw, rate)
@@ -301,7 +301,8 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
             h = host_att
             busy = dense_t + overhead + (expert_t if moe else 0.0) + host_gather + att_phase + memcpy
         else:
-            c = dense_t + overhead + (expert_t if moe else 0.0) + (att_t if plan.kv_placement == "device" else 0.0) + memcpy
+            c = (dense_t + overhead + (expert_t if moe else 0.0)
+                 + (att_t if plan.kv_placement == "device" else 0.0) + memcpy)
             h = att_t if plan.kv_placement == "host" else 0.0
             # Host attention is synchronous in this executor (the layer waits for it), so host and
             # device work add up; the copies of the next layer's experts run beside both.
@@ -389,11 +390,13 @@ def candidate_plans(shape: ModelShape, hw: Hardware, budget: int, work: Workload
                 else:
                     seqs = work.seqs
                     micro = max(1, min(seqs, host_scratch_bytes // (max(1, work.context) * kv_layer)))
-                plan = BatchPlan(placement, seqs, micro, slots_used, resident, max(0, kv_bytes) if placement == "device" else 0)
+                plan = BatchPlan(placement, seqs, micro, slots_used, resident,
+                                 max(0, kv_bytes) if placement == "device" else 0)
                 candidates.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
     if not candidates:
         if all(p in STREAMED for p in placements):
-            least = staging_bytes(shape, kv_block_bytes, 1 if "stream" in placements else 2, work.context, max_seq_blocks)
+            least = staging_bytes(shape, kv_block_bytes, 1 if "stream" in placements else 2, work.context,
+                                  max_seq_blocks)
             raise ValueError(f"no plan fits budget {budget}: the KV staging buffer of the smallest micro-batch "
                              f"({least} bytes{'; split needs 2 sequences' if 'stream' not in placements else ''}) "
                              f"and one expert slot do not fit beside the dense weights ({shape.dense_bytes})")
@@ -428,6 +431,7 @@ def _streamed_plans(shape: ModelShape, hw: Hardware, free: int, work: Workload, 
                     share = round(share * micro) / micro  # the executor splits whole sequences
                     if share in (0.0, 1.0):
                         continue  # that is stream or host
-                plan = BatchPlan(placement, seqs, micro, slots_used, resident, 0, staging_bytes=staged, host_share=share)
+                plan = BatchPlan(placement, seqs, micro, slots_used, resident, 0, staging_bytes=staged,
+                                 host_share=share)
                 out.append(replace(plan, predicted=decode_cost(shape, hw, plan, seqs, work.context)))
     return out

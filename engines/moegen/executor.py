@@ -26,12 +26,12 @@ import torch
 from torch import Tensor
 
 from engines.runtime.attention import AttentionBatch, DecodeGroup, PrefillSegment, paged_attention
+from engines.runtime.batch import StepBatch
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.executor import Executor
 from engines.runtime.kv_cache import KVCache, block_rows, gather_blocks, gather_tables
 from engines.runtime.model import Attend, ForwardResult, MoEModel
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.batch import StepBatch
 
 MicroBatch = tuple[int, int, AttentionBatch]  # rows [lo, hi) of the flat batch, rebased layout
 
@@ -71,7 +71,10 @@ def on_host(attn: AttentionBatch, ledger: TransferLedger) -> AttentionBatch:
     """The attention layout's index tensors on the host (counted when they cross)."""
     if attn.slots.device.type == "cpu":
         return attn
-    host = (lambda t: ledger.to_host(t, "attention"))
+
+    def host(t: Tensor) -> Tensor:
+        return ledger.to_host(t, "attention")
+
     return AttentionBatch(
         host(attn.slots), attn.num_decode,
         [DecodeGroup(g.row, host(g.tables), host(g.ctx), g.block_size) for g in attn.decodes],

@@ -49,8 +49,10 @@ def hardware(device_name: str, on_cpu: bool, link_bytes_per_s: float | None, pea
         link_bytes_per_s=link_bytes_per_s, op_overhead_s=op_overhead_s, source=source,
         weight_bytes_per_s=peaks.get("skinny_matmul_bytes_per_s"), shared_processor=on_cpu,
         flops_at_rows=tuple((int(r), float(f)) for r, f in (peaks.get("matmul_flops_at_rows") or {}).items()),
-        sample_bytes_per_s=peaks.get("argmax_bytes_per_s"), elementwise_bytes_per_s=peaks.get("elementwise_bytes_per_s"),
-        elementwise_at_tokens=tuple((int(t), float(r)) for t, r in (peaks.get("elementwise_bytes_per_s_at_tokens") or {}).items()),
+        sample_bytes_per_s=peaks.get("argmax_bytes_per_s"),
+        elementwise_bytes_per_s=peaks.get("elementwise_bytes_per_s"),
+        elementwise_at_tokens=tuple((int(t), float(r))
+                                    for t, r in (peaks.get("elementwise_bytes_per_s_at_tokens") or {}).items()),
         attention_bytes_per_s=peaks.get("decode_attention_bytes_per_s"),
         host_attention_bytes_per_s=host.get("decode_attention_bytes_per_s"),
         prefill_attention_flops_per_s=peaks.get("prefill_attention_flops_per_s"),

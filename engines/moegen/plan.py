@@ -112,7 +112,8 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
                            min_blocks, cfg.host_share)
     except ValueError as exc:
         raise EngineError(f"engine {name}: {exc}; raise --budget or use --set kv_placement=host") from None
-    fixed = {k: getattr(cfg, k) for k in ("expert_slots", "resident_experts", "micro_batch") if getattr(cfg, k) is not None}
+    fixed = {k: getattr(cfg, k) for k in ("expert_slots", "resident_experts", "micro_batch")
+             if getattr(cfg, k) is not None}
     if not fixed:
         return plan
     total = shape.total_experts
@@ -130,7 +131,8 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
     slots = fixed.get("expert_slots", plan.expert_slots or 1) if resident < total else 0
     weights = shape.dense_bytes + (slots + resident) * shape.expert_bytes
     if weights + staged + (kv_block if plan.kv_placement == "device" else 0) > cfg.budget_bytes:
-        beside = f"the dense weights and the KV staging buffer ({format_size(staged)})" if staged else "the dense weights"
+        beside = (f"the dense weights and the KV staging buffer ({format_size(staged)})" if staged
+                  else "the dense weights")
         raise EngineError(f"engine {name}: {slots} ring slots + {resident} resident experts "
                           f"({format_size((slots + resident) * shape.expert_bytes)}) do not fit --budget "
                           f"{format_size(cfg.budget_bytes)} beside {beside}")
@@ -143,7 +145,8 @@ def plan_hardware(cfg: MoEGenConfig, device) -> Hardware:
     """The cost model's machine: peaks given as options, else `pwbench hw`'s, else assumed."""
     peaks = None
     if cfg.peak_memory_gbps is not None and cfg.peak_gflops is not None:
-        peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9, "matmul_flops_per_s": cfg.peak_gflops * 1e9}
+        peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9,
+                 "matmul_flops_per_s": cfg.peak_gflops * 1e9}
     link = cfg.link_gbps * 1e9 if cfg.link_gbps is not None else None
     return hardware(device_name(device), device.type == "cpu", link, peaks,
                     op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)

@@ -46,7 +46,8 @@ class StreamingBackend(HostTierBackend):
             raise ValueError(f"{streamed} experts stream and need at least one device slot, got {slots}")
         super().__init__(experts, copies)
         # Resident experts stay where loading put them (own storage, so the stacks can go).
-        self.resident = {(i, e): (experts[i].gate_up[e].clone(), experts[i].down[e].clone()) for i, e in sorted(resident)}
+        self.resident = {(i, e): (experts[i].gate_up[e].clone(), experts[i].down[e].clone())
+                         for i, e in sorted(resident)}
         first = next(iter(experts.values()))
         n = slots if streamed else 0
         self.gate_up = torch.zeros((n, *first.gate_up.shape[1:]), dtype=first.gate_up.dtype, device=device)

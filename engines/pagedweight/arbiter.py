@@ -199,7 +199,8 @@ def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity
 
 def _plan(pick: Mapping[Key, Choice], capacity: int) -> Allocation:
     nbytes = sum(o.nbytes for o in pick.values())
-    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, sum(o.cost for o in pick.values()), nbytes <= capacity)
+    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, sum(o.cost for o in pick.values()),
+                      nbytes <= capacity)
 
 
 def _fit(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, fixed: Key) -> bool:

@@ -70,7 +70,8 @@ class QuantizeOptions:
             raise QuantFormatError(f"method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
         check_bits(self.bits, "quantize")
         if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise QuantFormatError(f"quantize: group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
+            raise QuantFormatError(f"quantize: group_size must be one of {SUPPORTED_GROUP_SIZES}, "
+                                   f"got {self.group_size}")
         if self.act_order and self.method != "gptq":
             raise QuantFormatError(f"act_order applies to method gptq only, not {self.method}")
         if not 0 <= self.damp_percent < 1:
@@ -248,7 +249,8 @@ def _prefill_batch(config: ModelConfig, lengths: list[int], dtype: torch.dtype,
     return kv, AttentionBatch(slots=ledger.tensor(slots, torch.long), num_decode=0, prefills=segments)
 
 
-def random_prompts(vocab_size: int, samples: int, length: int, seed: int, exclude: Sequence[int] = ()) -> list[list[int]]:
+def random_prompts(vocab_size: int, samples: int, length: int, seed: int,
+                   exclude: Sequence[int] = ()) -> list[list[int]]:
     """Seeded uniform random token ids, never one of `exclude` (EOS, BOS): the calibration set of
     engines that quantize at start, since engines do not read workloads."""
     skip = set(exclude)

@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from engines.base import EngineError
-from engines.common.folders import REPORT_FILE
 from engines.common.device import dtype_name, resolve_device, resolve_dtype
+from engines.common.folders import REPORT_FILE
 from engines.quant.calibrate import LayerReport, QuantizedModel, QuantizeOptions, check_model, quantize_model
 from engines.quant.convert import AWQ_BITS
 from engines.quant.hf_format import FORMATS, FolderScheme, quantization_config, rows, write_linear

@@ -87,7 +87,8 @@ def read_scheme(qc: Mapping[str, Any] | None, source: str) -> FolderScheme:
         bits = _check_int(_field(qc, "bits", 4), f"{where}.bits", AWQ_BITS)
         version = str(_field(qc, "version", "gemm")).lower()
         if version not in AWQ_VERSIONS:
-            raise QuantFormatError(f"{where}.version {version!r} is not supported; supported: {', '.join(AWQ_VERSIONS)}")
+            raise QuantFormatError(f"{where}.version {version!r} is not supported; "
+                                   f"supported: {', '.join(AWQ_VERSIONS)}")
         if not _field(qc, "zero_point", True):
             raise QuantFormatError(f"{where}.zero_point false is not supported; supported: true (AutoAWQ GEMM)")
         return FolderScheme("awq", bits, group_size, symmetric=False)
@@ -96,7 +97,8 @@ def read_scheme(qc: Mapping[str, Any] | None, source: str) -> FolderScheme:
     if fmt not in GPTQ_CHECKPOINT_FORMATS:
         raise QuantFormatError(f"{where}.checkpoint_format {fmt!r} is not supported; "
                                f"supported: {', '.join(GPTQ_CHECKPOINT_FORMATS)}")
-    return FolderScheme("gptq", bits, group_size, bool(_field(qc, "sym", True)), bool(_field(qc, "desc_act", False)), fmt)
+    return FolderScheme("gptq", bits, group_size, bool(_field(qc, "sym", True)), bool(_field(qc, "desc_act", False)),
+                        fmt)
 
 
 def _read_compressed_tensors(qc: Mapping[str, Any], where: str) -> FolderScheme:
@@ -130,7 +132,8 @@ def read_linear(get: Callable[[str], Tensor | None], scheme: FolderScheme, name:
                          group_size=scheme.group_size, sym=scheme.symmetric, name=name,
                          checkpoint_format=scheme.checkpoint_format)
     if scheme.fmt == "awq":
-        return from_awq(t["qweight"], t["qzeros"], t["scales"], bits=scheme.bits, group_size=scheme.group_size, name=name)
+        return from_awq(t["qweight"], t["qzeros"], t["scales"], bits=scheme.bits, group_size=scheme.group_size,
+                        name=name)
     return from_compressed_tensors(t["weight_packed"], t["weight_scale"], t["weight_shape"], t["weight_zero_point"],
                                    t["weight_g_idx"], bits=scheme.bits, group_size=scheme.group_size,
                                    symmetric=scheme.symmetric, name=name)

@@ -73,7 +73,8 @@ class QuantizedLinears:
         fp = [prefix + "gate_up_proj", *(f"{prefix}0.{n[0]}.weight" for n in EXPERT_NAMES)]
         if any(reader.has(key) for key in fp):
             raise ModelLoadError(f"{reader.ckpt.path}: the routed experts under {prefix} are full precision in a "
-                                 f"{self.scheme.fmt} folder; pwbench's static engines need every routed expert quantized")
+                                 f"{self.scheme.fmt} folder; pwbench's static engines need every routed "
+                                 "expert quantized")
         names = expert_names(reader, prefix, REQUIRED[self.scheme.fmt][0])
         gate_up, down = [], []
         for e in range(E):

@@ -173,7 +173,9 @@ class QuantizedWeight:
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> QuantizedWeight:
         """The same weight with `fn` applied to each of its tensors (index, move, add a dim)."""
-        opt = (lambda t: None if t is None else fn(t))
+        def opt(t: Tensor | None) -> Tensor | None:
+            return None if t is None else fn(t)
+
         return replace(self, qdata=fn(self.qdata), scales=fn(self.scales), zeros=opt(self.zeros), g_idx=opt(self.g_idx))
 
     def expert(self, index: int) -> QuantizedWeight:
@@ -220,10 +222,13 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> Tensor:
     """record -> W [..., out, in] in `dtype` (default: the scales' dtype); math in float32."""
     codes, zeros = unpack(qw)
     if qw.g_idx is None:
-        per_col = (lambda t: t.repeat_interleave(qw.group_size, dim=-1))
+        def per_col(t: Tensor) -> Tensor:
+            return t.repeat_interleave(qw.group_size, dim=-1)
     else:
         index = qw.g_idx.long().unsqueeze(-2).expand(*qw.lead, *qw.shape)
-        per_col = (lambda t: t.gather(-1, index))
+
+        def per_col(t: Tensor) -> Tensor:
+            return t.gather(-1, index)
     w = (codes.float() - per_col(zeros).float()) * per_col(qw.scales.float())
     return w.to(dtype or qw.dtype)
 
@@ -282,7 +287,10 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
         # One g_idx serves every row of the fused matrix. GPTQ act-order derives it from the
         # layer input's Hessian, which gate and up share, so real checkpoints agree.
         raise QuantFormatError("concat_rows: parts have different g_idx (act-order); cannot fuse them")
-    cat = (lambda ts: None if ts[0] is None else torch.cat(ts, dim=-2))
+
+    def cat(ts: list[Tensor | None]) -> Tensor | None:
+        return None if ts[0] is None else torch.cat(ts, dim=-2)
+
     return replace(first, qdata=cat([p.qdata for p in parts]), scales=cat([p.scales for p in parts]),
                    zeros=cat([p.zeros for p in parts]), shape=(sum(p.shape[0] for p in parts), first.shape[1]))
 

@@ -38,7 +38,8 @@ def candidates(group_size: int, rows_per_expert: int) -> list[KernelConfig]:
 
 
 def tune_gemm(experts: int, n: int, k: int, bits: int, group_size: int, dtype: torch.dtype,
-              rows_list: tuple[int, ...] = DEFAULT_ROWS, swiglu: bool = False, seed: int = 0) -> dict[int, KernelConfig]:
+              rows_list: tuple[int, ...] = DEFAULT_ROWS, swiglu: bool = False,
+              seed: int = 0) -> dict[int, KernelConfig]:
     """Best KernelConfig per row count for an [rows, k] x [experts, n, k] quantized matmul."""
     if not torch.cuda.is_available():
         raise EngineError("kernel tuning needs a CUDA device; none is visible")
@@ -58,7 +59,8 @@ def tune_gemm(experts: int, n: int, k: int, bits: int, group_size: int, dtype: t
         timings = {}
         for cfg in candidates(group_size, -(-rows // experts)):
             try:
-                timings[cfg] = triton.testing.do_bench(lambda cfg=cfg: qmm(a, qw, counts, out_n, swiglu=swiglu, config=cfg))
+                timings[cfg] = triton.testing.do_bench(
+                    lambda cfg=cfg: qmm(a, qw, counts, out_n, swiglu=swiglu, config=cfg))
             except Exception as exc:  # noqa: BLE001  (a tile that does not fit this GPU: skip it)
                 print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
         best = min(timings, key=timings.get)

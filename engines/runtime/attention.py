@@ -131,7 +131,8 @@ class DecodeGroup:
         """[n] the first key position each decode token sees (keys first_key <= t < ctx: the
         same keys as `mask`), for attention that reads the table in place."""
         if window not in self._starts:
-            self._starts[window] = (self.ctx - window).clamp(min=0) if window is not None else torch.zeros_like(self.ctx)
+            self._starts[window] = ((self.ctx - window).clamp(min=0) if window is not None
+                                    else torch.zeros_like(self.ctx))
         return self._starts[window]
 
 

@@ -12,7 +12,6 @@ from engines.base import EngineError
 from engines.common.sizes import format_size
 from engines.runtime.memory import KVSizing, kv_blocks_in_budget
 
-
 # What a budget too small for experts held on the device should make the user try instead.
 OFFLOAD_FIX = "engine offload keeps experts on the host and needs less"
 

@@ -35,8 +35,8 @@ from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
     AttentionWeights,
     DenseExperts,
-    MLAWeights,
     LayerWeights,
+    MLAWeights,
     MLPWeights,
     ModelWeights,
     MoEWeights,
@@ -105,7 +105,8 @@ def _key_files(root: Path) -> dict[str, Path]:
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {single}: {exc}") from None
     if any(root.glob("*.bin")):
-        raise ModelLoadError(f"{root} holds PyTorch .bin weights; pwbench reads safetensors only (re-save with save_pretrained)")
+        raise ModelLoadError(f"{root} holds PyTorch .bin weights; pwbench reads safetensors only "
+                             "(re-save with save_pretrained)")
     raise ModelLoadError(f"{root} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
@@ -198,7 +199,8 @@ def load_weights(
 
 
 def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger,
-               load_experts: ExpertLoader, linear_format: LinearFormat | None = None) -> tuple[ModelWeights, dict[int, Any]]:
+               load_experts: ExpertLoader,
+               linear_format: LinearFormat | None = None) -> tuple[ModelWeights, dict[int, Any]]:
     """Every tensor of the folder, strictly: routed experts through `load_experts`, other linear
     layers plain or through `linear_format`. Raises ModelLoadError naming missing tensors and
     tensors nothing used."""

@@ -72,9 +72,11 @@ def _build() -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
             src, built = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
             src.write_text(_SOURCE)
-            done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(built), *_LIBS], capture_output=True, text=True, check=False)
+            done = subprocess.run([cc, *_FLAGS, str(src), "-o", str(built), *_LIBS], capture_output=True, text=True,
+                                  check=False)
             if done.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+                raise RuntimeError(
+                    f"{cc} failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
             os.replace(built, lib)  # whole or not at all: a concurrent build replaces it with the same bytes
     so = ctypes.CDLL(str(lib))
     fn = so.paged_decode_attention

@@ -152,7 +152,7 @@ class ExpertBackend(ABC):
     def expert_bytes(self, layer: int, expert: int) -> int:
         """Device bytes of one expert's weights as stored."""
 
-    def prefetch(self, layer: int) -> None:
+    def prefetch(self, layer: int) -> None:  # noqa: B027  (an optional hook: a no-op by default)
         """Start making `layer`'s experts resident ahead of use (no-op when they always are)."""
 
     def prepack(self) -> int:
@@ -206,7 +206,8 @@ class ResidentBackend(StackedBackend):
     QuantizedExperts with the fused kernel for the static engines. A record has
     `nbytes()`, `expert_nbytes(e)` (the same for every e of a stack) and `num_experts`."""
 
-    def __init__(self, layers: dict[int, Any], compute: Callable[[Tensor, Dispatch, Any], Tensor] | None = None) -> None:
+    def __init__(self, layers: dict[int, Any],
+                 compute: Callable[[Tensor, Dispatch, Any], Tensor] | None = None) -> None:
         super().__init__(layers)
         self._compute = compute or grouped_swiglu
         self._packed: dict[int, PackedExperts] = {}  # layer -> packed copies (prepack)
@@ -222,7 +223,8 @@ class ResidentBackend(StackedBackend):
         if self._compute is not grouped_swiglu:
             return 0
         for i, w in self.stacks.items():
-            if isinstance(w, DenseExperts) and getattr(w, "gate_up_bias", None) is None and getattr(w, "clamp", None) is None:
+            if (isinstance(w, DenseExperts) and getattr(w, "gate_up_bias", None) is None
+                    and getattr(w, "clamp", None) is None):
                 self._packed[i] = PackedExperts([pack(t) for t in w.gate_up], [pack(t) for t in w.down])
         return sum(packed_bytes(p.gate_up) + packed_bytes(p.down) for p in self._packed.values())
 

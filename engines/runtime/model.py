@@ -31,8 +31,7 @@ from engines.runtime.gemm import PackedWeight, linear, pack, packed_bytes
 from engines.runtime.kv_cache import KVCache
 from engines.runtime.mla import mla_attention
 from engines.runtime.transfer import TransferLedger
-from engines.runtime.weights import MLAWeights, MoEWeights, ModelWeights
-
+from engines.runtime.weights import MLAWeights, ModelWeights, MoEWeights
 
 # (layer, q [T, H, hd], k and v [T, K, hd], the batch's attention layout) -> [T, H, hd]
 Attend = Callable[[int, Tensor, Tensor, Tensor, AttentionBatch], Tensor]

@@ -42,7 +42,8 @@ def _mxfp4(reader: TensorReader, name: str, shape: tuple[int, int, int]) -> Tens
     blocks, scales = reader.raw(name + "_blocks"), reader.raw(name + "_scales")
     if blocks is None or scales is None:
         return None
-    for tensor, want, key in ((blocks, (E, rows, cols // GROUP, 16), "_blocks"), (scales, (E, rows, cols // GROUP), "_scales")):
+    for tensor, want, key in ((blocks, (E, rows, cols // GROUP, 16), "_blocks"),
+                              (scales, (E, rows, cols // GROUP), "_scales")):
         if tuple(tensor.shape) != want or tensor.dtype != torch.uint8:
             raise ModelLoadError(
                 f"tensor {name}{key} is {tensor.dtype} {list(tensor.shape)}, but MXFP4 of this config.json is "
