@@ -1,9 +1,8 @@
 """Engine `full`, the default: PagedWeight's quality-aware expert widths under MoE-Gen's
 module-based batching, a recipe of both techniques' parts. The plan (KV placement, micro-batch,
-ring) is moegen's, made for experts at their quality floors; the pages, the arbiter and the
-feedback are pagedweight's, sharing the budget the plan leaves. By default (`floor_bits` 0) an
-expert the budget cannot hold leaves the device and is fetched at its quality floor when routed.
-No `--budget`: every weight at full precision plus the KV pool `moe` would size. Design: docs/full.md.
+ring) is moegen's, made for experts at their quality floors; the pages, arbiter and feedback are
+pagedweight's, in what the plan leaves. By default (`floor_bits` 0) an expert the budget cannot
+hold leaves the device and is fetched at its quality floor when routed. Design: docs/full.md.
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ import torch
 
 from engines.base import EngineError
 from engines.common.device import resolve_device, resolve_dtype
-from engines.moegen.cost import STREAMED, decode_cost
 from engines.moegen.engine import PlanPredictor, layer_major, plan_stats
 from engines.moegen.hardware import model_shape
-from engines.moegen.plan import MoEGenConfig, loaded_shape, make_plan, plan_hardware, plan_workload, staging_claim
+from engines.moegen.plan import MoEGenConfig, held_plan, loaded_shape, make_plan, placement_claims, plan_hardware
 from engines.pagedweight.controller import PageBudget, PagedController
-from engines.pagedweight.engine import PagedWeightConfig, floor_claim, paged_experts, paged_stats
-from engines.runtime.budget import Claim, DeviceBudget
+from engines.pagedweight.engine import PagedWeightConfig, paged_claims, paged_experts, paged_stats
+from engines.runtime.budget import DeviceBudget
 from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeEngine
 from engines.runtime.kv_cache import PagedKVCache
@@ -39,11 +37,9 @@ def whole_device_budget(cfg: FullConfig) -> int:
     gpu_memory_utilization leaves of the free memory)."""
     device = resolve_device(cfg.device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * cfg.gpu_memory_utilization)
+        return int(torch.cuda.mem_get_info(device)[0] * cfg.gpu_memory_utilization)
     dtype, mc = resolve_dtype(cfg.dtype, device), open_checkpoint(cfg.model).config
-    shape = model_shape(mc, torch.empty((), dtype=dtype).element_size())
-    block = PagedKVCache.model_block_bytes(mc, cfg.block_size, dtype)
+    shape, block = model_shape(mc, dtype.itemsize), PagedKVCache.model_block_bytes(mc, cfg.block_size, dtype)
     sizing = KVSizing(cfg.block_size, cfg.kv_cache_gb, cfg.kv_blocks, cfg.gpu_memory_utilization,
                       cfg.max_num_seqs, cfg.max_model_len or mc.max_position_embeddings)
     return shape.dense_bytes + shape.total_experts * shape.expert_bytes + kv_cache_blocks(sizing, block, device) * block
@@ -52,12 +48,12 @@ def whole_device_budget(cfg: FullConfig) -> int:
 class FullEngine(RuntimeEngine):
     name = "full"
     config_cls = FullConfig
-    plain_experts_only = True  # pages and the streaming fetch hold bias-free SwiGLU experts
+    plain_experts_only = True  # pages and the on-demand fetch hold bias-free SwiGLU experts
     gqa_only = True  # moegen's micro-batched attention
     needs_calibration = True
 
     def start(self) -> None:
-        if self.config.budget_bytes is None and self.config.model is not None:  # info().config shows the budget
+        if self.config.budget_bytes is None and self.config.model is not None:  # info().config shows it
             self.config = dataclasses.replace(self.config, budget_bytes=whole_device_budget(self.config),
                                               kv_cache_gb=None, kv_blocks=None)
         super().start()
@@ -66,11 +62,9 @@ class FullEngine(RuntimeEngine):
         if cfg.expert_bits is not None:
             raise EngineError("engine full pages its own expert precisions; expert_bits is engine moe's fake "
                               "quantization (drop it, or use --engine moe)")
-        notes, mc, dense_bytes = [], loaded.checkpoint.config, loaded.dense_bytes
+        notes, mc, dense = [], loaded.checkpoint.config, loaded.dense_bytes
         widths = {d for w in loaded.experts.values() for d in (w.gate_up.shape[-1], w.down.shape[-1])}
-        if cfg.bits != "16" and any(d % cfg.group_size for d in widths):
-            # No quantized version can be built: page full-precision experts only (they still
-            # leave the device and stream back when the budget is short), and say so.
+        if cfg.bits != "16" and any(d % cfg.group_size for d in widths):  # no quantized version can be built
             notes.append(f"expert input widths {sorted(widths)} are not multiples of group_size {cfg.group_size}: "
                          "experts are paged at 16 bits only (no quantized widths)")
             cfg = dataclasses.replace(cfg, bits="16")
@@ -79,43 +73,29 @@ class FullEngine(RuntimeEngine):
         per_expert = next(iter(loaded.experts.values())).expert_nbytes(0) if loaded.experts else 0
         shape, hw = loaded_shape(loaded, per_expert, self.name), plan_hardware(cfg, loaded.device)
 
-        def claims(placement: str, staging: int) -> list[Claim]:
-            """pagedweight's (dense, floors or staging slots, a KV block when the KV is on the
-            device) with moegen's KV staging buffer where the plan streams the KV."""
-            out = [Claim("dense weights", dense_bytes), floor_claim(cfg, paged)]
-            out += [Claim("one KV block", block)] if placement == "device" else []
-            if staging:
-                return [*out, Claim("the KV staging buffer", staging)]
-            return out + ([staging_claim(cfg, block, mc.num_layers, mc.max_position_embeddings)]
-                          if placement in STREAMED else [])
+        def claims(placement: str, staging: int) -> list:  # pagedweight's, and the KV's for a placement
+            kv = placement_claims(cfg, placement, staging, block, mc.num_layers, mc.max_position_embeddings)
+            return [*paged_claims(cfg, paged, dense), *kv]
 
-        # In full's own terms before the plan's; the plan is made for experts at their floors.
+        # Checked in full's own terms before the plan's; the plan is made for experts at their floors.
         DeviceBudget(self.name, cfg.budget_bytes, claims(cfg.kv_placement, 0)).check()
         at_floor = dataclasses.replace(shape, expert_bytes=max(s.nbytes(paged.quality[k])
                                                                for k, s in backend.stores.items()))
-        plan = make_plan(dataclasses.replace(cfg, expert_slots=backend.fetch_slots), at_floor, hw,
-                         mc.max_position_embeddings, self.name)
+        self.plan = plan = make_plan(dataclasses.replace(cfg, expert_slots=backend.fetch_slots), at_floor, hw,
+                                     mc.max_position_embeddings, self.name)
         on_device = plan.kv_placement == "device"
-        room = PageBudget(cfg.budget_bytes, dense_bytes, block, on_device, plan.staging_bytes, cfg.kv_reserve_bytes)
+        room = PageBudget(cfg.budget_bytes, dense, block, on_device, plan.staging_bytes, cfg.kv_reserve_bytes)
 
-        def held_prediction():
-            """The plan's decode prediction redone for what the arbiter holds at start."""
-            held = [backend.expert_bytes(*key) for key in backend.stores]
-            resident = sum(n > 0 for n in held)
-            per = max(1, sum(held) // max(1, resident)) if resident else shape.expert_bytes
-            new_shape = dataclasses.replace(shape, expert_bytes=per)
-            self.plan = dataclasses.replace(plan, resident_experts=resident,
-                                            expert_slots=backend.fetch_slots if resident < len(held) else 0)
-            self.plan = dataclasses.replace(self.plan, predicted=decode_cost(
-                new_shape, hw, self.plan, self.plan.batch_seqs, plan_workload(cfg).context))
+        def held() -> tuple:  # at start, once the arbiter placed the experts: the plan for what it holds
+            new_shape, self.plan = held_plan(cfg, plan, shape, hw, [backend.expert_bytes(*k) for k in backend.stores],
+                                             backend.fetch_slots)
             return new_shape, self.plan
 
-        self.plan = plan
-        predictor = PlanPredictor(shape, hw, plan, refresh=held_prediction)
         return EngineParts(
             backend, claims(plan.kv_placement, plan.staging_bytes),
-            KVPool(on_device, dense_bytes + paged.floor_bytes(), cfg.host_kv_gb), copies=backend.copies,
-            executor=layer_major(plan, backend.copies), controllers=[PagedController(cfg, paged, room), predictor],
-            stats=lambda: {**plan_stats(cfg, self.plan, per_expert), **paged_stats(paged),
-                           "plan_expert_bytes_at_floor": max(s.nbytes(paged.quality[k]) for k, s in backend.stores.items())},
+            KVPool(on_device, dense + paged.floor_bytes(), cfg.host_kv_gb), copies=backend.copies,
+            executor=layer_major(plan, backend.copies),
+            controllers=[PagedController(cfg, paged, room), PlanPredictor(shape, hw, plan, refresh=held)],
+            stats=lambda: {**plan_stats(cfg, self.plan, per_expert), **paged_stats(paged), "plan_expert_bytes_at_floor":
+                           max(store.nbytes(paged.quality[k]) for k, store in backend.stores.items())},
             notes=notes, config=cfg)

@@ -85,7 +85,8 @@ def measure(device: str = "cpu") -> dict[str, Any]:
 
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    out: dict[str, Any] = {"device": device, "cpu_model": cpu_model(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    out: dict[str, Any] = {"device": device, "cpu_model": cpu_model(),
+                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     n = (256 << 20) // 4 if dev.type == "cpu" else (1 << 30) // 4
     src = torch.empty(n, dtype=torch.float32, device=dev).fill_(1.0)
     dst = torch.empty_like(src)
@@ -185,7 +186,8 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     # Prefill attention: causal SDPA over one 128-token chunk (16 query heads over 4 KV heads of
     # 64), as the runtime calls it per chunk; FLOPs 4 x heads x head_dim per key-query pair.
     n = 128
-    qp, kp, vp = torch.randn(1, 16, n, hd, device=dev), torch.randn(1, 4, n, hd, device=dev), torch.randn(1, 4, n, hd, device=dev)
+    qp = torch.randn(1, 16, n, hd, device=dev)
+    kp, vp = torch.randn(1, 4, n, hd, device=dev), torch.randn(1, 4, n, hd, device=dev)
 
     def prefill_attention() -> None:
         for _ in range(10):

@@ -117,4 +117,5 @@ class MoEGenEngine(RuntimeEngine):
         on_device = plan.kv_placement == "device"
         kv = KVPool(on_device, loaded.dense_bytes + backend.device_bytes(), cfg.host_kv_gb)
         return EngineParts(backend, claims, kv, copies=copies, executor=layer_major(plan, copies),
-                           controllers=[PlanPredictor(shape, hw, plan)], stats=lambda: plan_stats(cfg, plan, per_expert))
+                           controllers=[PlanPredictor(shape, hw, plan)],
+                           stats=lambda: plan_stats(cfg, plan, per_expert))

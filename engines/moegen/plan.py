@@ -141,6 +141,28 @@ def make_plan(cfg: MoEGenConfig, shape: ModelShape, hw: Hardware, max_len: int |
     return dataclasses.replace(plan, predicted=decode_cost(shape, hw, plan, plan.batch_seqs, work.context))
 
 
+def placement_claims(cfg: MoEGenConfig, placement: str, staging: int, kv_block: int, layers: int,
+                     max_len: int) -> list[Claim]:
+    """The KV's claims for a placement: a block on the device, or (stream, split) the plan's
+    staging buffer, or before a plan exists the smallest one."""
+    if staging:
+        return [Claim("the KV staging buffer", staging)]
+    if placement in STREAMED:
+        return [staging_claim(cfg, kv_block, layers, max_len)]
+    return [Claim("one KV block", kv_block)] if placement == "device" else []
+
+
+def held_plan(cfg: MoEGenConfig, plan: BatchPlan, shape: ModelShape, hw: Hardware, held: list[int],
+              ring: int) -> tuple[ModelShape, BatchPlan]:
+    """The plan's decode prediction redone for experts held at `held` bytes each (0: off the
+    device, fetched through a `ring` of slots): the mean held size becomes the shape's."""
+    resident = sum(n > 0 for n in held)
+    shape = dataclasses.replace(shape, expert_bytes=max(1, sum(held) // resident) if resident else shape.expert_bytes)
+    plan = dataclasses.replace(plan, resident_experts=resident, expert_slots=ring if resident < len(held) else 0)
+    return shape, dataclasses.replace(plan, predicted=decode_cost(shape, hw, plan, plan.batch_seqs,
+                                                                  plan_workload(cfg).context))
+
+
 def plan_hardware(cfg: MoEGenConfig, device) -> Hardware:
     """The cost model's machine: peaks given as options, else `pwbench hw`'s, else assumed."""
     peaks = None

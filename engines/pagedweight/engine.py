@@ -129,6 +129,11 @@ def floor_claim(cfg: PagedWeightConfig, paged: PagedExperts, fix: str | None = N
     return Claim(what, paged.floor_bytes(), fix)
 
 
+def paged_claims(cfg: PagedWeightConfig, paged: PagedExperts, dense: int, fix: str | None = None) -> list[Claim]:
+    """The dense weights beside the pages' floor (the KV's claim is the placement's)."""
+    return [Claim("dense weights", dense), floor_claim(cfg, paged, fix)]
+
+
 def paged_stats(paged: PagedExperts) -> dict[str, float]:
     return {"bytes_per_expert": max(s.nbytes(16) for s in paged.backend.stores.values())}
 
@@ -143,7 +148,7 @@ class PagedWeightEngine(RuntimeEngine):
         self.paged = paged = paged_experts(cfg, loaded, self.name)
         block = PagedKVCache.model_block_bytes(loaded.checkpoint.config, cfg.block_size, loaded.dtype)
         dense = loaded.dense_bytes
-        claims = [Claim("dense weights", dense), floor_claim(cfg, paged, OFFLOAD_FIX), Claim("one KV block", block)]
+        claims = [*paged_claims(cfg, paged, dense, OFFLOAD_FIX), Claim("one KV block", block)]
         room = PageBudget(cfg.budget_bytes, dense, block, kv_reserve_bytes=cfg.kv_reserve_bytes)
         # The KV pool is as large as the budget allows with every expert at its floor; each
         # step sets its capacity to what the weights leave then.

@@ -9,7 +9,7 @@ no engine overrides them. Why the parts are these: docs/moe.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -131,13 +131,13 @@ class EngineParts:
     """What an engine is made of (built by its recipe's `build`)."""
 
     experts: ExpertBackend
-    claims: Sequence[Claim]  # the least each part holds on the device: the budget minimum
+    claims: list[Claim]  # the least each part holds on the device: the budget minimum
     kv: KVPool = KVPool()
     copies: CopyEngine | None = None  # the host<->device copy path of engines with a host tier
     executor: ExecutorFactory = plain_executor
-    controllers: Sequence[Controller] = ()
+    controllers: list[Controller] = field(default_factory=list)
     stats: Callable[[], Mapping[str, float]] | None = None  # engine-specific model_stats
-    notes: Sequence[str] = ()
+    notes: list[str] = field(default_factory=list)
     info_config: Mapping[str, Any] = field(default_factory=dict)  # added to info().config
     config: Any = None  # the options as the parts run them, when the recipe changed one
 

@@ -1,4 +1,4 @@
-"""`pwbench plan`: the cost model's plan for engine moegen on a model and a budget, and its prediction.
+"""`pwbench plan`: the cost model's plan for a plannable engine (moegen) on a model and a budget, and its prediction.
 
 Reads only the folder's config.json (no weights), so a laptop can plan a large model for a
 GPU it does not have (`--gpu H200` takes that GPU's datasheet peaks).
@@ -26,25 +26,33 @@ PLACEMENT_WORDS = {"device": "on device", "host": "on host", "stream": "streamed
 def plan(
     budget: Annotated[str, typer.Option(help=BUDGET_HELP)],
     engine: Annotated[str, typer.Option(help="Engine to plan for: moegen.")] = "moegen",
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model folder (default: the bundled demo model).")] = None,
-    seqs: Annotated[int | None, typer.Option(help="Sequences in flight the plan may batch (engine option max_num_seqs).")] = None,
-    context: Annotated[int | None, typer.Option(help="Mean tokens per sequence while decoding (plan_context).")] = None,
-    link_gbps: Annotated[float | None, typer.Option(help="Host->device link in GB/s (default on CPU: none modelled; on a GPU: measured or datasheet).")] = None,
-    gpu: Annotated[str | None, typer.Option(help="Plan for this GPU's datasheet peaks (H200, H100, A100, L4, A10G, RTX 6000 Ada) instead of this machine.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16 (default: float32 on this CPU, bf16 with --gpu).")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="moegen option key=value (kv_placement, expert_slots, ...); repeatable.")] = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Model folder (default: the bundled demo model).")] = None,
+    seqs: Annotated[int | None, typer.Option(
+        help="Sequences in flight the plan may batch (engine option max_num_seqs).")] = None,
+    context: Annotated[int | None, typer.Option(
+        help="Mean tokens per sequence while decoding (plan_context).")] = None,
+    link_gbps: Annotated[float | None, typer.Option(
+        help="Host->device link in GB/s (default on CPU: none modelled; on a GPU: measured or datasheet).")] = None,
+    gpu: Annotated[str | None, typer.Option(
+        help="Plan for this GPU's datasheet peaks (H200, H100, A100, L4, A10G, RTX 6000 Ada) instead of this machine.",
+    )] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="float32 | bfloat16 | float16 (default: float32 on this CPU, bf16 with --gpu).")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="The engine's option key=value (kv_placement, expert_slots, ...); repeatable.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Print the plan (KV placement, batch, micro-batch, expert ring and residents) and its predicted decode step."""
     from engines.common.demo import demo_model_path
     from engines.common.peaks import cpu_model
+    from engines.common.sizes import format_size, parse_size
     from engines.moegen.cost import Workload, candidate_plans
     from engines.moegen.hardware import hardware, model_shape
     from engines.moegen.plan import make_plan, seq_blocks
     from engines.registry import build_config, engine_class, list_engines, parse_set_options
     from engines.runtime.checkpoint import read_json
     from engines.runtime.config import parse_config
-    from engines.common.sizes import format_size, parse_size
     from harness.hw import datasheet_for, peaks_for
 
     cls = engine_class(engine)
@@ -64,14 +72,15 @@ def plan(
     if gpu is not None:
         sheet = datasheet_for(gpu)
         if sheet is None:
-            raise HarnessError(f"--gpu {gpu!r} is not in the datasheet table; known: H200, H100, A100, L4, A10G, RTX 6000 Ada")
+            raise HarnessError(f"--gpu {gpu!r} is not in the datasheet table; "
+                               "known: H200, H100, A100, L4, A10G, RTX 6000 Ada")
         peaks, name, on_cpu = {**sheet[1], "source": f"datasheet ({sheet[0]})"}, sheet[0], False
     else:
         name, on_cpu = cpu_model(), True
         peaks = peaks_for(name)
     if cfg.peak_memory_gbps is not None and cfg.peak_gflops is not None:  # as the engine takes them
-        peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9, "matmul_flops_per_s": cfg.peak_gflops * 1e9,
-                 "source": "given"}
+        peaks = {"memory_bandwidth_bytes_per_s": cfg.peak_memory_gbps * 1e9,
+                 "matmul_flops_per_s": cfg.peak_gflops * 1e9, "source": "given"}
     widths = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
     if dtype is not None and dtype not in widths:
         raise HarnessError(f"--dtype {dtype!r} is not one of float32, float16, bfloat16")
@@ -80,8 +89,9 @@ def plan(
     if link_gbps is None and cfg.link_gbps is not None:
         link_gbps = cfg.link_gbps
     host = peaks_for(cpu_model())  # with --gpu, this machine's CPU is the host (when measured)
+    overhead = cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None
     hw = hardware(name, on_cpu, link_gbps * 1e9 if link_gbps is not None else None, given,
-                  host if host.get("memory_bandwidth_bytes_per_s") else None, op_overhead_s=cfg.op_overhead_us * 1e-6 if cfg.op_overhead_us is not None else None)
+                  host if host.get("memory_bandwidth_bytes_per_s") else None, op_overhead_s=overhead)
     if given:
         hw = dataclasses.replace(hw, source=peaks["source"])
     chosen = make_plan(cfg, shape, hw, mc.max_position_embeddings, engine)
@@ -111,8 +121,8 @@ def plan(
     for key, value in row.items():
         typer.echo(f"  {key:34s} {value:,.6g}" if isinstance(value, float) else f"  {key:34s} {value}")
     for placement, p in sorted(alternatives.items()):
-        typer.echo(f"  best with KV {PLACEMENT_WORDS[placement]:30s}: {p.batch_seqs} seqs, micro-batch {p.micro_batch}, "
-                   f"{p.tokens_per_s:,.1f} tok/s predicted")
+        typer.echo(f"  best with KV {PLACEMENT_WORDS[placement]:30s}: {p.batch_seqs} seqs, "
+                   f"micro-batch {p.micro_batch}, {p.tokens_per_s:,.1f} tok/s predicted")
 
 
 def plan_row(p) -> dict:

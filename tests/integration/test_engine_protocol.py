@@ -11,8 +11,8 @@ from engines.base import EngineRequest, InvalidRequestError
 from engines.full import FullConfig, FullEngine
 from engines.hf import HFEngine, HFEngineConfig
 from engines.moe import MoEEngine, MoEEngineConfig
-from engines.runtime.engine import RuntimeEngine
 from engines.moegen.engine import MoEGenConfig, MoEGenEngine
+from engines.runtime.engine import RuntimeEngine
 
 
 def collect(engine, steps=None):

@@ -1,5 +1,5 @@
 """The expert seam: a wrapping ExpertBackend plugged into the `moe` engine through its public
-hook (`build_experts`) sees exactly the tokens transformers' router sends to each expert.
+recipe (`build`: the parts' expert backend wrapped) sees exactly the tokens transformers' router sends to each expert.
 
 Oracle: transformers' Mixtral/OLMoE with output_router_logits=True on the same prompts; top-k of
 each layer's router logits gives the (layer, expert) token counts.
@@ -47,9 +47,10 @@ class Counting(ExpertBackend):
 
 
 class CountingEngine(MoEEngine):
-    def build_experts(self, dense):
-        self.counting = Counting(super().build_experts(dense))
-        return self.counting
+    def build(self, cfg, loaded):
+        parts = super().build(cfg, loaded)
+        self.counting = parts.experts = Counting(parts.experts)
+        return parts
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "olmoe"])

@@ -59,8 +59,10 @@ class _Recording(ResidentBackend):
 
 
 class _RecordingEngine(MoEEngine):
-    def build_experts(self, dense):
-        return _Recording(dense)
+    def build(self, cfg, loaded):
+        parts = super().build(cfg, loaded)
+        parts.experts = _Recording(loaded.experts)
+        return parts
 
 
 @pytest.fixture(scope="module")
