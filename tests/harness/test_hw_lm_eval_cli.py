@@ -29,6 +29,7 @@ def cpu_name() -> str:
     pytest.skip("no /proc/cpuinfo: cannot name this CPU independently")
 
 
+@pytest.mark.slow  # the real measurements (~32 s on 2 cores); `pwbench hw` stays via the cuda one-line error
 def test_hw_cpu_measures_prints_caches_and_feeds_runs(tmp_path):
     cache, name = tmp_path / "cache", cpu_name()
     proc = pwbench("hw", "--device", "cpu", "--json", cache=cache)
@@ -108,6 +109,7 @@ def test_lm_eval_long_help_passes_through(tmp_path):
     assert proc.returncode == 0 and proc.stdout.startswith("usage: lm-eval"), proc.stdout
 
 
+@pytest.mark.slow  # a real lm-eval run (~25 s on 2 cores); `lm-eval` stays via the help tests
 def test_lm_eval_offline_run_with_the_pwbench_model(tmp_path):
     """`pwbench demo tasks` writes the task YAMLs; lm-eval's CLI runs one of them on the bundled
     model through `--model pwbench`, with our --model_args, --limit and --output_path."""

@@ -151,6 +151,7 @@ def test_offline_batch_step_series_against_transformers_router(checkpoints, tmp_
     assert run["summary"]["engine"]["experts_hit_per_step_mean"] == pytest.approx(sum(hits) / 6)
 
 
+@pytest.mark.slow  # ~10 s on 2 cores; preemption stays covered by the engine tests
 def test_rag_long_preemption_when_kv_is_small(checkpoints, tmp_path):
     # rag_long at a tenth of its size (prompts ~200-800 tokens), all 8 requests at t=0, a KV
     # cache of 64 blocks x 16 tokens = 1,024 tokens and 64 tokens per step: prompts are admitted

@@ -105,7 +105,7 @@ def test_corrupt_config_json(checkpoints, copy_checkpoint):
     assert_user_error(pwbench("generate", "--model", str(folder), "--prompt-ids", "1"), "config.json", "line 2")
 
 
-@pytest.mark.parametrize("engine", ["moe", "hf"])
+@pytest.mark.parametrize("engine", ["moe", pytest.param("hf", marks=pytest.mark.slow)])  # hf: ~15 s
 def test_token_ids_outside_vocabulary(engine, checkpoints):
     folder = checkpoints("mixtral")
     assert_user_error(

@@ -45,6 +45,7 @@ def test_layouts_agree(arch, checkpoints):
             assert torch.equal(la.attn.o, lb.attn.o) and torch.equal(la.attn_norm, lb.attn_norm)
 
 
+@pytest.mark.slow  # three layouts generated end to end (~20 s on 2 cores); test_layouts_agree compares the weights
 def test_fused_and_sharded_generate_the_same(checkpoints):
     from harness.generate import GenerateArgs, run_generate
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from tiny_models import build_hf_model
 
@@ -26,6 +27,7 @@ def hf_greedy(arch: str, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow  # both engines in subprocesses (~33 s on 2 cores); test_readable_output stays fast
 def test_json_outputs_in_given_order_for_both_engines(checkpoints):
     folder = str(checkpoints("qwen2_moe"))
     prompts = ["4,5,6,7", "9", "30,31,32,33,34,35,36,37,38,39,40"]
@@ -58,6 +60,7 @@ def test_text_prompts_with_tokenizer_interleave_with_ids(checkpoints, copy_check
     assert outs[0]["output_ids"] == hf_greedy("mixtral", [10, 11, 12], 5)
 
 
+@pytest.mark.slow  # three generate subprocesses (~21 s on 2 cores)
 def test_sampling_is_seeded(checkpoints):
     folder = str(checkpoints("olmoe"))
     args = ["generate", "--model", folder, "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--temperature", "1.0",

@@ -76,6 +76,7 @@ def test_closed_book_is_learned_and_4bit_experts_keep_it(closed_book_at):
     assert closed_book_at(4, 32) >= full - 0.02  # 98.9% -> 98.75% when measured
 
 
+@pytest.mark.slow  # two more 1,600-question evaluations (8-21 s each on 2 cores)
 @pytest.mark.parametrize("group", [None, 32])
 def test_2bit_rtn_experts_cost_at_least_ten_points(closed_book_at, group):
     """Round-to-nearest, asymmetric min-max: plain (one scale per output row, GPTQ's RTN
@@ -92,11 +93,13 @@ def long_recall(moe) -> dict[str, float]:
             for task in ("rag_recall", "chat_recall")}
 
 
+@pytest.mark.slow  # 96 prompts of 512-1024 tokens (~25 s on 2 cores)
 def test_long_recall_reaches_90_percent(long_recall):
     for task, accuracy in long_recall.items():
         assert accuracy >= 0.90, task
 
 
+@pytest.mark.slow  # 48 prompts of 512-1024 tokens (~15 s on 2 cores)
 @pytest.mark.parametrize("make", [rag_recall, chat_recall])
 def test_recall_looks_the_entity_up(moe, make):
     """With every fact of a prompt about one attribute, only the entity tells the facts apart:
@@ -166,6 +169,7 @@ def test_lm_eval_accuracy_equals_pwbench_scorer(moe, tmp_path):
         assert metrics[name]["exact_match"] == pytest.approx(own)
 
 
+@pytest.mark.slow  # a `pwbench run` subprocess on the demo model (~14 s on 2 cores); test_run_cli.py has a fast one
 def test_default_rag_long_run_reports_accuracy(tmp_path):
     """`pwbench run --workload rag_long --engine moe` on the bundled model (few requests, to stay
     quick; without --engine the command runs the suite, tests/harness/test_suite.py)."""

@@ -80,6 +80,7 @@ def runs(tmp_path_factory):
     return root, full, resumed, lines
 
 
+@pytest.mark.slow  # the `runs` fixture trains three tiny models (~100 s on 2 cores)
 def test_from_scratch_and_from_checkpoint_give_the_same_weights(runs):
     root, full, resumed, _ = runs
     a, b = load_file(root / "full" / "model.safetensors"), load_file(root / "resumed" / "model.safetensors")
@@ -93,6 +94,7 @@ def test_from_scratch_and_from_checkpoint_give_the_same_weights(runs):
     assert full["complete"] and resumed["complete"]
 
 
+@pytest.mark.slow  # `runs`: see above; `demo train` stays in the default run via the bad-folder test
 def test_trained_folder_records_the_stage_and_loads(runs):
     from transformers import AutoTokenizer, MixtralForCausalLM
 
@@ -109,6 +111,7 @@ def test_trained_folder_records_the_stage_and_loads(runs):
     AutoTokenizer.from_pretrained(folder)
 
 
+@pytest.mark.slow  # `runs`: see above
 def test_from_rejects_other_settings_and_extended_models(runs, tmp_path):
     root, _, _, _ = runs
     with pytest.raises(HarnessError, match="curriculum settings differ.*lr"):

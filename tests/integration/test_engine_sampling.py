@@ -60,7 +60,7 @@ def drive(engine, requests: list[EngineRequest], on_step=None) -> tuple[dict, di
             preempted)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=[pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])  # mixtral: ~33 s
 def arch_model(request):
     return request.param, build_hf_model(request.param)
 
@@ -114,7 +114,7 @@ def test_unseeded_requests_draw_from_the_engine_seed(checkpoints):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("olmoe", marks=pytest.mark.slow)])  # olmoe: ~16 s
 def test_preemption_keeps_prompt_logits_and_sampled_logits(arch, checkpoints):
     """Under preemption and chunked prefill, teacher-forced prompt logits still equal one
     forward pass, and each request's logits match transformers' for the tokens it produced."""

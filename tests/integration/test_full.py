@@ -40,7 +40,9 @@ GROUPABLE = {"qwen2_moe": {"moe_intermediate_size": 64}, "qwen3_moe": {"moe_inte
              "glm4_moe": {"moe_intermediate_size": 64}, "olmoe": {"intermediate_size": 64}}
 
 
-@pytest.mark.parametrize("arch", [*(a for a in ARCHS if a not in REFUSED), "demo"])
+@pytest.mark.parametrize("arch", [  # qwen3_moe in the default run (~5 s); the others take 25-55 s each
+    *(a if a == "qwen3_moe" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS if a not in REFUSED),
+    pytest.param("demo", marks=pytest.mark.slow)])
 def test_full_precision_budget_gives_moes_greedy_tokens(arch, checkpoints):
     model = DEMO if arch == "demo" else checkpoints(arch, **GROUPABLE.get(arch, {}))
     reqs = requests(1109 if arch == "demo" else 257)
@@ -59,6 +61,7 @@ def test_full_precision_budget_gives_moes_greedy_tokens(arch, checkpoints):
             assert info.model_stats["plan_kv_on_host"] == 1
 
 
+@pytest.mark.slow  # the demo model twice (~18 s on 2 cores); greedy parity stays via qwen3_moe above
 def test_no_budget_means_the_whole_device_and_full_precision():
     reqs = requests(1109, n=4)
     expected, _, moe = generate("moe", DEMO, reqs)
@@ -69,6 +72,7 @@ def test_no_budget_means_the_whole_device_and_full_precision():
     assert all(s.extras["mean_bits"] == 16 for s in steps)
 
 
+@pytest.mark.slow  # the demo model twice (~17 s on 2 cores)
 def test_seeded_sampling_matches_moe():
     reqs = requests(1109, n=4, new=12, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=7))
     expected, _, _ = generate("moe", DEMO, reqs)
@@ -76,6 +80,7 @@ def test_seeded_sampling_matches_moe():
     assert got == expected
 
 
+@pytest.mark.slow  # three budgets per placement on the demo model (23-30 s each on 2 cores)
 @pytest.mark.parametrize("placement", ["host", "device", "stream"])
 def test_below_full_precision_the_budget_holds_and_no_expert_sits_below_its_quality_floor(placement):
     """Budgets from a half of the experts down to less than every expert at its floor: after

@@ -60,6 +60,7 @@ def test_loglikelihood_matches_transformers(demo_vocab_model):
     assert rolling[0] == pytest.approx(lp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum().item(), abs=1e-3)
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; test_demo_model.py's lm-eval test checks `pwbench eval` the same way
 def test_pwbench_eval_offline_matches_own_scorer(tmp_path):
     """`pwbench eval --model DIR --output` (lm-eval's simple_evaluate, offline) reports the
     same exact match as pwbench's own scorer on the same held-out examples. The bundled model

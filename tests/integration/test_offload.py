@@ -166,6 +166,7 @@ def test_prefetch_counters_are_deterministic_and_counted():
 
 # -- the link model ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # seconds of modelled copies per case (11-13 s each on 2 cores); moegen's link test stays fast
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_a_slower_link_adds_the_stall_the_engine_reports(prefetch):
     """Copies on a modelled link take bytes / bandwidth; compute overlaps part of it. The step

@@ -57,6 +57,7 @@ def run_rag(tmp_path, engine: str, **options):
     return run, pd.read_parquet(folder / "steps.parquet")
 
 
+@pytest.mark.slow  # rag_long on the demo model at several budgets (~15 s on 2 cores)
 def test_rag_long_under_shrinking_budgets(tmp_path, monkeypatch):
     """Budgets of 100%, 60%, 40% and 30% of (full-precision expert bytes + the peak KV the
     same traffic needs without a budget), dense weights on top: never exceeded after any

@@ -101,6 +101,7 @@ def _pwbench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # a whole run over HTTP (~11 s on 2 cores); engine openai stays via the chat-completions test
 def test_run_engine_openai_gives_the_in_process_tokens(server, tmp_path, monkeypatch):
     """`pwbench run --engine openai` against the server = `pwbench run --engine moe`, token for
     token (greedy, rag_long scaled), with TTFT/TPOT from the stream's receive times."""

@@ -137,6 +137,7 @@ def test_unsupported_awq_version_and_compressed_tensors_format(rtn_folders, tmp_
         assert fragment in line, line
 
 
+@pytest.mark.slow  # ~18 s on 2 cores; the other quantized-folder errors stay in the default run
 def test_engine_and_folder_must_agree(damaged, checkpoints):
     assert "use --engine static-gptq" in generate_error(damaged, "static-awq")
     line = generate_error(damaged, "moe")
