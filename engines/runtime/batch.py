@@ -1,7 +1,7 @@
-"""StepBatch: one step's work as a record, built in one place from the scheduler's plan.
+"""StepBatch: one step's work as a record, built in one place from the scheduler's Schedule.
 
-The flow of a step (engines/moe.py): Scheduler.schedule() -> Schedule (which tokens of which
-sequences) -> build_batch() -> StepBatch (host bookkeeping plus the device tensors the model
+The flow of a step (engines/runtime/engine.py): Scheduler.schedule() -> Schedule (which tokens
+of which sequences) -> build_batch() -> StepBatch (host bookkeeping plus the device tensors the model
 reads: token ids, positions, cache slots, attention layout, logit rows) -> an executor runs
 it -> the engine updates sequences from the executor's result. Decodes come first in the
 flat batch, shortest context first, so attention can batch them in groups of similar length.
