@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from engine_runs import generate, random_requests
 
+from engines import registry
 from engines.moegen.executor import LayerMajorExecutor
 from engines.offload.engine import OffloadConfig, offload_parts
 from engines.registry import engine_class, register_engine
@@ -32,11 +34,15 @@ class LayerMajorOffloadEngine(RuntimeEngine):
         return parts
 
 
-register_engine(LayerMajorOffloadEngine.name, f"{__name__}:LayerMajorOffloadEngine",
-                "offload's expert cache under the layer-major executor (a test of the parts)")
+@pytest.fixture
+def registered(monkeypatch):
+    """The one registry line, undone after the test (other tests list the registry)."""
+    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))
+    register_engine(LayerMajorOffloadEngine.name, f"{__name__}:LayerMajorOffloadEngine",
+                    "offload's expert cache under the layer-major executor (a test of the parts)")
 
 
-def test_an_engine_from_parts_serves_moes_tokens_within_its_budget():
+def test_an_engine_from_parts_serves_moes_tokens_within_its_budget(registered):
     assert engine_class("offload-layer-major") is LayerMajorOffloadEngine
     reqs = random_requests(1109, n=6, new=12, lo=20, hi=120, seed=3)
     expected, _, _ = generate("moe", DEMO, reqs)
