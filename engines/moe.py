@@ -7,25 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines.runtime.budget import OFFLOAD_FIX, Claim
-from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
-from engines.runtime.experts import ExpertBackend, ResidentBackend
-from engines.runtime.kv_cache import PagedKVCache
+from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, resident_parts
+from engines.runtime.experts import ResidentBackend
 
 
 @dataclass(frozen=True)
 class MoEEngineConfig(RuntimeConfig):
     """Engine moe's options: the runtime's, nothing more."""
-
-
-def resident_parts(cfg: RuntimeConfig, loaded: Loaded, experts: ExpertBackend) -> EngineParts:
-    """Every expert resident beside the dense weights, the KV pool on the device in what they
-    leave: the parts of engine moe and of the static-quantization engines."""
-    block = PagedKVCache.model_block_bytes(loaded.checkpoint.config, cfg.block_size, loaded.dtype)
-    dense, held = loaded.dense_bytes, experts.device_bytes()
-    claims = [Claim("dense weights", dense), Claim("every routed expert", held, fix=OFFLOAD_FIX),
-              Claim("one KV block", block)]
-    return EngineParts(experts, claims, KVPool(on_device=True, weights_beside=dense + held))
 
 
 class MoEEngine(RuntimeEngine):

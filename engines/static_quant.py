@@ -22,14 +22,13 @@ from typing import ClassVar
 from engines.base import EngineError
 from engines.common import folders
 from engines.common.device import dtype_name, resolve_device, resolve_dtype
-from engines.moe import resident_parts
 from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import read_scheme
 from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_backend
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
-from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, resident_parts
 from engines.runtime.transfer import TransferLedger
 
 

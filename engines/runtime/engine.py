@@ -19,7 +19,7 @@ from engines.base import Engine, EngineError, EngineInfo, EngineRequest, Invalid
 from engines.common.device import dtype_name, resolve_device, resolve_dtype
 from engines.runtime import cpu_attention
 from engines.runtime.batch import SeqState, StepBatch, build_batch
-from engines.runtime.budget import Claim, DeviceBudget
+from engines.runtime.budget import OFFLOAD_FIX, Claim, DeviceBudget
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
 from engines.runtime.config import ModelConfig
 from engines.runtime.copies import CopyEngine, CopyStats
@@ -140,6 +140,16 @@ class EngineParts:
     notes: list[str] = field(default_factory=list)
     info_config: Mapping[str, Any] = field(default_factory=dict)  # added to info().config
     config: Any = None  # the options as the parts run them, when the recipe changed one
+
+
+def resident_parts(cfg: RuntimeConfig, loaded: Loaded, experts: ExpertBackend) -> EngineParts:
+    """Every expert resident beside the dense weights, the KV pool on the device in what they
+    leave: the parts of engine moe and of the static-quantization engines."""
+    block = PagedKVCache.model_block_bytes(loaded.checkpoint.config, cfg.block_size, loaded.dtype)
+    dense, held = loaded.dense_bytes, experts.device_bytes()
+    claims = [Claim("dense weights", dense), Claim("every routed expert", held, fix=OFFLOAD_FIX),
+              Claim("one KV block", block)]
+    return EngineParts(experts, claims, KVPool(on_device=True, weights_beside=dense + held))
 
 
 class RuntimeEngine(Engine):
