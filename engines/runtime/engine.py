@@ -85,10 +85,6 @@ class Loaded:
         """Device bytes of the dense weights."""
         return self.weights.nbytes()
 
-    @property
-    def kv_block_bytes_per_token(self) -> int:
-        return PagedKVCache.model_block_bytes(self.checkpoint.config, 1, self.dtype)
-
 
 @dataclass(frozen=True)
 class KVPool:
