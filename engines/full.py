@@ -69,8 +69,7 @@ class FullEngine(RuntimeEngine):
                          "experts are paged at 16 bits only (no quantized widths)")
             cfg = dataclasses.replace(cfg, bits="16")
         self.paged = paged = paged_experts(cfg, loaded, self.name)
-        backend, block = paged.backend, PagedKVCache.model_block_bytes(mc, cfg.block_size, loaded.dtype)
-        per_expert = next(iter(loaded.experts.values())).expert_nbytes(0) if loaded.experts else 0
+        backend, block, per_expert = paged.backend, loaded.kv_block_bytes(cfg.block_size), loaded.bytes_per_expert
         shape, hw = loaded_shape(loaded, per_expert, self.name), plan_hardware(cfg, loaded.device)
 
         def claims(placement: str, staging: int) -> list:  # pagedweight's, and the KV's for a placement

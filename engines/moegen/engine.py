@@ -105,14 +105,14 @@ class MoEGenEngine(RuntimeEngine):
             raise EngineError("engine moegen streams full-precision experts; expert_bits is engine moe's fake "
                               "quantization (drop it, or use --engine moe)")
         dense, mc = loaded.experts, loaded.checkpoint.config
-        per_expert = next(iter(dense.values())).expert_nbytes(0) if dense else 0
+        per_expert = loaded.bytes_per_expert
         shape, hw = loaded_shape(loaded, per_expert, self.name), plan_hardware(cfg, loaded.device)
         self.plan = plan = make_plan(cfg, shape, hw, mc.max_position_embeddings, self.name)
         copies = plan_copies(loaded, cfg, self.name)
         pairs = [(i, e) for i in sorted(dense) for e in range(dense[i].num_experts)]
         backend = StreamingBackend(dense, plan.expert_slots, set(pairs[: plan.resident_experts]), copies,
                                    loaded.device)
-        block = PagedKVCache.model_block_bytes(mc, cfg.block_size, loaded.dtype)
+        block = loaded.kv_block_bytes(cfg.block_size)
         claims = plan_claims(cfg, loaded.dense_bytes, per_expert, block, mc.num_layers, mc.max_position_embeddings)
         on_device = plan.kv_placement == "device"
         kv = KVPool(on_device, loaded.dense_bytes + backend.device_bytes(), cfg.host_kv_gb)

@@ -17,7 +17,6 @@ from engines.offload.cache import POLICIES, OffloadBackend, next_layer_router
 from engines.runtime.budget import Claim
 from engines.runtime.copies import CopyEngine
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
-from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.weights import MoEWeights
 
 # Share of (budget - dense weights) kept for KV blocks when kv_reserve_bytes is not given.
@@ -60,10 +59,9 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
     if cfg.link_gbps is not None and (cfg.link_gbps <= 0 or loaded.device.type != "cpu"):
         raise EngineError("engine offload: link_gbps must be > 0 and models the link on the CPU only "
                           "(on CUDA copies take the real link's time)")
-    mc, dense = loaded.checkpoint.config, loaded.dense_bytes
-    per_expert = next(iter(loaded.experts.values())).expert_nbytes(0) if loaded.experts else 0
+    mc, dense, per_expert = loaded.checkpoint.config, loaded.dense_bytes, loaded.bytes_per_expert
     num_moe = len(loaded.experts)
-    block = PagedKVCache.model_block_bytes(mc, cfg.block_size, loaded.dtype)
+    block = loaded.kv_block_bytes(cfg.block_size)
     claims = [Claim("dense weights", dense),
               Claim(f"one expert per MoE layer ({num_moe} x {format_size(per_expert)})", num_moe * per_expert),
               Claim("one KV block", block)]

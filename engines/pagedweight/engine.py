@@ -21,7 +21,6 @@ from engines.pagedweight.importance import Importance
 from engines.runtime.budget import OFFLOAD_FIX, Claim
 from engines.runtime.copies import CopyEngine
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
-from engines.runtime.kv_cache import PagedKVCache
 
 REPRESENTATIONS = ("bitplanes", "requantize")
 
@@ -146,8 +145,7 @@ class PagedWeightEngine(RuntimeEngine):
 
     def build(self, cfg: PagedWeightConfig, loaded: Loaded) -> EngineParts:
         self.paged = paged = paged_experts(cfg, loaded, self.name)
-        block = PagedKVCache.model_block_bytes(loaded.checkpoint.config, cfg.block_size, loaded.dtype)
-        dense = loaded.dense_bytes
+        block, dense = loaded.kv_block_bytes(cfg.block_size), loaded.dense_bytes
         claims = [*paged_claims(cfg, paged, dense, OFFLOAD_FIX), Claim("one KV block", block)]
         room = PageBudget(cfg.budget_bytes, dense, block, kv_reserve_bytes=cfg.kv_reserve_bytes)
         # The KV pool is as large as the budget allows with every expert at its floor; each

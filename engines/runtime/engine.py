@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -80,10 +81,19 @@ class Loaded:
     backend: ExpertBackend | None = None
     source: Checkpoint | None = None
 
-    @property
+    @cached_property
     def dense_bytes(self) -> int:
-        """Device bytes of the dense weights."""
+        """Device bytes of the dense weights (walked once: every part's claims use it)."""
         return self.weights.nbytes()
+
+    @cached_property
+    def bytes_per_expert(self) -> int:
+        """Bytes of one full-precision routed expert (0 for a model without loaded experts)."""
+        return next(iter(self.experts.values())).expert_nbytes(0) if self.experts else 0
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes of one KV block of `block_size` tokens at the loaded dtype."""
+        return PagedKVCache.model_block_bytes(self.checkpoint.config, block_size, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ class EngineParts:
 def resident_parts(cfg: RuntimeConfig, loaded: Loaded, experts: ExpertBackend) -> EngineParts:
     """Every expert resident beside the dense weights, the KV pool on the device in what they
     leave: the parts of engine moe and of the static-quantization engines."""
-    block = PagedKVCache.model_block_bytes(loaded.checkpoint.config, cfg.block_size, loaded.dtype)
+    block = loaded.kv_block_bytes(cfg.block_size)
     dense, held = loaded.dense_bytes, experts.device_bytes()
     claims = [Claim("dense weights", dense), Claim("every routed expert", held, fix=OFFLOAD_FIX),
               Claim("one KV block", block)]
@@ -231,21 +241,21 @@ class RuntimeEngine(Engine):
         self._started = True
 
     def _kv_cache(self, cfg: Any, pool: KVPool) -> PagedKVCache:
-        mc = self.checkpoint.config
-        block_bytes = PagedKVCache.model_block_bytes(mc, cfg.block_size, self.dtype)
+        """The pool on the device (in what the budget leaves beside the weights, else as sized by
+        kv_cache_gb / kv_blocks / gpu_memory_utilization) or in the host tier (host_gb)."""
+        mc, block_bytes = self.checkpoint.config, self.loaded.kv_block_bytes(cfg.block_size)
         longest = cfg.max_model_len or mc.max_position_embeddings
-        if not pool.on_device:
-            host = torch.device("cpu")  # the host tier
-            sizing = KVSizing(cfg.block_size, pool.host_gb, None, cfg.gpu_memory_utilization, cfg.max_num_seqs, longest)
-            blocks = kv_cache_blocks(sizing, block_bytes, host)
-            return PagedKVCache(mc.num_layers, blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, host)
-        sizing = KVSizing(cfg.block_size, cfg.kv_cache_gb, cfg.kv_blocks, cfg.gpu_memory_utilization,
-                          cfg.max_num_seqs, longest)
-        if cfg.budget_bytes is None:
-            num_blocks = kv_cache_blocks(sizing, block_bytes, self.device)
+        if pool.on_device:
+            device = self.device
+            sizing = KVSizing(cfg.block_size, cfg.kv_cache_gb, cfg.kv_blocks, cfg.gpu_memory_utilization,
+                              cfg.max_num_seqs, longest)
+            blocks = (kv_cache_blocks(sizing, block_bytes, device) if cfg.budget_bytes is None
+                      else self.budget.kv_blocks(sizing, block_bytes, pool.weights_beside))
         else:
-            num_blocks = self.budget.kv_blocks(sizing, block_bytes, pool.weights_beside)
-        return PagedKVCache.for_model(mc, num_blocks, cfg.block_size, self.dtype, self.device)
+            device = torch.device("cpu")  # the host tier
+            sizing = KVSizing(cfg.block_size, pool.host_gb, None, cfg.gpu_memory_utilization, cfg.max_num_seqs, longest)
+            blocks = kv_cache_blocks(sizing, block_bytes, device)
+        return PagedKVCache.for_model(mc, blocks, cfg.block_size, self.dtype, device)
 
     def stop(self) -> None:
         if self.copies is not None:
@@ -434,7 +444,7 @@ class RuntimeEngine(Engine):
             "dense_weight_bytes": dense_bytes,
             "bytes_per_expert": self.experts.device_bytes() / max(1, sum(mc.moe_layers) * mc.num_experts),
             "active_params_per_token": dense_params + sum(mc.moe_layers) * mc.top_k * per_expert,
-            "kv_bytes_per_token": PagedKVCache.model_block_bytes(mc, 1, self.dtype),
+            "kv_bytes_per_token": self.loaded.kv_block_bytes(1),
             **({"device_budget_bytes": self.config.budget_bytes} if self.config.budget_bytes is not None else {}),
             **({"prepacked_bytes": self.prepacked_bytes} if self.prepacked_bytes else {}),
             # CPU float32: 1 when decode attention runs the in-place C kernel, 0 when it could not
