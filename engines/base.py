@@ -225,6 +225,11 @@ class Engine(ABC):
     @abstractmethod
     def stop(self) -> None: ...
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix, so the next request computes its whole prompt (the
+        harness calls it after warm-up and between capacity points, so measured hits are the
+        measured traffic's own). Engines without a prefix cache have nothing to do."""
+
     def tables(self) -> Mapping[str, list[dict[str, Any]]]:
         """Engine-specific result tables, written as `<name>.parquet` beside steps.parquet
         (rows of plain values; e.g. a per-expert series at a lower rate than steps). Asked

@@ -302,6 +302,10 @@ class RuntimeEngine(Engine):
         if self.scheduler.remove(request_id) is not None:
             self._aborted.append(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        self._check_started()
+        self.kv.allocator.drop_cached()
+
     def has_unfinished(self) -> bool:
         return self._started and (self.scheduler.has_work() or bool(self._aborted))
 

@@ -178,6 +178,17 @@ class BlockAllocator:
             self._hash_of[block] = block_hash
             self._by_hash[block_hash] = block
 
+    def drop_cached(self) -> int:
+        """Empty the prefix cache: every cached block (registered, in no table) is free again and
+        every registration is forgotten, so no later sequence finds a prefix computed before.
+        Blocks in use stay, unregistered. Returns the cached blocks dropped."""
+        dropped = len(self._evictable)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._by_hash.clear()
+        return dropped
+
     def ref_count(self, block: int) -> int:
         """Tables holding `block`."""
         return self._refs[block]

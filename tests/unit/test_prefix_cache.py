@@ -309,3 +309,19 @@ def test_cached_blocks_a_prefix_would_take_back_are_not_counted_as_free():
     plan, _ = kv.step()
     assert [c.seq.id for c in plan.prefills] == [] and [s.id for s in sched.waiting] == ["b"]
     assert alloc.num_free == 3 and alloc.num_cached == 2
+
+
+def test_drop_cached_forgets_every_prefix_and_keeps_blocks_in_use():
+    alloc = BlockAllocator(num_blocks=6, block_size=2)
+    alloc.grow("a", 4)
+    alloc.register("a", 0, 11)
+    alloc.register("a", 1, 12)
+    alloc.grow("b", 2)
+    alloc.register("b", 0, 21)
+    alloc.free("a")  # a's two registered blocks are now cached
+    assert alloc.num_cached == 2 and alloc.lookup([11, 12]) == alloc.lookup([11, 12]) != []
+    assert alloc.drop_cached() == 2
+    assert alloc.num_cached == 0 and alloc.lookup([11]) == [] and alloc.lookup([21]) == []
+    assert alloc.num_used == 1 and alloc.num_free == 5  # b keeps its block; the rest can be taken
+    alloc.grow("c", 10)  # every block but b's
+    assert alloc.num_free == 0
