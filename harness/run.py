@@ -38,7 +38,10 @@ class RunArgs:
     slo: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SLO))
     warmup: int = 2
     telemetry_hz: float = 10.0
-    quality: bool = True
+    quality: bool = True  # teacher-forced quality and per-request fidelity against the float32 reference
+    reference_cache: str | None = None  # folder caching the reference's outputs (the suite's reference/)
+    row: str | None = None  # the suite row this run is one repeat of
+    repeat: int | None = None  # 1-based repeat index within the suite
 
 
 def git_commit() -> str | None:
@@ -84,6 +87,18 @@ def build(args: RunArgs, info: EngineInfo, demo: bool):
     return spec, workload
 
 
+WARMUP_SEED_OFFSET = 7919  # warm-up traffic: the same workload under another seed, never the measured requests
+
+
+def warmup_requests(args: RunArgs, info: EngineInfo, demo: bool) -> list:
+    """`args.warmup` requests of the run's workload drawn under another seed, ids prefixed."""
+    if args.warmup <= 0:
+        return []
+    spec = replace(args.workload, seed=args.workload.seed + WARMUP_SEED_OFFSET, requests=args.warmup)
+    _, workload = build(replace(args, workload=spec), info, demo)
+    return list(workload.requests[: args.warmup])
+
+
 def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: None,
             on_step: Callable[[RunRecords], None] | None = None,
             on_start: Callable[[], None] | None = None) -> tuple[Path, dict[str, Any]]:
@@ -111,24 +126,29 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         runner = Runner(engine, workload.requests, workload.closed_loop, workload.concurrency,
                         RunLimits(spec.requests, spec.duration_s), on_step=on_step)
         make_runner(runner)
-        runner.warmup(workload.requests[: args.warmup])
+        runner.warmup(warmup_requests(args, info, demo))
         sampler = TelemetrySampler(runner.now, args.telemetry_hz)
-        sampler.start()
-        try:
+
+        def started() -> None:
+            sampler.start()
             if on_start is not None:
                 on_start()
-            records = runner.run()
+
+        try:
+            records = runner.run(on_start=started)
         finally:
             sampler.stop()
         tables = dict(engine.tables())
         notes = list(engine.notes())
         requests = _request_rows(records, model)
+        fidelity = _fidelity(args, cls, model, info, runner.requests, requests)
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
         peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
         summary = summarize(requests, records.steps, args.slo, info.model_stats, peaks)
         summary["memory"].update(weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes,
                                  kv_capacity_tokens=info.kv_capacity_tokens)
+        summary["fidelity"] = fidelity
         quality = _quality(args, engine, model, info) if records.status == "complete" else None
     finally:
         engine.stop()
@@ -141,7 +161,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "seed": spec.seed,
         "config": {"workload": asdict(spec), "engine": args.engine, "model": model,
                    "engine_options": args.engine_options, "slo": args.slo, "warmup": args.warmup,
-                   "telemetry_hz": args.telemetry_hz},
+                   "telemetry_hz": args.telemetry_hz,
+                   **({"row": args.row, "repeat": args.repeat} if args.row is not None else {})},
         "engine": asdict(info),
         "workload": {"name": workload.name, "arrival": workload.arrival, "requests": len(workload.requests),
                      "concurrency": workload.concurrency, "notes": list(workload.notes),
@@ -183,6 +204,35 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
             row["output_text"] = None
         rows.append(row)
     return rows
+
+
+def _fidelity(args: RunArgs, cls: type[Engine], model: str | None, info: EngineInfo, sent: list,
+              rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-request fidelity columns added to `rows` in place; the summary (harness/fidelity.py)."""
+    from engines.base import EngineError, EngineRequest  # noqa: PLC0415
+    from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
+    from harness.fidelity import COLUMNS, fidelity_summary, reference_outputs, request_columns  # noqa: PLC0415
+
+    for row in rows:
+        row.update(dict.fromkeys(COLUMNS))
+    if not args.quality:
+        return {"skipped": "--no-quality"}
+    if model is None or not cls.needs_model:
+        return {"skipped": "no local model folder to run the float32 reference on"}
+    served = {r["request_id"] for r in rows if not r.get("error") and r.get("finish_s") is not None}
+    asked = [EngineRequest(r.request_id, tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=r.ignore_eos)
+             for r in sent if r.request_id in served]
+    try:
+        reference = reference_outputs(model, asked, Path(args.reference_cache) if args.reference_cache else None,
+                                      info.eos_token_ids)
+    except EngineError as exc:
+        return {"skipped": f"the float32 reference could not run: {exc}"}
+    tokenizer = load_tokenizer(model)
+    for row in rows:
+        ref = reference.get(row["request_id"])
+        text = tokenizer.decode(ref) if tokenizer is not None and ref is not None and row.get("answer") else None
+        row.update(request_columns(row, ref, info.eos_token_ids, text))
+    return fidelity_summary(rows) or {"skipped": "no request was served"}
 
 
 def _quality(args: RunArgs, engine: Engine, model: str | None, info: EngineInfo) -> dict[str, Any] | None:

@@ -92,6 +92,8 @@ class Runner:
 
     def warmup(self, requests: Sequence[Request]) -> None:
         """Run requests to completion before the clock starts; nothing of them is recorded.
+        Give it requests of its own, not the measured ones: the engine's prefix cache is emptied
+        afterwards (Engine.reset_prefix_cache), so the measured requests' hits are their own.
 
         An EngineError (e.g. a request the KV cache cannot hold) propagates: the CLI shows it
         as a one-line user error. Any other exception is an engine crash and fails the run as
@@ -100,13 +102,18 @@ class Runner:
             run_offline(self.engine,
                         [EngineRequest(f"warmup-{i}", tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=True)
                          for i, r in enumerate(requests)], should_stop=lambda: self._stop)
+            self.engine.reset_prefix_cache()
         except EngineError:
             raise
         except Exception as exc:  # noqa: BLE001  (an engine bug: say what broke, as run() does)
             self._warmup_error = f"warm-up: {type(exc).__name__}: {exc}"
 
-    def run(self) -> RunRecords:
+    def run(self, on_start: Callable[[], None] | None = None) -> RunRecords:
+        """The measured run; `on_start` is called once the run's clock reads 0 (the telemetry
+        sampler starts there, so its samples share the requests' time axis)."""
         self.t0 = self.clock()
+        if on_start is not None:
+            on_start()
         # Engines that time their own tokens (RequestOutput.token_times) use perf_counter's
         # clock; this maps those times onto the run's clock.
         self._perf_t0 = time.perf_counter()

@@ -1,7 +1,10 @@
 """Telemetry sampled in a background thread, on the run's clock so it joins the request records.
 
 GPU series (utilisation, memory, power, SM clock, PCIe tx/rx) come from NVML through
-nvidia-ml-py; CPU and memory of this process and of the system from psutil. Without a GPU or
+nvidia-ml-py; CPU and memory of this process and of the system from psutil. CPU percentages
+are shares of all logical cores (0-100, whatever the core count): the process's from its CPU
+time over the wall time since the previous sample, so a sample right after start cannot read
+1,200% off a millisecond interval. Without a GPU or
 NVML the GPU series are absent and `gpu_unavailable` says why; the run goes on.
 """
 
@@ -31,8 +34,9 @@ class TelemetrySampler:
         import psutil  # noqa: PLC0415
 
         self._process = psutil.Process()
-        self._process.cpu_percent(None)  # the first call only primes the counters
-        psutil.cpu_percent(None)
+        self._cores = psutil.cpu_count() or 1
+        self._last_cpu = (time.perf_counter(), self._cpu_seconds())
+        psutil.cpu_percent(None)  # the first call only primes the system counters
         self._open_nvml()
         self._thread = threading.Thread(target=self._loop, name="pwbench-telemetry", daemon=True)
         self._thread.start()
@@ -41,6 +45,7 @@ class TelemetrySampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self.samples.append(self.sample())  # the series reaches the run's end
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
@@ -63,16 +68,24 @@ class TelemetrySampler:
             self.gpu_unavailable = f"NVML unavailable: {exc}"
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.period):
             self.samples.append(self.sample())
-            self._stop.wait(self.period)
+
+    def _cpu_seconds(self) -> float:
+        t = self._process.cpu_times()
+        return t.user + t.system
+
+    def _process_cpu_share(self) -> float:
+        wall, cpu = time.perf_counter(), self._cpu_seconds()
+        (wall0, cpu0), self._last_cpu = self._last_cpu, (wall, cpu)
+        return min(100.0, max(0.0, (cpu - cpu0) / max(wall - wall0, 1e-9) / self._cores * 100))
 
     def sample(self) -> dict[str, Any]:
         import psutil  # noqa: PLC0415
 
         row: dict[str, Any] = {
             "t_s": self.clock(),
-            "process_cpu_percent": self._process.cpu_percent(None),
+            "process_cpu_percent": self._process_cpu_share(),
             "system_cpu_percent": psutil.cpu_percent(None),
             "process_rss_bytes": self._process.memory_info().rss,
             "system_memory_used_bytes": psutil.virtual_memory().used,
@@ -98,6 +111,7 @@ class TelemetrySampler:
         return {
             "samples": len(self.samples),
             "period_s": self.period,
+            "cpu_percent": f"share of all {getattr(self, '_cores', 1)} logical cores (0-100)",
             "gpu": self.gpu_name,
             "driver": self.driver,
             "gpu_unavailable": self.gpu_unavailable,
