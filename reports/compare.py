@@ -1,5 +1,7 @@
-"""`pwbench compare` and the suite's terminal summary: the executive table (reports.roi) as a
-rich table or as Markdown, with the recommendation and the runs that cannot be compared."""
+"""`pwbench compare` and the suite's terminal summary: the executive table (reports.roi), one
+row per arm (repeats of one configuration, medians with [95% intervals]), as a rich table or as
+Markdown, with the recommendation (a winner only beyond noise, else the tie; never between two
+runs of one configuration), its rule, and the runs that cannot be compared."""
 
 from __future__ import annotations
 
@@ -10,12 +12,13 @@ from reports.runs import Run, incomparable
 
 
 def markdown(runs: list[Run], prices: roi.Prices) -> str:
-    rows = roi.executive(runs, prices)
     flagged = incomparable(runs)
+    rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     _, sentence = roi.recommend(rows, prices, set(flagged))
+    lines += [""] + [f"- {t}" for t in roi.technique_sentences(rows, prices, set(flagged))]
     lines += ["", f"**Recommendation:** {sentence}", "", roi.RULE]
     lines += [f"- not comparable: {k}: {v}" for k, v in flagged.items()]
     return "\n".join(lines)
@@ -31,13 +34,15 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
     if as_markdown:
         console.print(markdown(runs, prices), markup=False, highlight=False, soft_wrap=True)
         return
-    rows = roi.executive(runs, prices)
     flagged = incomparable(runs)
+    rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows, roi.COMPACT if compact else None)
     table = Table(*[Column(h, no_wrap=i == 0) for i, h in enumerate(header)])
     for row in cells:
         table.add_row(*(escape(c) for c in row))
     console.print(table)
+    for t in roi.technique_sentences(rows, prices, set(flagged)):
+        console.print(t, markup=False)
     _, sentence = roi.recommend(rows, prices, set(flagged))
     console.print(f"recommendation: {sentence}", markup=False)
     for k, v in flagged.items():

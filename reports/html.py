@@ -1,9 +1,14 @@
 """`pwbench report`: one self-contained HTML file from result folders.
 
-The first screen is the executive summary (reports.roi); below it the engineering pages:
-latency CDFs, bytes moved per token against the link peak, memory against the budget,
-accuracy against peak memory, throughput against request rate (sweeps), telemetry timelines,
-expert bits and selection heatmaps, and every run's configuration and environment.
+The first screen is the verdict (reports.roi, per arm = the repeats of one configuration):
+one sentence per technique against the strongest baseline, the recommendation (a winner only
+beyond noise, else the tie), then the executive table. Below it the engineering pages: latency
+CDFs, bar charts (median per arm, whiskers = 95% interval where an arm has repeats) of
+capacity, throughput, bytes moved per token against the link peak, memory against the budget;
+fidelity, capacity and accuracy against peak memory (Pareto), output stability under load,
+precision (ITL inside vs outside transition windows, fidelity against mean bits), throughput
+against request rate (sweeps), telemetry timelines, expert bits and selection heatmaps, and
+every run's configuration and environment.
 plotly.js is embedded once in <head>, so the page opens offline. Every string taken from a
 run (names, configs, notes) goes through html.escape; figure JSON is made script-safe.
 """
@@ -17,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.metrics import request_times
-from reports import roi
-from reports.runs import Run, incomparable
+from reports import roi, stats
+from reports.runs import Arm, Run, arms, incomparable
 
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -44,13 +49,13 @@ def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
     return xs, [(i + 1) / len(xs) for i in range(len(xs))]
 
 
-def _latency_charts(runs: list[Run]) -> list[str]:
+def _latency_charts(groups: list[Arm]) -> list[str]:
     out = []
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "end-to-end")):
         data = []
-        for r in runs:
+        for arm in groups:
             values = []
-            for row in r.rows("requests"):
+            for row in (row for r in arm.runs for row in r.rows("requests")):
                 if row.get("warmup") or row.get("error"):
                     continue
                 t = request_times(row)
@@ -60,55 +65,172 @@ def _latency_charts(runs: list[Run]) -> list[str]:
                     values.append(v * 1e3)
             if values:
                 xs, ys = _cdf(values)
-                data.append({"type": "scatter", "mode": "lines", "name": E(r.label), "x": xs, "y": ys})
-        slo = (runs[0].summary.get("slo") or {}).get(f"{key}_ms") if runs else None
+                data.append({"type": "scatter", "mode": "lines", "name": E(arm.label), "x": xs, "y": ys})
+        slo = (groups[0].runs[0].summary.get("slo") or {}).get(f"{key}_ms") if groups else None
         shapes = [{"type": "line", "x0": slo, "x1": slo, "y0": 0, "y1": 1,
                    "line": {"dash": "dot", "color": "red"}}] if slo else []
         out.append(_figure_div(f"cdf-{key}", data,
-                               {"title": {"text": f"{label} CDF (ms){' - dotted: SLO' if slo else ''}"},
-                                                     "xaxis": {"title": {"text": "ms"}, "type": "log"},
-                                                     "yaxis": {"title": {"text": "share of requests"}},
-                                "shapes": shapes}))
+                               {"title": {"text": f"{label} CDF (ms), requests of all repeats"
+                                                  f"{' - dotted: SLO' if slo else ''}"},
+                                "xaxis": {"title": {"text": "ms"}, "type": "log"},
+                                "yaxis": {"title": {"text": "share of requests"}}, "shapes": shapes}))
     return out
 
 
-def _bar(fig_id: str, title: str, runs: list[Run], values: list[float | None], unit: str, line: float | None = None,
-         line_label: str = "") -> str:
-    labels = [E(r.label) for r in runs]
+def _bar(fig_id: str, title: str, groups: list[Arm], samples: list[list[float | None]], unit: str,
+         line: float | None = None, line_label: str = "") -> str:
+    """One bar per arm at the median of its repeats; error bars (asymmetric) from the 95%
+    interval where an arm has repeats."""
+    ests = [stats.estimate(xs) for xs in samples]
     layout: dict[str, Any] = {"title": {"text": title}, "yaxis": {"title": {"text": unit}}}
     if line:
         layout["shapes"] = [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": line, "y1": line,
                              "line": {"dash": "dot", "color": "red"}}]
         layout["title"]["text"] += f" - dotted: {line_label}"
-    return _figure_div(fig_id, [{"type": "bar", "x": labels, "y": [v or 0 for v in values]}], layout)
+    trace: dict[str, Any] = {"type": "bar", "x": [E(a.label) for a in groups], "y": [e.median or 0 for e in ests]}
+    if any(e.has_interval for e in ests):
+        trace["error_y"] = {"type": "data", "symmetric": False, "visible": True,
+                            "array": [max(e.high - e.median, 0) if e.has_interval else 0 for e in ests],
+                            "arrayminus": [max(e.median - e.low, 0) if e.has_interval else 0 for e in ests]}
+        layout["title"]["text"] += " - bars: median of repeats, whiskers: 95% CI"
+    return _figure_div(fig_id, [trace], layout)
 
 
-def _engineering(runs: list[Run], rows: list[dict[str, roi.Value]]) -> list[str]:
-    parts = ["<h2>Latency</h2>", *_latency_charts(runs)]
+def _scatter(fig_id: str, title: str, points: list[tuple[float, float, str]], xtitle: str, ytitle: str) -> str:
+    return _figure_div(fig_id, [{"type": "scatter", "mode": "markers+text", "x": [p[0] for p in points],
+                                 "y": [p[1] for p in points], "text": [E(p[2]) for p in points],
+                                 "textposition": "top center"}],
+                       {"title": {"text": title}, "xaxis": {"title": {"text": xtitle}},
+                        "yaxis": {"title": {"text": ytitle}}})
+
+
+def _memory(run: Run, key: str) -> Any:
+    return (run.summary.get("memory") or {}).get(key)
+
+
+def _per_run(arm: Arm, get) -> list[float | None]:
+    return [get(r) for r in arm.runs]
+
+
+def _stability(groups: list[Arm]) -> list[str]:
+    """run.json stability: the probe set answered at three loads, per run."""
+    header = ["run", "load", "rate req/s", "unique completions / probe", "probes varying", "flips",
+              "first divergence (token)"]
+    cells, findings = [], []
+    for arm in groups:
+        for r in arm.runs:
+            st = r.run.get("stability")
+            if not st:
+                continue
+            for load in st.get("loads") or []:
+                cells.append([r.folder.name, str(load.get("name")), _num(load.get("rate")),
+                              _num(load.get("unique_completions_mean")), _num(load.get("probes_varying")),
+                              _num(load.get("flips")), _num(load.get("first_divergence_min"))])
+            if st.get("finding"):
+                findings.append(f"<li><b>{E(r.folder.name)}</b>: {E(str(st['finding']))}</li>")
+    if not cells:
+        return []
+    return ["<h2 id='stability'>Output stability under load (measured)</h2>",
+            "<p class='small'>A fixed probe set, greedy, answered several times at each background load; unique "
+            "completions per probe (1 = always the same answer), probes with more than one completion, answers "
+            "flipped against the full-precision reference, and the first token where a completion diverged.</p>",
+            _html_table(header, cells), f"<ul class='small'>{''.join(findings)}</ul>"]
+
+
+def _precision(groups: list[Arm]) -> list[str]:
+    """summary.transitions (ITL inside vs outside bit-width transition windows) and fidelity
+    against each request's mean expert bits (requests.parquet bits_mean, ref_identical)."""
+    header = ["run", "transition windows", "per minute", "bytes moved", "ITL p50 inside / outside ms",
+              "ITL p99 inside / outside ms"]
+    cells = []
+    for arm in groups:
+        for r in arm.runs:
+            tr = r.summary.get("transitions")
+            if not tr:
+                continue
+            inside, outside = tr.get("itl_ms_inside") or {}, tr.get("itl_ms_outside") or {}
+            cells.append([r.folder.name, _num(tr.get("windows")), _num(tr.get("per_minute")),
+                          _num(tr.get("move_bytes")),
+                          f"{_num(inside.get('p50'))} / {_num(outside.get('p50'))}",
+                          f"{_num(inside.get('p99'))} / {_num(outside.get('p99'))}"])
+    data = []
+    for arm in groups:
+        bins: dict[float, list[bool]] = {}
+        for row in (row for r in arm.runs for row in roi.served_rows(r)):
+            if row.get("bits_mean") is not None and row.get("ref_identical") is not None:
+                bins.setdefault(round(float(row["bits_mean"]) * 2) / 2, []).append(bool(row["ref_identical"]))
+        if bins:
+            xs = sorted(bins)
+            data.append({"type": "scatter", "mode": "markers", "name": E(arm.label), "x": xs,
+                         "y": [sum(bins[x]) / len(bins[x]) * 100 for x in xs],
+                         "text": [f"{len(bins[x])} requests" for x in xs],
+                         "marker": {"size": [6 + 2 * min(len(bins[x]), 10) for x in xs]}})
+    if not cells and not data:
+        return []
+    out = ["<h2 id='precision'>Precision and transitions (measured)</h2>"]
+    if cells:
+        out += ["<p class='small'>Inter-token latency of steps inside a bit-width transition window against steady "
+                "state (summary.transitions).</p>", _html_table(header, cells)]
+    if data:
+        out.append(_figure_div("fidelity-bits", data, {
+            "title": {"text": "fidelity vs mean expert bits per request (requests binned by 0.5 bit; size: count)"},
+            "xaxis": {"title": {"text": "mean bits of the experts that computed the request"}},
+            "yaxis": {"title": {"text": "% identical to full precision"}}}))
+    return out
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
+
+
+def _engineering(runs: list[Run], groups: list[Arm], rows: list[dict[str, roi.Value]]) -> list[str]:
+    parts = ["<h2>Latency</h2>", *_latency_charts(groups)]
+    parts.append("<h2>Capacity and throughput</h2>")
+    basis = rows[0]["per_device_rps"].text if rows else "goodput"
+    parts.append(_bar("per-device", "capacity at the SLO, req/s per device (measured by the capacity search)"
+                      if all(row["per_device_rps"].text == "capacity" for row in rows)
+                      else f"goodput req/s at the offered rate ({basis} where searched)", groups,
+                      [list(row["per_device_rps"].samples) for row in rows], "req/s"))
+    parts.append(_bar("out-tokens", "output tokens/s (measured)", groups,
+                      [list(row["output_tokens_per_s"].samples) for row in rows], "tokens/s"))
     parts.append("<h2>Bytes moved and memory</h2>")
     link_peak = max(((r.summary.get("memory") or {}).get("link_peak_bytes_per_s") or 0 for r in runs), default=0)
-    parts.append(_bar("h2d-per-token", "host->device bytes per output token (measured)", runs,
-                      [row["h2d_bytes_per_token"].value for row in rows], "bytes / token"))
-    parts.append(_bar("link-rate", "host<->device link bytes/s achieved (measured)", runs,
-                      [(r.summary.get("memory") or {}).get("link_bytes_per_s") for r in runs], "bytes/s",
-                      line=link_peak or None, line_label="link peak"))
+    parts.append(_bar("h2d-per-token", "host->device bytes per output token (measured)", groups,
+                      [list(row["h2d_bytes_per_token"].samples) for row in rows], "bytes / token"))
+    parts.append(_bar("link-rate", "host<->device link bytes/s achieved (measured)", groups,
+                      [_per_run(a, lambda r: _memory(r, "link_bytes_per_s")) for a in groups],
+                      "bytes/s", line=link_peak or None, line_label="link peak"))
     budgets = [row["budget_bytes"].value for row in rows if row["budget_bytes"].value]
-    parts.append(_bar("peak-memory", "peak device memory (measured)", runs,
-                      [(row["peak_device_bytes"].value or 0) / 2**20 for row in rows], "MiB",
+    parts.append(_bar("peak-memory", "peak device memory (measured)", groups,
+                      [_per_run(a, lambda r: ((r.summary.get("memory") or {}).get("peak_device_bytes") or 0) / 2**20)
+                       for a in groups], "MiB",
                       line=(min(budgets) / 2**20) if budgets else None, line_label="device budget"))
-    parts.append(_bar("kv-capacity", "KV cache capacity under the budget", runs,
-                      [row["kv_capacity_tokens"].value for row in rows], "tokens"))
-    parts.append(_bar("prefix-cache", "prefix-cache hit rate (share of prompt tokens from cache)", runs,
-                      [((r.summary.get("engine") or {}).get("prefix_cache_hit_rate") or 0) * 100 for r in runs], "%"))
-    parts.append("<h2>Quality, throughput and budget</h2>")
-    pts = [(row["peak_device_bytes"].value, row["accuracy"].value, r) for row, r in zip(rows, runs)
+    parts.append(_bar("kv-capacity", "KV cache capacity under the budget", groups,
+                      [_per_run(a, lambda r: _memory(r, "kv_capacity_tokens")) for a in groups],
+                      "tokens"))
+    parts.append(_bar("prefix-cache", "prefix-cache hit rate (share of prompt tokens from cache)", groups,
+                      [_per_run(a, lambda r: ((r.summary.get("engine") or {}).get("prefix_cache_hit_rate") or 0) * 100)
+                       for a in groups], "%"))
+    parts.append("<h2>Quality, capacity and memory (Pareto: up and left is better)</h2>")
+    mem = [(row["peak_device_bytes"].value or 0) / 2**20 for row in rows]
+    fid = [(m, row["fidelity"].value * 100, a.label) for m, row, a in zip(mem, rows, groups)
+           if row["fidelity"].value is not None and row["peak_device_bytes"].value]
+    parts.append(_scatter("pareto-fidelity", "fidelity (answers identical to full precision) vs peak device memory",
+                          fid, "peak device MiB", "% identical to full precision"))
+    cap = [(m, row["per_device_rps"].value, a.label) for m, row, a in zip(mem, rows, groups)
+           if row["per_device_rps"].value is not None and row["peak_device_bytes"].value]
+    parts.append(_scatter("pareto-capacity", "per-device req/s at the SLO (median) vs peak device memory", cap,
+                          "peak device MiB", "req/s"))
+    acc = [(m, row["accuracy"].value * 100, a.label) for m, row, a in zip(mem, rows, groups)
            if row["accuracy"].value is not None and row["peak_device_bytes"].value]
-    parts.append(_figure_div("pareto", [{"type": "scatter", "mode": "markers+text", "x": [p[0] / 2**20 for p in pts],
-                                         "y": [p[1] * 100 for p in pts], "text": [E(p[2].label) for p in pts],
-                                         "textposition": "top center"}],
-                             {"title": {"text": "accuracy vs peak device memory (Pareto: up and left is better)"},
-                              "xaxis": {"title": {"text": "peak device MiB"}},
-                              "yaxis": {"title": {"text": "accuracy %"}}}))
+    parts.append(_scatter("pareto", "accuracy among served requests vs peak device memory", acc, "peak device MiB",
+                          "accuracy %"))
+    parts.extend(_stability(groups))
+    parts.extend(_precision(groups))
     rates = [(r.run.get("config") or {}).get("workload", {}).get("rate") for r in runs]
     if len({x for x in rates if x is not None}) > 1:
         by_engine: dict[str, list[tuple[float, float, float]]] = {}
@@ -123,8 +245,8 @@ def _engineering(runs: list[Run], rows: list[dict[str, roi.Value]]) -> list[str]
                          "x": [x[0] for x in p], "y": [x[2] for x in p]})
         parts.append(_figure_div("rate-sweep", data, {"title": {"text": "goodput vs request rate (sweep)"},
                                                        "xaxis": {"title": {"text": "offered req/s"}}}))
-    parts.append("<h2>Timeline</h2>")
-    for r in runs:
+    parts.append("<h2>Timeline</h2><p class='small'>The first run of each arm.</p>")
+    for r in (a.runs[0] for a in groups):
         steps = r.rows("steps")
         tel = r.rows("telemetry")
         data = []
@@ -145,7 +267,7 @@ def _engineering(runs: list[Run], rows: list[dict[str, roi.Value]]) -> list[str]
             "title": {"text": f"{E(r.label)}: utilisation, memory, link traffic and requests in flight"},
             "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "%"}},
             "yaxis2": {"overlaying": "y", "side": "right", "title": {"text": "requests / MiB / KiB"}}}))
-    parts.extend(_expert_heatmaps(runs))
+    parts.extend(_expert_heatmaps([a.runs[0] for a in groups]))
     return parts
 
 
@@ -191,16 +313,19 @@ def _html_table(header: list[str], cells: list[list[str]], titles: list[list[str
 def render(runs: list[Run], prices: roi.Prices) -> str:
     import plotly.offline
 
-    rows = roi.executive(runs, prices)
+    groups = arms(runs)
     flagged = incomparable(runs)
+    rows = roi.executive(runs, prices, set(flagged))
     recommended, sentence = roi.recommend(rows, prices, set(flagged))
+    techniques = roi.technique_sentences(rows, prices, set(flagged))
     header, cells = roi.table(rows, roi.PAGE)
     keys = list(roi.PAGE)
     titles = [[row[k].source for k in keys] for row in rows]
-    for cell_row, r in zip(cells, runs):
-        if r.label in flagged:
+    flagged_arms = {a.label for a in groups if a.label in flagged or any(f in flagged for f in a.folders)}
+    for cell_row, a in zip(cells, groups):
+        if a.label in flagged_arms:
             cell_row[0] += " (not comparable)"
-        elif r.label == recommended:
+        elif a.label == recommended:
             cell_row[0] += " (recommended)"
     sources = "".join(f"<li><b>{E(h)}</b>: {E(rows[0][k].source.split(': ', 1)[-1])}</li>"
                       for k, h in zip(keys, header)) if rows else ""
@@ -210,43 +335,54 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     slo = ", ".join(f"{k} <= {v:g}" for k, v in ((first.get("summary") or {}).get("slo") or {}).items())
     budgets = sorted({row["budget_bytes"].value for row in rows if row["budget_bytes"].value})
     budget = ", ".join(f"{b / 2**20:.2f} MiB" for b in budgets) or "none"
-    engines = ", ".join(f"{row['run'].text} = {row['engine'].text}" for row in rows)
+    engines = ", ".join(f"{row['run'].text} = {row['engine'].text} x {row['runs'].value}" for row in rows)
     warn = ""
     if flagged:
         warn = ('<div class="warn"><b>Runs that cannot be compared with the first run '
                 f"({E(runs[0].label)}); left out of the recommendation:</b><ul>"
                 + "".join(f"<li>{E(k)}: {E(v)}</li>" for k, v in flagged.items()) + "</ul></div>")
+    verdict = ("<ul id='techniques'>" + "".join(f"<li>{E(t)}</li>" for t in techniques) + "</ul>") if techniques \
+        else ""
+    repeats = max((row["runs"].value or 0 for row in rows), default=0)
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>pwbench ROI report</title>",
         f"<style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head><body>",
         '<section id="executive"><h1>Can these engines serve more on the same devices?</h1>',
+        verdict,
+        f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br>'
+        f'<span class="small">{E(roi.RULE)}</span></div>',
         f'<p class="small">Workload <b>{E(str(wl.get("name")))}</b> ({E(str(wl.get("requests")))} requests, '
         f'{E(str(wl.get("arrival")))} arrivals, seed {E(str(first.get("seed")))}) on '
         f'{E(str(env.get("gpu") or env.get("cpu_model")))}; '
-        f'SLO {E(slo)}; device budget <b>{E(budget)}</b>; engines {E(engines)}. Inputs: <b>${prices.gpu_hour_usd:g} '
-        f'per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
+        f'SLO {E(slo)}; device budget <b>{E(budget)}</b>; arms (engine x runs) {E(engines)}. '
+        f'Inputs: <b>${prices.gpu_hour_usd:g} per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
         f'utilisation <b>{prices.utilisation:g}</b> (change with --gpu-hour-usd, --target-rps, --utilisation). '
-        f'All numbers measured on this machine; hover a cell for its run folder and metric.</p>',
-        f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br>'
-        f'<span class="small">{E(roi.RULE)}</span></div>',
+        f'Hover a cell for its run folders and metric.</p>',
         warn, _html_table(header, cells, titles),
-        '<p class="small">served: requests completed of those sent; a request an engine could not serve (e.g. a prompt '
-        'longer than the KV cache its budget leaves) counts as not answered in accuracy. vs full: accuracy points '
-        'against the full-precision run; top-1 vs fp32: teacher-forced agreement with the float32 reference after '
-        'the run.</p>',
-        '<p class="small">Where each column comes from (per run folder):</p>'
+        '<p class="small">One row per arm: the runs of one configuration (engine, model, options, workload and seed, '
+        'SLO). A number is the median of the arm\'s runs; [low-high] is the 95% interval of their mean (Student t)'
+        + ("" if repeats > 1 else "; with one run per arm there is no interval (use --repeat 3)")
+        + '. served: requests completed of those sent (capacity). accuracy among served: correct answers among the '
+        'served requests that carried a task (an unserved request is capacity, not a wrong answer). vs full (both '
+        'served): accuracy points against full precision on the task requests both served. identical to full: '
+        'share of served requests whose output equals the full-precision reference\'s greedy output. flips: answers '
+        'right in the reference and wrong here (lost) or the reverse (gained), median per run. top-1 vs fp32: '
+        'teacher-forced agreement with the float32 reference after the run.</p>',
+        '<p class="small">Where each column comes from (per arm):</p>'
         f'<ul class="small">{sources}</ul></section>',
         '<section id="engineering"><h1>Engineering detail</h1>',
-        *_engineering(runs, rows),
+        *_engineering(runs, groups, rows),
         "<h2>Runs: configuration and environment</h2>",
     ]
     for r in runs:
         detail = {k: r.run.get(k) for k in ("status", "config", "engine", "workload", "environment", "quality",
-                                            "engine_notes")}
+                                            "capacity", "stability", "engine_notes")}
         parts.append(f"<details><summary>{E(r.label)} <span class='tag'>{E(str(r.folder))}</span></summary>"
                      f"<pre>{E(json.dumps(detail, indent=1, default=str))}</pre></details>")
-    parts.append("<p class='small'>Measured: every number above comes from the run folders. Projected: cost and "
-                 "devices apply the stated prices and target load to the measured goodput.</p></section></body></html>")
+    parts.append("<p class='small'>Measured: the runs' own numbers (throughput, goodput, capacity found by the search, "
+                 "memory, bytes, answers). Derived: medians and intervals across repeats, ratios between arms. "
+                 "Projected: cost and devices apply the stated prices and target load to the measured capacity "
+                 "(else goodput).</p></section></body></html>")
     return "\n".join(parts)
 
 

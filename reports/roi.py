@@ -1,25 +1,34 @@
-"""The executive numbers: goodput at the SLO, cost per 1M output tokens, devices for a target
-load, accuracy against full precision, peak memory against the budget, and the rule-based
-recommendation. Pure functions of loaded runs (reports.runs); every value carries its source.
+"""The executive numbers and the verdict, per arm (reports.runs.arms: the repeats of one
+configuration): capacity at the SLO, goodput, cost per 1M output tokens, devices for a target
+load, and quality kept apart from capacity (share served; accuracy among served requests;
+fidelity to full precision; answer flips), with a rule-based recommendation that names a
+winner only beyond noise (reports.stats). Pure functions of loaded runs; every value carries
+its source, and an arm's value is the median of its repeats with a 95% interval.
 
-    cost per 1M output tokens = $/h / (goodput tok/s x 3600) x 10^6
-    devices for a load        = ceil(target req/s / (goodput req/s per device x utilisation))
+    per device        = capacity req/s at the SLO (run.json capacity), else goodput req/s
+    cost per 1M output tokens = $/h / (per-device req/s x mean output tokens per served request x 3600) x 10^6
+                                (without a capacity search: $/h / (goodput tok/s x 3600) x 10^6)
+    devices for a load        = ceil(target req/s / (per-device req/s x utilisation))
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness.metrics import meets_slo, request_times
-from reports.runs import Run
+from reports import stats
+from reports.runs import Arm, Run, arms, describe_config
+from workloads.demo.tasks import score
 
 HOURS_PER_MONTH = 730
-# The recommendation's rule: an engine qualifies when it loses at most this many accuracy
-# points against full precision and its peak device memory stays within the budget.
+# The recommendation's quality tolerance against full precision: accuracy among the requests
+# both served within this many points, and no more lost flips per run than full precision's own.
 ACCURACY_TOLERANCE_POINTS = 1.0
 REFERENCE_ENGINE = "moe"  # full precision
+TECHNIQUES = ("pagedweight", "moegen", "full")  # engines under test; the other arms are baselines
+NO_CAPACITY = "(goodput at the offered rate; no capacity search)"
 
 
 @dataclass(frozen=True)
@@ -31,9 +40,12 @@ class Prices:
 
 @dataclass(frozen=True)
 class Value:
-    value: float | int | None
-    source: str  # "<run folder>: <metric>"
+    value: float | int | None  # an arm's median (or pooled share, said in source)
+    source: str  # "<run folder(s)>: <metric>"
     text: str = ""
+    samples: tuple[float, ...] = field(default=(), repr=False)  # one per repeat
+    low: float | None = None  # 95% interval (reports.stats)
+    high: float | None = None
 
 
 def cost_per_million(gpu_hour_usd: float, tokens_per_s: float | None) -> float | None:
@@ -48,26 +60,89 @@ def devices_needed(target_rps: float, goodput_rps: float | None, utilisation: fl
     return math.ceil(target_rps / (goodput_rps * utilisation) - 1e-9)
 
 
+def served_rows(run: Run) -> list[dict[str, Any]]:
+    """Measured requests the engine served (no error, finished)."""
+    return [r for r in run.rows("requests")
+            if not r.get("warmup") and not r.get("error") and r.get("finish_s") is not None]
+
+
 def goodput_tokens_per_s(run: Run) -> float | None:
     """Output tokens of the measured requests that met every SLO target, per second of run."""
     s = run.summary
     if not s.get("duration_s"):
         return None
     slo = s.get("slo") or {}
-    good = sum(int(r.get("output_tokens") or 0) for r in run.rows("requests")
-               if not r.get("warmup") and not r.get("error") and r.get("finish_s") is not None
-               and meets_slo(request_times(r), slo))
+    good = sum(int(r.get("output_tokens") or 0) for r in served_rows(run) if meets_slo(request_times(r), slo))
     return good / s["duration_s"]
 
 
+def served_share(run: Run) -> tuple[int, int]:
+    """(served, sent) measured requests: capacity, reported apart from quality."""
+    s = run.summary
+    sent = s.get("requests")
+    if sent is None:
+        sent = sum(1 for r in run.rows("requests") if not r.get("warmup"))
+    served = s.get("completed")
+    return (len(served_rows(run)) if served is None else int(served)), int(sent)
+
+
+def correctness(run: Run) -> dict[str, bool] | None:
+    """request_id -> answer correct, for the served requests that carry a demo task: the
+    `correct` column where it is set, else the task's exact-match score on output_text.
+    None when the run has no task-bearing request."""
+    out: dict[str, bool] = {}
+    for r in served_rows(run):
+        if r.get("task") is None:
+            continue
+        if r.get("correct") is not None:
+            out[str(r["request_id"])] = bool(r["correct"])
+        elif r.get("answer") is not None and r.get("output_text") is not None:
+            out[str(r["request_id"])] = bool(score(r["output_text"], r["answer"]))
+    return out or None
+
+
 def accuracy(run: Run) -> float | None:
-    """Correct answers (summary.accuracy) over every measured request that carried a demo task
-    (requests.parquet), so a request the engine could not serve counts as not answered: under
-    a budget, an engine that cannot hold a long prompt loses that answer. None without tasks."""
-    acc = run.summary.get("accuracy") or {}
-    correct = acc["overall"]["correct"] if "overall" in acc else sum(a["correct"] for a in acc.values())
-    sent = sum(1 for r in run.rows("requests") if r.get("task") is not None and not r.get("warmup"))
-    return correct / sent if sent else None
+    """Correct answers among the served requests that carried a demo task; a request the engine
+    could not serve is capacity (served share), not a wrong answer. None without tasks."""
+    c = correctness(run)
+    return sum(c.values()) / len(c) if c else None
+
+
+def fidelity_counts(run: Run) -> tuple[int, int, int, int] | None:
+    """(identical, compared, flips lost, flips gained) against the full-precision reference:
+    requests.parquet ref_identical/flip when present, else summary.fidelity; None without."""
+    rows = served_rows(run)
+    checked = [r for r in rows if r.get("ref_identical") is not None]
+    if checked:
+        flips = [r.get("flip") for r in rows]
+        return (sum(1 for r in checked if r["ref_identical"]), len(checked), flips.count("lost"),
+                flips.count("gained"))
+    f = run.summary.get("fidelity")
+    if not f or f.get("compared") is None:
+        return None
+    return int(f.get("identical") or 0), int(f["compared"]), int(f.get("flips_lost") or 0), \
+        int(f.get("flips_gained") or 0)
+
+
+def stability_flips(run: Run) -> int | None:
+    st = run.run.get("stability")
+    if not st or not st.get("loads"):
+        return None
+    return sum(int(x.get("flips") or 0) for x in st["loads"])
+
+
+def capacity_rps(run: Run) -> float | None:
+    cap = run.run.get("capacity")
+    return None if not cap else cap.get("requests_per_s")
+
+
+def mean_output_tokens(runs: list[Run]) -> float | None:
+    """Output tokens per served request, pooled over the arm's runs."""
+    toks = [int(r.get("output_tokens") or 0) for run in runs for r in served_rows(run)]
+    if toks:
+        return sum(toks) / len(toks)
+    done = sum(run.summary.get("completed") or 0 for run in runs)
+    return sum(run.summary.get("output_tokens") or 0 for run in runs) / done if done else None
 
 
 def kv_capacity(run: Run, memory: dict, folder: str) -> Value:
@@ -81,134 +156,408 @@ def kv_capacity(run: Run, memory: dict, folder: str) -> Value:
     return Value(tokens, source)
 
 
-def executive(runs: list[Run], prices: Prices) -> list[dict[str, Value]]:
-    """One dict per run: the executive table's values, each with where it comes from."""
-    ref = next((r for r in runs if r.engine == REFERENCE_ENGINE), None)
-    ref_acc = accuracy(ref) if ref else None
-    out = []
-    for r in runs:
-        s, m, f = r.summary, r.summary.get("memory") or {}, r.folder.name
-        gtok = goodput_tokens_per_s(r)
-        acc = accuracy(r)
-        delta = (acc - ref_acc) * 100 if acc is not None and ref_acc is not None else None
-        out.append({
-            "run": Value(None, f"{r.folder}", f),
-            "engine": Value(None, f"{f}: engine.name", r.engine),
-            "served": Value(s.get("completed"), f"{f}: summary.completed of summary.requests",
-                            f"{s.get('completed')}/{s.get('requests')}"),
-            "output_tokens_per_s": Value(s.get("output_tokens_per_s"), f"{f}: summary.output_tokens_per_s"),
-            "goodput_tokens_per_s": Value(gtok,
-                                          f"{f}: requests.parquet, output tokens of requests meeting "
-                                          "summary.slo / summary.duration_s"),
-            "goodput_rps": Value(s.get("goodput_requests_per_s"), f"{f}: summary.goodput_requests_per_s"),
-            "cost_per_1m": Value(cost_per_million(prices.gpu_hour_usd, gtok),
-                                 f"{f}: ${prices.gpu_hour_usd:g}/h / (goodput tok/s x 3600) x 1e6"),
-            "devices": Value(devices_needed(prices.target_rps, s.get("goodput_requests_per_s"), prices.utilisation),
-                             f"{f}: ceil({prices.target_rps:g} req/s / (summary.goodput_requests_per_s x "
-                             f"{prices.utilisation:g}))"),
-            "kv_capacity_tokens": kv_capacity(r, m, f),
-            "peak_concurrency": Value(s.get("peak_concurrency"), f"{f}: summary.peak_concurrency"),
-            "accuracy": Value(acc,
-                              f"{f}: summary.accuracy.overall.correct / requests.parquet rows with a task "
-                              "(unserved = not answered)"),
-            "top1_agreement": Value((r.run.get("quality") or {}).get("top1_agreement"),
-                                    f"{f}: quality.top1_agreement (teacher-forced, vs the float32 reference)"),
-            "accuracy_delta_points": Value(delta, f"{f} vs {ref.folder.name if ref else '-'}: summary.accuracy"),
-            "peak_device_bytes": Value(m.get("peak_device_bytes"), f"{f}: summary.memory.peak_device_bytes"),
-            "budget_bytes": Value(m.get("budget_bytes"), f"{f}: summary.memory.budget_bytes"),
-            "h2d_bytes_per_token": Value((s.get("engine") or {}).get("h2d_bytes_per_output_token"),
-                                         f"{f}: summary.engine.h2d_bytes_per_output_token"),
-        })
-    return out
+def _folders(arm: Arm) -> str:
+    return ", ".join(arm.folders)
 
 
-RULE = (f"Rule: among the comparable runs whose accuracy is within {ACCURACY_TOLERANCE_POINTS:g} point of full "
-        f"precision ({REFERENCE_ENGINE}) and whose peak device memory fits the budget, recommend the one with the "
-        "highest goodput (requests/s meeting the SLO) per device; savings are the devices it saves at the target "
-        f"load x $/h x {HOURS_PER_MONTH} h/month.")
+def _repeated(arm: Arm, samples: list[float | None], source: str) -> Value:
+    """An arm's metric: the median of its repeats with their 95% interval (reports.stats)."""
+    est = stats.estimate(samples)
+    note = (f"median of {est.n} runs, 95% CI of the mean (Student t)" if est.has_interval
+            else "one run: no interval" if est.n == 1 else "")
+    return Value(est.median, f"{_folders(arm)}: {source}" + (f" [{note}]" if note else ""), "",
+                 tuple(float(x) for x in samples if x is not None), est.low, est.high)
+
+
+def _per_device(arm: Arm) -> tuple[Value, str]:
+    """The per-device req/s that drives devices and cost: capacity when every run has it."""
+    caps = [capacity_rps(r) for r in arm.runs]
+    if all(c is not None for c in caps):
+        return _repeated(arm, caps, "capacity.requests_per_s (highest rate meeting the SLO criterion)"), "capacity"
+    good = [r.summary.get("goodput_requests_per_s") for r in arm.runs]
+    return _repeated(arm, good, f"summary.goodput_requests_per_s {NO_CAPACITY}"), "goodput"
+
+
+def _quality_vs_reference(arm: Arm, ref: Arm | None) -> tuple[float | None, int]:
+    """Accuracy points of `arm` minus full precision's, on the task requests both served (each
+    request's correctness averaged over repeats); (None, 0) without a shared request."""
+    if ref is None:
+        return None, 0
+
+    def pooled(a: Arm) -> dict[str, float]:
+        per: dict[str, list[bool]] = {}
+        for run in a.runs:
+            for rid, ok in (correctness(run) or {}).items():
+                per.setdefault(rid, []).append(ok)
+        return {rid: sum(v) / len(v) for rid, v in per.items()}
+
+    mine, theirs = pooled(arm), pooled(ref)
+    both = sorted(set(mine) & set(theirs))
+    if not both:
+        return None, 0
+    return (sum(mine[k] for k in both) - sum(theirs[k] for k in both)) / len(both) * 100, len(both)
+
+
+def reference_arm(all_arms: list[Arm], excluded: set[str] = frozenset()) -> Arm | None:
+    return next((a for a in all_arms if a.engine == REFERENCE_ENGINE and not _excluded(a.label, a.folders, excluded)),
+                None)
+
+
+def _excluded(label: str, folders: list[str], excluded: set[str]) -> bool:
+    return label in excluded or any(f in excluded for f in folders)
+
+
+def arm_row(arm: Arm, prices: Prices, ref: Arm | None) -> dict[str, Value]:
+    f = _folders(arm)
+    first = arm.runs[0]
+    m = first.summary.get("memory") or {}
+    served = [served_share(r) for r in arm.runs]
+    n_served, n_sent = sum(s[0] for s in served), sum(s[1] for s in served)
+    per_device, basis = _per_device(arm)
+    est = stats.estimate(list(per_device.samples))
+    mean_out = mean_output_tokens(arm.runs)
+    if basis == "capacity":
+        def cost(rps):
+            return cost_per_million(prices.gpu_hour_usd, rps * mean_out if rps and mean_out else None)
+        cost_src = (f"{f}: ${prices.gpu_hour_usd:g}/h / (capacity req/s x {mean_out or 0:.1f} mean output tokens per "
+                    "served request x 3600) x 1e6")
+        cost_v = Value(cost(est.median), cost_src, "", (), cost(est.high) if est.has_interval else None,
+                       cost(est.low) if est.has_interval else None)
+    else:
+        gtoks = stats.estimate([goodput_tokens_per_s(r) for r in arm.runs])
+        cost_v = Value(cost_per_million(prices.gpu_hour_usd, gtoks.median),
+                       f"{f}: ${prices.gpu_hour_usd:g}/h / (goodput tok/s x 3600) x 1e6 {NO_CAPACITY}", "", (),
+                       cost_per_million(prices.gpu_hour_usd, gtoks.high) if gtoks.has_interval else None,
+                       cost_per_million(prices.gpu_hour_usd, gtoks.low) if gtoks.has_interval else None)
+
+    def devices(rps):
+        return devices_needed(prices.target_rps, rps, prices.utilisation)
+
+    per = "capacity req/s" if basis == "capacity" else "goodput req/s"
+    dev_src = (f"{f}: ceil({prices.target_rps:g} req/s / ({per}"
+               f" x {prices.utilisation:g}))" + ("" if basis == "capacity" else f" {NO_CAPACITY}"))
+    correct = [correctness(r) for r in arm.runs]
+    answered = [c for c in correct if c]
+    acc = (sum(sum(c.values()) for c in answered) / sum(len(c) for c in answered)) if answered else None
+    delta, both = _quality_vs_reference(arm, ref) if arm is not ref else (0.0 if acc is not None else None, 0)
+    fid = [fidelity_counts(r) for r in arm.runs]
+    have = [x for x in fid if x]
+    compared = sum(x[1] for x in have)
+    lost = stats.estimate([x[2] for x in have])
+    gained = stats.estimate([x[3] for x in have])
+    peaks = [(r.summary.get("memory") or {}).get("peak_device_bytes") for r in arm.runs]
+    peaks = [p for p in peaks if p is not None]
+    quality = first.run.get("quality") or {}
+    return {
+        "run": Value(None, f, arm.label),
+        "engine": Value(None, f"{f}: engine.name", arm.engine),
+        "runs": Value(len(arm.runs), f"{f}: runs of one configuration ({describe_config(first.run)})", f),
+        "served": Value(n_served / n_sent if n_sent else None,
+                        f"{f}: summary.completed / summary.requests, summed over runs (capacity, not quality)",
+                        f"{n_served}/{n_sent}"),
+        "capacity_rps": (_repeated(arm, [capacity_rps(r) for r in arm.runs],
+                                   "capacity.requests_per_s (highest offered rate meeting the SLO criterion)")
+                         if basis == "capacity" else Value(None, f"{f}: no capacity search in run.json")),
+        "output_tokens_per_s": _repeated(arm, [r.summary.get("output_tokens_per_s") for r in arm.runs],
+                                         "summary.output_tokens_per_s"),
+        "goodput_tokens_per_s": _repeated(arm, [goodput_tokens_per_s(r) for r in arm.runs],
+                                          "requests.parquet, output tokens of requests meeting summary.slo / "
+                                          "summary.duration_s"),
+        "goodput_rps": _repeated(arm, [r.summary.get("goodput_requests_per_s") for r in arm.runs],
+                                 "summary.goodput_requests_per_s"),
+        "per_device_rps": Value(per_device.value, per_device.source, basis, per_device.samples, per_device.low,
+                                per_device.high),
+        "cost_per_1m": cost_v,
+        "devices": Value(devices(est.median), dev_src, "", (),
+                         devices(est.high) if est.has_interval else None,
+                         devices(est.low) if est.has_interval else None),
+        "kv_capacity_tokens": kv_capacity(first, m, first.folder.name),
+        "peak_concurrency": _repeated(arm, [r.summary.get("peak_concurrency") for r in arm.runs],
+                                      "summary.peak_concurrency"),
+        "accuracy": Value(acc, f"{f}: correct / served requests with a task (requests.parquet correct, else the "
+                               "task's exact match on output_text), pooled over runs; unserved requests are "
+                               "capacity, not counted"),
+        "accuracy_delta_points": Value(delta, f"{f} vs {ref.label if ref else '-'}: accuracy points on the "
+                                             f"{both} task requests both served" if arm is not ref
+                                       else f"{f}: the full-precision arm itself"),
+        "fidelity": Value(sum(x[0] for x in have) / compared if compared else None,
+                          f"{f}: share of served requests whose output equals the full-precision reference's "
+                          "(requests.parquet ref_identical, else summary.fidelity), pooled over runs"),
+        "flips_lost": Value(lost.median, f"{f}: answers right in the reference and wrong here (requests.parquet "
+                                         "flip, else summary.fidelity.flips_lost), median per run",
+                            "" if lost.median is None else f"{lost.median:g} lost / {gained.median:g} gained"),
+        "top1_agreement": Value(quality.get("top1_agreement"),
+                                f"{first.folder.name}: quality.top1_agreement (teacher-forced, vs the float32 "
+                                "reference)"),
+        "peak_device_bytes": Value(max(peaks) if peaks else None,
+                                   f"{f}: summary.memory.peak_device_bytes, the highest of the runs"),
+        "budget_bytes": Value(m.get("budget_bytes"), f"{first.folder.name}: summary.memory.budget_bytes"),
+        "stability_flips": _repeated(arm, [stability_flips(r) for r in arm.runs],
+                                     "stability.loads[].flips, summed over the loads (answers flipped against the "
+                                     "reference while probed at idle, near and above capacity)"),
+        "h2d_bytes_per_token": _repeated(arm, [(r.summary.get("engine") or {}).get("h2d_bytes_per_output_token")
+                                               for r in arm.runs], "summary.engine.h2d_bytes_per_output_token"),
+    }
+
+
+def executive(runs: list[Run], prices: Prices, excluded: set[str] = frozenset()) -> list[dict[str, Value]]:
+    """One dict per arm (reports.runs.arms order): the executive table's values with sources."""
+    all_arms = arms(runs)
+    ref = reference_arm(all_arms, excluded)
+    return [arm_row(a, prices, ref) for a in all_arms]
+
+
+RULE = ("Rule: an arm (the repeats of one configuration) qualifies when its peak device memory fits the budget in "
+        f"every run and its quality is within tolerance of full precision ({REFERENCE_ENGINE}): accuracy within "
+        f"{ACCURACY_TOLERANCE_POINTS:g} point on the task requests both served, and no more lost answer flips per run "
+        "than full precision's own. Among those, the winner is the arm whose capacity at the SLO (else goodput req/s "
+        "at the offered rate) beats every other qualifying arm's beyond noise: the 95% interval of the ratio (Welch t "
+        "on log values) lies above 1x. Otherwise the arms not beaten beyond noise are a tie, and what separates them "
+        "is stated. Savings: devices saved at the target load against full precision x $/h x "
+        f"{HOURS_PER_MONTH} h/month.")
+
+
+def _metric_words(basis: str) -> tuple[str, str]:
+    if basis == "capacity":
+        return "the requests per device at the SLO", "req/s at the SLO"
+    return "the goodput (req/s meeting the SLO at the offered rate; no capacity search)", "goodput req/s"
+
+
+def _ci(c: stats.Comparison) -> str:
+    return f"95% CI {c.low:.2f}-{c.high:.2f}x"
+
+
+def _range(values: list[float | None], show) -> str | None:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return None
+    lo, hi = min(xs), max(xs)
+    return show(lo) if show(lo) == show(hi) else f"{show(lo)}-{show(hi)}"
+
+
+def _kilo(x: float) -> str:
+    return f"{x / 1000:.0f}k" if x >= 10_000 else f"{x:,.0f}"
+
+
+def separates(rows: list[dict[str, Value]]) -> str:
+    """What differs between tied arms: memory, bytes moved, KV, quality (ranges of medians)."""
+    parts = []
+    for label, key, show in (("peak memory", "peak_device_bytes", lambda x: f"{x / 2**20:.2f} MiB"),
+                             ("h2d bytes/token", "h2d_bytes_per_token", _kilo),
+                             ("served", "served", lambda x: f"{x * 100:.0f}%"),
+                             ("fidelity", "fidelity", lambda x: f"{x * 100:.0f}%"),
+                             ("accuracy among served", "accuracy", lambda x: f"{x * 100:.0f}%")):
+        if (r := _range([row[key].value for row in rows], show)) is not None:
+            parts.append(f"{label} {r}")
+    return ", ".join(parts)
+
+
+def _names(labels: list[str]) -> str:
+    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + f" and {labels[-1]}"
+
+
+def same_configuration(row: dict[str, Value]) -> str:
+    """One arm given several times: its spread is the environment's, never a recommendation."""
+    folders = row["runs"].text.split(", ")
+    desc = row["runs"].source.split("(", 1)[-1].rstrip(")")
+    metric = row["per_device_rps"]
+    sp = stats.spread(list(metric.samples))
+    diff = "-" if sp is None else ("one served none at the SLO" if math.isinf(sp) else f"{sp:.2f}x")
+    return (f"{_names(folders)} are the same configuration ({desc}); their difference ({diff} in "
+            f"{_metric_words(metric.text)[1]}) is the environment's (e.g. a busy machine), not the engine's: "
+            "no recommendation between them.")
+
+
+def _qualifies(row: dict[str, Value], ref: dict[str, Value] | None) -> bool:
+    peak, budget = row["peak_device_bytes"].value, row["budget_bytes"].value
+    if budget and peak is not None and peak > budget:
+        return False
+    if ref is not None and row is not ref:
+        delta = row["accuracy_delta_points"].value
+        if delta is not None and delta < -ACCURACY_TOLERANCE_POINTS:
+            return False
+        lost, ref_lost = row["flips_lost"].value, ref["flips_lost"].value
+        if lost is not None and lost > (ref_lost or 0):
+            return False
+    return bool(row["per_device_rps"].value)
 
 
 def recommend(rows: list[dict[str, Value]], prices: Prices, excluded: set[str] = frozenset()) -> tuple[str | None, str]:
-    """(engine row recommended or None, one plain-language sentence), by RULE."""
+    """(arm label recommended or None, one plain-language sentence), by RULE. `excluded`:
+    arm labels or run folder names left out (runs that cannot be compared)."""
     def label(row):
         return row["run"].text
 
-    ref = next((row for row in rows if row["engine"].text == REFERENCE_ENGINE and label(row) not in excluded), None)
-    qualifying = []
-    for row in rows:
-        if label(row) in excluded:
-            continue
-        delta = row["accuracy_delta_points"].value
-        if ref is not None and row is not ref and (delta is None or delta < -ACCURACY_TOLERANCE_POINTS):
-            continue
-        peak, budget = row["peak_device_bytes"].value, row["budget_bytes"].value
-        if budget and peak is not None and peak > budget:
-            continue
-        if row["goodput_rps"].value:
-            qualifying.append(row)
+    kept = [row for row in rows if not _excluded(label(row), row["runs"].text.split(", "), excluded)]
+    if len(kept) == 1 and (kept[0]["runs"].value or 0) > 1:
+        return None, same_configuration(kept[0])
+    ref = next((row for row in kept if row["engine"].text == REFERENCE_ENGINE), None)
+    qualifying = [row for row in kept if _qualifies(row, ref)]
     if not qualifying:
-        return None, "No run meets the SLO within the accuracy tolerance and the budget: keep the current setup."
-    best = max(qualifying, key=lambda row: row["goodput_rps"].value)
-    name = label(best)
-    if ref is None:
-        return name, (f"{name} has the highest goodput ({best['goodput_rps'].value:.2f} req/s at the SLO); "
-                      "no full-precision run to judge its accuracy against.")
-    if best is ref:
-        return name, (f"Stay with full precision ({name}): no other engine serves more requests per device at the SLO "
-                      f"within {ACCURACY_TOLERANCE_POINTS:g} accuracy point.")
-    ratio = best["goodput_rps"].value / ref["goodput_rps"].value if ref["goodput_rps"].value else None
-    d_best, d_ref = best["devices"].value, ref["devices"].value
-    saved = d_ref - d_best if d_best is not None and d_ref is not None else None
+        return None, "No arm meets the SLO within the quality tolerance and the budget: keep the current setup."
+    basis = "capacity" if all(row["per_device_rps"].text == "capacity" for row in qualifying) else "goodput"
+    if basis == "goodput":
+        qualifying = [row for row in qualifying if row["goodput_rps"].value]
+    metric = "per_device_rps" if basis == "capacity" else "goodput_rps"
+    words, unit = _metric_words(basis)
+    if len(qualifying) == 1:
+        only = qualifying[0]
+        if only is ref:
+            return label(only), (f"Stay with full precision ({label(only)}): no other arm fits the budget within "
+                                 "the quality tolerance.")
+        return label(only), (f"{label(only)} is the only arm that fits the budget within the quality tolerance "
+                             f"({only[metric].value:.2f} {unit}).")
+
+    def versus(a, b) -> stats.Comparison:
+        return stats.ratio(list(a[metric].samples), list(b[metric].samples))
+
+    single = [label(row) for row in qualifying if len(row[metric].samples) < 2]
+    if single:
+        top = max(qualifying, key=lambda row: row[metric].value)
+        second = max((row for row in qualifying if row is not top), key=lambda row: row[metric].value)
+        c = versus(top, second)
+        why = stats.NO_INTERVAL if len(single) == len(qualifying) else \
+            f"{_names(single)} ran once: no interval; use --repeat 3"
+        point = f"{c.point:.2f}x" if c.point else "-"
+        return None, (f"{label(top)} has the highest {unit} ({top[metric].value:.2f}, {point} {label(second)}), but "
+                      f"the comparison has no interval ({why}), so it cannot be told from noise: no recommendation.")
+    beaten = {label(b) for a in qualifying for b in qualifying if a is not b and versus(a, b).beyond_noise}
+    standing = [row for row in qualifying if label(row) not in beaten]
+    if len(standing) == 1 and all(versus(standing[0], b).beyond_noise for b in qualifying if b is not standing[0]):
+        return label(standing[0]), _winner(standing[0], qualifying, ref, versus, prices, words)
+    if len(standing) == 1:
+        top = standing[0]
+        standing = [top] + [b for b in qualifying if b is not top and not versus(top, b).beyond_noise]
+        standing = [row for row in qualifying if row in standing]
+    noise = [stats.estimate(list(row[metric].samples)).relative_half_width() for row in standing]
+    noise = [x for x in noise if x is not None]
+    spread = _range([row[metric].value for row in standing], lambda x: f"{x:.2f}")
+    text = (f"{_names([label(row) for row in standing])} are within noise of each other: {spread} {unit}"
+            + (f" (+-{max(noise) * 100:.0f}%)" if noise else ""))
+    if what := separates(standing):
+        text += f"; what separates them: {what}"
+    return None, text + "."
+
+
+def _winner(best, qualifying, ref, versus, prices: Prices, words: str) -> str:
+    name = best["run"].text
+    others = [row for row in qualifying if row is not best]
+    closest = min(others, key=lambda row: versus(best, row).point or math.inf)
+    c = versus(best, closest)
+    text = f"{name} serves {c.point:.2f}x {words} ({_ci(c)}) vs {closest['run'].text}, the closest qualifying arm"
+    if best["fidelity"].value is not None:
+        text += f", with {best['fidelity'].value * 100:.1f}% of answers identical to full precision"
     delta = best["accuracy_delta_points"].value
-    text = f"{name} serves " + (f"{ratio:.2f}x the requests per device at the SLO" if ratio
-                                else "requests at the SLO where full precision serves none")
-    text += f" at {delta:+.1f} points accuracy" if delta is not None else ""
-    if saved is not None:
-        text += (f": at {prices.target_rps:g} req/s, {saved} fewer devices ({d_best} vs {d_ref}), about "
-                 f"${saved * prices.gpu_hour_usd * HOURS_PER_MONTH:,.0f} per month")
-    return name, text + "."
+    if delta is not None and best is not ref:
+        text += f", {delta:+.1f} accuracy points on the requests both served"
+    base = ref if ref is not None and ref is not best else None
+    d_best, d_base = best["devices"].value, base["devices"].value if base else None
+    if base is not None and d_best is not None and d_base is not None and d_base != d_best:
+        saved = d_base - d_best
+        text += (f": at {prices.target_rps:g} req/s, {abs(saved)} {'fewer' if saved > 0 else 'more'} devices than full "
+                 f"precision ({d_best} vs {d_base}), about ${abs(saved) * prices.gpu_hour_usd * HOURS_PER_MONTH:,.0f} "
+                 f"per month {'saved' if saved > 0 else 'more'}")
+    return text + "."
+
+
+def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: set[str] = frozenset()) -> list[str]:
+    """One sentence per technique arm (TECHNIQUES) against the strongest baseline arm by median
+    per-device req/s; clauses whose data is absent are left out."""
+    kept = [row for row in rows if not _excluded(row["run"].text, row["runs"].text.split(", "), excluded)]
+    basis = "capacity" if all(row["per_device_rps"].text == "capacity" for row in kept) else "goodput"
+    metric = "per_device_rps" if basis == "capacity" else "goodput_rps"
+    words = _metric_words(basis)[0]
+    baselines = [row for row in kept if row["engine"].text not in TECHNIQUES and row[metric].value is not None]
+    base = max(baselines, key=lambda row: row[metric].value) if baselines else None
+    out = []
+    for row in kept:
+        if row["engine"].text not in TECHNIQUES:
+            continue
+        name = row["run"].text
+        text = f"{name}: "
+        if base is not None and row[metric].value is not None:
+            c = stats.ratio(list(row[metric].samples), list(base[metric].samples))
+            point = f"{c.point:.2f}x" if c.point else "-"
+            if c.tie:
+                text += f"within noise of {base['run'].text} on {words} ({point}, {_ci(c)})"
+            elif c.has_interval:
+                text += f"{point} {words} ({_ci(c)}) vs {base['run'].text}"
+            else:
+                text += f"{point} {words} vs {base['run'].text} ({c.why_no_interval()})"
+        else:
+            text += f"{row[metric].value or 0:.2f} {_metric_words(basis)[1]}"
+        clauses = []
+        if row["fidelity"].value is not None:
+            clause = f"{row['fidelity'].value * 100:.1f}% of answers identical to full precision"
+            if base is not None and base["fidelity"].value is not None:
+                clause += f" ({base['run'].text}: {base['fidelity'].value * 100:.1f}%)"
+            clauses.append(clause)
+        if (flips := row["stability_flips"].value) is not None:
+            clauses.append(f"{flips:g} flips under load")
+        if clauses:
+            text += ", with " + ", ".join(clauses)
+        d, db = row["devices"].value, base["devices"].value if base else None
+        if d is not None and db is not None:
+            n = db - d
+            text += (f"; {abs(n)} {'fewer' if n > 0 else 'more'} devices at {prices.target_rps:g} req/s" if n
+                     else f"; the same devices at {prices.target_rps:g} req/s ({d})")
+        out.append(text + ".")
+    return out
+
+
+def _number(x: float) -> str:
+    return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
 
 
 def fmt(key: str, v: Value) -> str:
     x = v.value
-    if key in ("run", "engine", "served"):
-        return v.text
+    if key in ("run", "engine", "served", "flips_lost"):
+        return v.text or ("-" if x is None else str(x))
     if x is None:
         return "-"
     if key == "kv_capacity_tokens" and v.text:
         return v.text
-    if key in ("accuracy", "top1_agreement"):
+    if key in ("accuracy", "top1_agreement", "fidelity"):
         return f"{x * 100:.1f}%"
     if key == "accuracy_delta_points":
         return f"{x:+.1f} pt"
     if key in ("peak_device_bytes", "budget_bytes"):
         return f"{x / 2**20:.2f} MiB"
     if key == "cost_per_1m":
-        return f"${x:,.2f}"
-    if isinstance(x, int):
-        return f"{x:,}"
-    return f"{x:,.2f}" if abs(x) < 100 else f"{x:,.0f}"
+        text = f"${x:,.2f}"
+        return text + (f" [{v.low:,.2f}-{v.high:,.2f}]" if v.low is not None and v.high is not None else "")
+    if key == "devices":
+        return f"{x}" + (f" [{v.low}-{v.high}]" if v.low is not None and v.low != v.high else "")
+    if isinstance(x, int) or (v.samples and all(float(s).is_integer() for s in v.samples) and float(x).is_integer()):
+        text = f"{int(x):,}"
+    else:
+        text = _number(x)
+    if v.low is not None and v.high is not None and v.low != v.high:
+        text += f" [{_number(v.low)}-{_number(v.high)}]"
+    return text
 
 
 COLUMNS = {
-    "run": "run", "engine": "engine", "served": "served", "goodput_tokens_per_s": "goodput tok/s",
-    "output_tokens_per_s": "out tok/s", "goodput_rps": "goodput req/s", "cost_per_1m": "$ / 1M tok",
-    "devices": "devices", "kv_capacity_tokens": "KV tokens", "peak_concurrency": "peak users", "accuracy": "accuracy",
-    "accuracy_delta_points": "vs full", "top1_agreement": "top-1 vs fp32", "peak_device_bytes": "peak mem",
-    "budget_bytes": "budget", "h2d_bytes_per_token": "h2d B/tok",
+    "run": "run", "engine": "engine", "runs": "runs", "served": "served", "capacity_rps": "capacity req/s",
+    "goodput_tokens_per_s": "goodput tok/s", "output_tokens_per_s": "out tok/s", "goodput_rps": "goodput req/s",
+    "cost_per_1m": "$ / 1M tok", "devices": "devices", "kv_capacity_tokens": "KV tokens",
+    "peak_concurrency": "peak users", "accuracy": "accuracy among served",
+    "accuracy_delta_points": "vs full (both served)", "fidelity": "identical to full", "flips_lost": "flips",
+    "top1_agreement": "top-1 vs fp32", "peak_device_bytes": "peak mem", "budget_bytes": "budget",
+    "h2d_bytes_per_token": "h2d B/tok",
 }
 
 
 # The HTML page's table: the engine name and the budget are said once above it.
 PAGE = {k: v for k, v in COLUMNS.items() if k not in ("engine", "budget_bytes")}
 # The terminal's shorter table (the suite's summary, `pwbench compare`).
-COMPACT = {k: COLUMNS[k] for k in ("run", "served", "goodput_tokens_per_s", "cost_per_1m", "devices",
-                                   "kv_capacity_tokens", "accuracy", "accuracy_delta_points", "top1_agreement",
-                                   "peak_device_bytes", "h2d_bytes_per_token")}
+COMPACT = {k: COLUMNS[k] for k in ("run", "runs", "served", "capacity_rps", "goodput_rps", "cost_per_1m", "devices",
+                                   "accuracy", "fidelity", "flips_lost", "peak_device_bytes", "h2d_bytes_per_token")}
 
 
 def table(rows: list[dict[str, Value]], columns: dict[str, str] | None = None) -> tuple[list[str], list[list[str]]]:
-    """Header and formatted cells (for the terminal, Markdown and HTML)."""
+    """Header and formatted cells (for the terminal, Markdown and HTML); a 95% interval, where
+    an arm has repeats, follows its median in brackets."""
     columns = columns or COLUMNS
     return list(columns.values()), [[fmt(k, row[k]) for k in columns] for row in rows]
 

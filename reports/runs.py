@@ -1,5 +1,9 @@
 """Result folders as the reports see them: expand suite and sweep folders, load run.json and
-the parquet tables, and decide which runs can be compared.
+the parquet tables, decide which runs can be compared, and group repeats into arms.
+
+An arm is every run of one configuration: the same engine, model, engine options (budget
+included), workload (seed and rate included) and SLO. Suite repeats use the same seed on
+purpose, so the spread across an arm's runs is the environment's noise, not the engine's.
 
 Reads files only (harness.results, pandas): no engine, no torch. A folder that is neither a
 result folder nor holds any is a HarnessError naming it.
@@ -7,6 +11,7 @@ result folder nor holds any is a HarnessError naming it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,3 +109,72 @@ def incomparable(runs: list[Run]) -> dict[str, str]:
         if diffs:
             out[r.label] = "; ".join(diffs)
     return out
+
+
+def config_key(run: dict[str, Any]) -> str:
+    """The configuration that makes runs repeats of one arm, as a canonical JSON string."""
+    c = run.get("config") or {}
+    engine = c.get("engine") or (run.get("engine") or {}).get("name")
+    key = [engine, c.get("model"), sorted((c.get("engine_options") or {}).items()), c.get("workload") or {},
+           c.get("slo") or {}]
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def describe_config(run: dict[str, Any]) -> str:
+    """The configuration in a few words: engine, model, workload, seed, rate, options, SLO."""
+    c = run.get("config") or {}
+    wl = c.get("workload") or {}
+    parts = [f"engine {c.get('engine') or (run.get('engine') or {}).get('name')}"]
+    if c.get("model"):
+        parts.append(f"model {Path(str(c['model'])).name}")
+    parts += [f"workload {wl.get('name')}", f"seed {wl.get('seed', run.get('seed'))}"]
+    if wl.get("requests") is not None:
+        parts.append(f"{wl['requests']} requests")
+    if wl.get("rate") is not None:
+        parts.append(f"rate {wl['rate']:g}/s")
+    for k, v in sorted((c.get("engine_options") or {}).items()):
+        if k == "budget_bytes" and isinstance(v, (int, float)):
+            parts.append(f"budget {v / 2**20:.2f} MiB")
+        elif v is not None:
+            parts.append(f"{k}={v}")
+    if c.get("slo"):
+        parts.append("SLO " + ", ".join(f"{k} <= {v:g}" for k, v in c["slo"].items()))
+    return ", ".join(parts)
+
+
+@dataclass
+class Arm:
+    """The repeats of one configuration (config_key), in the order they were given."""
+    label: str
+    runs: list[Run]
+
+    @property
+    def engine(self) -> str:
+        return self.runs[0].engine
+
+    @property
+    def key(self) -> str:
+        return config_key(self.runs[0].run)
+
+    @property
+    def folders(self) -> list[str]:
+        return [r.folder.name for r in self.runs]
+
+
+def _base_label(run: Run) -> str:
+    return str((run.run.get("config") or {}).get("row") or run.engine)
+
+
+def arms(runs: list[Run]) -> list[Arm]:
+    """Runs grouped by configuration, in order of first appearance, repeats sorted by
+    config.repeat. Label: config.row, else the engine name; where two arms would share one,
+    each takes its first run's folder name (then its path) instead."""
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(config_key(r.run), []).append(r)
+    members = [sorted(g, key=lambda r: (r.run.get("config") or {}).get("repeat") or 0) for g in groups.values()]
+    labels = [_base_label(g[0]) for g in members]
+    for fallback in (lambda g: g[0].folder.name, lambda g: str(g[0].folder)):
+        clash = {x for x in labels if labels.count(x) > 1}
+        labels = [fallback(g) if x in clash else x for g, x in zip(members, labels)]
+    return [Arm(label, g) for label, g in zip(labels, members)]

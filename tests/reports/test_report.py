@@ -85,10 +85,15 @@ def test_cost_and_devices_on_hand_computed_cases():
 
 
 def row(name, engine, goodput, delta, peak=1, budget=2):
+    """An executive row with three repeats at goodput x (0.98, 1.0, 1.02)."""
     V = roi.Value
     prices = roi.Prices(4.0, 10.0, 0.7)
-    return {"run": V(None, name, name), "engine": V(None, name, engine), "goodput_rps": V(goodput, ""),
+    samples = tuple(goodput * f for f in (0.98, 1.0, 1.02))
+    return {"run": V(None, name, name), "engine": V(None, name, engine), "runs": V(3, "", name),
+            "goodput_rps": V(goodput, "", "", samples), "per_device_rps": V(goodput, "", "goodput", samples),
             "accuracy_delta_points": V(delta, ""), "peak_device_bytes": V(peak, ""), "budget_bytes": V(budget, ""),
+            "flips_lost": V(None, ""), "fidelity": V(None, ""), "h2d_bytes_per_token": V(None, ""),
+            "served": V(None, ""), "accuracy": V(None, ""),
             "devices": V(roi.devices_needed(prices.target_rps, goodput, prices.utilisation), "")}
 
 
@@ -100,7 +105,9 @@ def test_recommendation_follows_its_rule():
     name, text = roi.recommend(rows, prices)
     assert name == "pw"
     # moe: ceil(10 / 0.7) = 15 devices; pw: ceil(10 / 1.26) = 8; 7 x $4 x 730 h = $20,440
-    assert "1.80x" in text and "-0.4 points" in text and "7 fewer devices (8 vs 15)" in text and "$20,440" in text
+    assert "1.80x" in text and "-0.4 accuracy points" in text
+    assert "7 fewer devices than full precision (8 vs 15)" in text
+    assert "$20,440" in text
     assert roi.recommend(rows, prices, excluded={"pw"})[0] == "moe"
     assert roi.recommend([row("moe", "moe", 0.0, 0.0)], prices)[0] is None
 
@@ -123,10 +130,11 @@ def test_executive_numbers_equal_the_result_files(runs):
     acc = json.loads((runs / "moe" / "run.json").read_text())["summary"]["accuracy"]
     correct = acc["closed_book"]["correct"] + acc["rag_recall"]["correct"]
     sent = pd.read_parquet(runs / "moe" / "requests.parquet")["task"].notna().sum()  # served or not
-    assert sent == 6 and table["moe"]["accuracy"] == f"{correct / sent * 100:.1f}%"
-    assert table["moe"]["vs full"] == "+0.0 pt" and table["dummy-fast"]["accuracy"] == "-"
+    # all 6 served, so accuracy among served = correct / 6
+    assert sent == 6 and table["moe"]["accuracy among served"] == f"{correct / sent * 100:.1f}%"
+    assert table["moe"]["vs full (both served)"] == "+0.0 pt" and table["dummy-fast"]["accuracy among served"] == "-"
     # every cell names its source: run folder and metric
-    assert re.search(r'title="moe: summary\.output_tokens_per_s"', html)
+    assert re.search(r'title="moe: summary\.output_tokens_per_s \[one run: no interval\]"', html)
     # plotly.js once, no CDN
     assert html.count("Plotly.newPlot") >= 8 and html.count("plotly.js v") == 1
     assert not re.search(r"<script[^>]*\bsrc=", html)
@@ -153,6 +161,7 @@ def test_kv_held_in_host_memory_is_labelled(runs, tmp_path):
     shutil.copytree(runs / "dummy-fast", host)
     run = json.loads((host / "run.json").read_text())
     run["engine"].setdefault("model_stats", {})["plan_kv_on_host"] = 1
+    run["config"]["engine_options"]["kv_on_host"] = True  # another configuration, so another arm
     run["summary"]["memory"]["kv_capacity_tokens"] = 524288
     (host / "run.json").write_text(json.dumps(run))
     rows = roi.executive(load_runs([runs / "dummy-fast", host]), roi.Prices())
