@@ -21,6 +21,11 @@ routing weights in expert order (`combine`), so a layer held entirely at 16 bits
 exactly the resident backend's result. Every few steps the quality feedback recomputes a
 sampled share of quantized rows with the host master and reports relative errors (the
 engine turns them into sensitivity updates and fallbacks).
+
+Each forward also adds, per row of the step's batch, the widths its routed choices ran at (their
+sum, their minimum and how many): the controller turns the step's rows into per-request
+precision (`take_token_bits`). Tensor ops over the dispatch; one small table per layer goes to
+the device and the step's rows come back once, both through the ledger (tag `expert_bits`).
 """
 
 from __future__ import annotations
@@ -92,6 +97,7 @@ class PagedWeightBackend(ExpertBackend):
         # counted in device_bytes; at most that many are on the device at once.
         self.staging_bytes = 0
         self.fetch_bits: dict[Key, int] = {}  # width of an on-demand fetch (default: the lowest)
+        self._token_bits: tuple[Tensor, Tensor, Tensor] | None = None  # per batch row: sum, min, choices
         self._layers = sorted({layer for layer, _ in self.stores})
         self._num = {i: sum(1 for layer, _ in self.stores if layer == i) for i in self._layers}
 
@@ -201,6 +207,7 @@ class PagedWeightBackend(ExpertBackend):
         with torch.inference_mode(False):
             parts, pairs = store.device_tensors(lowest, self.device)
         self._stats["on_demand_fetches"] += 1
+        self._stats["on_demand_fetch_bytes"] += sum(src.numel() * src.element_size() for _, src in pairs)
         return Held(lowest, parts), self.copies.h2d(pairs, tag="expert_pages")
 
     # -- compute -----------------------------------------------------------------------------------
@@ -218,6 +225,13 @@ class PagedWeightBackend(ExpertBackend):
                 missing.append(e)
             else:
                 groups.setdefault(held.bits, []).append((e, held))
+        width = [0] * self._num[layer]
+        for bits, members in groups.items():
+            for e, _ in members:
+                width[e] = bits
+        for e in missing:
+            width[e] = self._fetch_width((layer, e))
+        self._add_token_bits(x.shape[0], d, width)
         # Experts off the device: the first fetch_slots copies go out before the resident experts
         # compute, then each fetched one computes while the next copies into the slot it freed.
         inflight = deque((e, *self._fetch((layer, e))) for e in missing[:self.fetch_slots])
@@ -242,6 +256,27 @@ class PagedWeightBackend(ExpertBackend):
         if self.feedback_due:
             self._check(layer, xs, out, rows, groups)
         return combine(x, d, out)
+
+    def _add_token_bits(self, rows: int, d: Dispatch, width: list[int]) -> None:
+        """Add this layer's choices to each batch row's running sum, minimum and count of the
+        widths its experts computed at (`width`: expert -> bits it ran at here)."""
+        table = self.copies.ledger.tensor([width, d.counts], torch.long, "expert_bits")
+        index = d.token_index
+        per_choice = torch.repeat_interleave(table[0], table[1], output_size=index.shape[0])
+        if self._token_bits is None or self._token_bits[0].shape[0] != rows:
+            zeros = torch.zeros(rows, dtype=torch.long, device=index.device)
+            self._token_bits = (zeros, torch.full_like(zeros, torch.iinfo(torch.long).max), zeros.clone())
+        total, lowest, choices = self._token_bits
+        total.index_add_(0, index, per_choice)
+        lowest.scatter_reduce_(0, index, per_choice, "amin")
+        choices.index_add_(0, index, torch.ones_like(per_choice))
+
+    def take_token_bits(self) -> Tensor | None:
+        """Per row of the batch since the last call, on the host: [3, rows] int64 = summed
+        widths, lowest width and routed choices over every MoE layer (None: no forward ran);
+        then reset."""
+        bits, self._token_bits = self._token_bits, None
+        return None if bits is None else self.copies.ledger.to_host(torch.stack(bits), "expert_bits")
 
     def _check(self, layer: int, xs: Tensor, out: Tensor, rows: dict[int, slice],
                groups: dict[int, list[tuple[int, Held]]]) -> None:
@@ -277,7 +312,8 @@ class PagedWeightBackend(ExpertBackend):
         return sample
 
     def step_stats(self) -> dict[str, int]:
-        extra = self._stats.get("on_demand_fetches", 0)
+        fetches = self._stats.get("on_demand_fetches", 0)
+        fetched = self._stats.get("on_demand_fetch_bytes", 0)
         out = super().step_stats()
-        out["on_demand_fetches"] = extra
+        out.update(on_demand_fetches=fetches, on_demand_fetch_bytes=fetched)
         return out

@@ -2,6 +2,11 @@
 the expert pages what the budget leaves (and the KV pool what the pages leave); after it, the
 bit-width series, the quality feedback (measured errors move the sensitivities; a layer over
 the threshold pins its worst experts one width up) and the tables that trace them.
+
+Per request it keeps the precision that served it (`request_bits`): every (token, MoE layer,
+routed expert) choice computed for the request, prompt tokens included, counts once at the
+width that expert computed at in that step; and whether any of those steps was a transition
+step (a bit-width move started in it, or its copies were in flight while it computed).
 """
 
 from __future__ import annotations
@@ -10,8 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engines.pagedweight.arbiter import Arbiter, Choice, solve_greedy
-from engines.pagedweight.backend import FeedbackSample, PagedWeightBackend
+from engines.pagedweight.backend import FeedbackSample, Move, PagedWeightBackend
 from engines.pagedweight.importance import Importance, Key
 from engines.runtime.batch import StepBatch
 from engines.runtime.engine import Controller
@@ -58,6 +65,22 @@ class PageBudget:
         return self.budget_bytes - self.dense_bytes - self.reserved_bytes
 
 
+@dataclass
+class RequestBits:
+    """The widths one request's computed tokens met: summed and lowest over its routed choices."""
+
+    choices: int = 0
+    bits_sum: int = 0
+    bits_min: int | None = None
+    in_transition: bool = False
+    steps: int = 0
+
+    def row(self, request_id: str) -> dict[str, Any]:
+        return {"request_id": request_id, "expert_choices": self.choices,
+                "bits_mean": self.bits_sum / self.choices if self.choices else None, "bits_min": self.bits_min,
+                "in_transition": self.in_transition, "steps": self.steps}
+
+
 class PagedController(Controller):
     def __init__(self, cfg: Any, paged: PagedExperts, room: PageBudget) -> None:
         self.cfg, self.paged, self.room = cfg, paged, room
@@ -65,6 +88,8 @@ class PagedController(Controller):
         self.engine_step = 0
         self.events: list[dict[str, Any]] = []
         self.matrix: list[dict[str, Any]] = []
+        self.served: dict[str, RequestBits] = {}
+        self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
     def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
@@ -115,6 +140,7 @@ class PagedController(Controller):
     # -- around each step ----------------------------------------------------------------------------
     def before_step(self) -> None:
         backend, room, alloc = self.backend, self.room, self.kv.allocator
+        backend.take_token_bits()  # rows of forwards outside a step belong to no request
         committed = backend.commit()
         self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
                             self.engine_step)
@@ -151,14 +177,40 @@ class PagedController(Controller):
         every = self.cfg.feedback_every
         backend.step_index = self.engine_step
         backend.feedback_due = every > 0 and self.engine_step % every == every - 1
-        self._moves = (decision.fits, moved, promotions, demotions, deferred)
+        self._moves = (decision.fits, moved, promotions, demotions, deferred, len(backend.pending))
 
     def after_step(self, batch: StepBatch | None) -> Mapping[str, float]:
         self.paged.importance.end_step()
-        fits, moved, promotions, demotions, deferred = self._moves
-        extras = {**self._observe(fits, moved, promotions, demotions), "deferred_promotions": deferred}
+        fits, moved, promotions, demotions, deferred, inflight = self._moves
+        extras = {**self._observe(fits, moved, promotions, demotions), "deferred_promotions": deferred,
+                  "moves_in_flight": inflight}
+        for move in self._pin_moves:  # the feedback's pins are moves of this step too
+            extras["promotions"] += move.to_bits > move.from_bits
+            extras["demotions"] += move.to_bits < move.from_bits
+            extras["move_bytes"] += move.nbytes
+        self._pin_moves = []
+        transition = bool(extras["promotions"] or extras["demotions"] or inflight)
+        self._serve(batch, self.backend.take_token_bits(), transition)
         self.engine_step += 1
         return extras
+
+    def _serve(self, batch: StepBatch | None, token_bits: torch.Tensor | None, transition: bool) -> None:
+        """Add the step's per-row widths to each request its chunks computed."""
+        if batch is None or token_bits is None:
+            return
+        n = len(batch.chunks)
+        chunk = torch.repeat_interleave(torch.arange(n), torch.tensor([c.length for c in batch.chunks]))
+        total = torch.zeros(n, dtype=torch.long).index_add_(0, chunk, token_bits[0])
+        lowest = torch.full((n,), torch.iinfo(torch.long).max).scatter_reduce_(0, chunk, token_bits[1], "amin")
+        choices = torch.zeros(n, dtype=torch.long).index_add_(0, chunk, token_bits[2])
+        for c, s, low, n in zip(batch.chunks, total.tolist(), lowest.tolist(), choices.tolist()):
+            rec = self.served.setdefault(c.seq.request.request_id, RequestBits())
+            rec.steps += 1
+            rec.in_transition = rec.in_transition or transition
+            if n:
+                rec.choices += n
+                rec.bits_sum += s
+                rec.bits_min = low if rec.bits_min is None else min(rec.bits_min, low)
 
     def _observe(self, fits: bool, moved: int, promotions: int, demotions: int) -> dict[str, float]:
         backend, p = self.backend, self.paged
@@ -203,7 +255,7 @@ class PagedController(Controller):
                     backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
                     if self.arbiter.raise_floor(key, higher, self.engine_step):
                         backend.cancel([key])
-                        backend.start_move(key, higher)
+                        self._pin_moves.append(backend.start_move(key, higher))
                     pinned += 1
                     self.events.append({"engine_step": self.engine_step, "layer": layer, "expert": key[1],
                                         "layer_error": err, "expert_error": sampled[key][1], "from_bits": bits,
@@ -214,4 +266,5 @@ class PagedController(Controller):
         imp = self.paged.importance
         usage = [{"layer": k[0], "expert": k[1], "tokens": n, "routing_mass": imp.total_mass[k]}
                  for k, n in sorted(imp.total_tokens.items())]
-        return {"expert_bits": list(self.matrix), "expert_usage": usage, "fallbacks": list(self.events)}
+        return {"expert_bits": list(self.matrix), "expert_usage": usage, "fallbacks": list(self.events),
+                "request_bits": [rec.row(rid) for rid, rec in self.served.items()]}
