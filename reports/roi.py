@@ -340,16 +340,18 @@ def _kilo(x: float) -> str:
 
 
 def separates(rows: list[dict[str, Value]]) -> str:
-    """What differs between tied arms: memory, bytes moved, KV, quality (ranges of medians)."""
+    """What differs between tied arms: memory, bytes moved, served, quality (ranges of medians;
+    a quantity equal across them is left out)."""
     parts = []
     for label, key, show in (("peak memory", "peak_device_bytes", lambda x: f"{x / 2**20:.2f} MiB"),
                              ("h2d bytes/token", "h2d_bytes_per_token", _kilo),
                              ("served", "served", lambda x: f"{x * 100:.0f}%"),
                              ("fidelity", "fidelity", lambda x: f"{x * 100:.0f}%"),
                              ("accuracy among served", "accuracy", lambda x: f"{x * 100:.0f}%")):
-        if (r := _range([row[key].value for row in rows], show)) is not None:
-            parts.append(f"{label} {r}")
-    return ", ".join(parts)
+        xs = [row[key].value for row in rows if row[key].value is not None]
+        if len(xs) > 1 and show(min(xs)) != show(max(xs)):
+            parts.append(f"{label} {show(min(xs))}-{show(max(xs))}")
+    return ", ".join(parts) or "nothing measured (memory, bytes moved, served, quality are the same)"
 
 
 def _names(labels: list[str]) -> str:
@@ -493,7 +495,7 @@ def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: 
                 clause += f" ({base['run'].text}: {base['fidelity'].value * 100:.1f}%)"
             clauses.append(clause)
         if (flips := row["stability_flips"].value) is not None:
-            clauses.append(f"{flips:g} flips under load")
+            clauses.append(f"{flips:g} flip{'' if flips == 1 else 's'} under load")
         if clauses:
             text += ", with " + ", ".join(clauses)
         d, db = row["devices"].value, base["devices"].value if base else None

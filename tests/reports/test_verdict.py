@@ -128,6 +128,8 @@ def test_within_noise_is_a_tie_naming_both(base, tmp_path):
     half = max((stats.estimate(x).high - stats.estimate(x).low) / 2 / statistics.median(x)
                for x in ([2.10, 2.31, 2.20], [2.25, 2.12, 2.18]))
     assert f"(+-{half * 100:.0f}%)" in text
+    # the two copies have the same memory, bytes and answers: nothing measured separates them
+    assert text.endswith("what separates them: nothing measured (memory, bytes moved, served, quality are the same).")
     # a second run of the same suite, with the noise landing the other way round: the same statement
     again = suite(base, tmp_path / "b", {"pagedweight": ("pagedweight", [2.24, 2.11, 2.15]),
                                          "moegen": ("moegen", [2.08, 2.29, 2.21])})
@@ -165,7 +167,7 @@ def test_far_beyond_noise_names_the_winner_with_its_interval(base, tmp_path):
     (sentence,) = roi.technique_sentences(rows, PRICES)
     # devices at 10 req/s: ceil(10 / (6.3 x 0.7)) = 3 vs ceil(10 / (2.1 x 0.7)) = 7
     assert sentence == (f"pagedweight: 3.00x the requests per device at the SLO (95% CI {c.low:.2f}-{c.high:.2f}x) "
-                        "vs static-gptq-4bit, with 1 flips under load; 4 fewer devices at 10 req/s.")
+                        "vs static-gptq-4bit, with 1 flip under load; 4 fewer devices at 10 req/s.")
     html = render(runs, PRICES)
     assert sentence in html and "pagedweight (recommended)" in html
     # error bars from the interval on the capacity bar chart
@@ -274,3 +276,27 @@ def test_quality_columns_equal_a_recomputation(base, tmp_path):
     assert roi.recommend(rows, PRICES)[0] == "moe"
     table = roi.table(rows)
     assert table[1][1][table[0].index("identical to full")] == "50.0%"
+
+
+def test_precision_section_from_transitions_and_bits(base, tmp_path):
+    """summary.transitions as ITL inside vs outside; fidelity per 0.5-bit bin of bits_mean,
+    recomputed here from requests.parquet."""
+    folder = clone(base, tmp_path / "pagedweight", engine="pagedweight", row="pagedweight")
+    run = json.loads((folder / "run.json").read_text())
+    run["summary"]["transitions"] = {"windows": 3, "per_minute": 12.5, "move_bytes": 40960,
+                                     "itl_ms_inside": {"p50": 7.25, "p99": 19.5},
+                                     "itl_ms_outside": {"p50": 5.0, "p99": 9.75}}
+    (folder / "run.json").write_text(json.dumps(run))
+    req = pd.read_parquet(folder / "requests.parquet")
+    req["bits_mean"] = [4.0, 4.1, 4.0, 8.0, 7.9, 16.0]
+    req["ref_identical"] = pd.Series([True, False, False, True, True, True], dtype=object)
+    req.to_parquet(folder / "requests.parquet", index=False)
+    html = render(load_runs([folder]), PRICES)
+    assert "<td>7.25 / 5.00</td>" in html and "<td>19.50 / 9.75</td>" in html and "<td>40,960</td>" in html
+    spec = json.loads(re.search(r'<div id="fidelity-bits".*?var f=(\{.*?\});Plotly', html, re.S).group(1))
+    bins: dict[float, list[bool]] = {}
+    for bits, same in zip(req["bits_mean"], req["ref_identical"]):
+        bins.setdefault(round(bits * 2) / 2, []).append(same)
+    (trace,) = spec["data"]
+    assert trace["x"] == sorted(bins) == [4.0, 8.0, 16.0]
+    assert trace["y"] == pytest.approx([sum(bins[x]) / len(bins[x]) * 100 for x in sorted(bins)])
