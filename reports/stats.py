@@ -2,9 +2,11 @@
 arms compared as a ratio with a 95% interval. Pure Python (math, statistics): no numpy, no
 scipy.
 
-- One arm: the median of its repeats, with the 95% Student-t interval of their mean
-  (mean +- t(0.975, n-1) x s / sqrt(n)); the interval is drawn around the median, so error
-  bars may be asymmetric.
+- One arm: the median of its repeats, with the 95% Student-t interval of their geometric mean
+  (exp(mean(log x) +- t(0.975, n-1) x s(log x) / sqrt(n))) when every value is positive, as
+  rates, costs and device counts are: the bounds stay positive and match the ratio intervals
+  below; of the plain mean otherwise. Error bars run from the median to the bounds, so they
+  may be asymmetric.
 - Two arms on a ratio metric (capacity, goodput, tokens/s): Welch's t-interval on the log
   values, exponentiated: the ratio of the geometric means with its 95% interval. Logs make a
   ratio symmetric (2x and 0.5x are equally far from 1x) and Welch does not assume the two
@@ -71,8 +73,12 @@ def estimate(values: list[float | None]) -> Estimate:
     med = statistics.median(xs)
     if len(xs) < 2:
         return Estimate(med, None, None, len(xs))
-    mean = statistics.fmean(xs)
-    half = t975(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
+    positive = all(x > 0 for x in xs)
+    ys = [math.log(x) for x in xs] if positive else xs
+    mean = statistics.fmean(ys)
+    half = t975(len(ys) - 1) * statistics.stdev(ys) / math.sqrt(len(ys))
+    if positive:
+        return Estimate(med, math.exp(mean - half), math.exp(mean + half), len(xs))
     return Estimate(med, mean - half, mean + half, len(xs))
 
 

@@ -67,13 +67,15 @@ def test_t_quantiles_and_intervals_by_hand():
     assert stats.t975(1) == pytest.approx(12.706, abs=5e-4) and stats.t975(30) == pytest.approx(2.042, abs=5e-4)
     # beyond the table: t(0.975, 60) = 2.000, t(0.975, 120) = 1.980 (printed tables), never the normal's 1.960
     assert stats.t975(60) == pytest.approx(2.000, abs=5e-4) and stats.t975(120) == pytest.approx(1.980, abs=5e-4)
-    # [1, 2, 3]: median 2, mean 2, s = 1 -> 2 +- 4.3027 / sqrt(3) = 2 +- 2.4842
+    # [1, 2, 3] (positive: on logs): logs 0, 0.69315, 1.09861; mean 0.59725, s 0.55555;
+    # 0.59725 +- 4.3027 x 0.55555 / sqrt(3) = 0.59725 +- 1.38008 -> exp: 0.45712 .. 7.2236
     e = stats.estimate([3.0, 1.0, 2.0])
     assert (e.median, e.n) == (2.0, 3)
-    assert e.low == pytest.approx(2 - 2.48417, abs=1e-4) and e.high == pytest.approx(2 + 2.48417, abs=1e-4)
-    # [10, 12, 20, 14]: median 13, mean 14, s = sqrt(56 / 3) = 4.3205; t(3) = 3.1824 -> 14 +- 6.8749
-    e = stats.estimate([10, 12, 20, 14])
-    assert e.median == 13 and e.low == pytest.approx(7.1251, abs=1e-3) and e.high == pytest.approx(20.8749, abs=1e-3)
+    assert e.low == pytest.approx(0.45712, abs=1e-4) and e.high == pytest.approx(7.2236, abs=1e-3)
+    # [-1, 1, 3, 5] (not all positive: plain mean): median 2, mean 2, s = sqrt(20 / 3) = 2.58199;
+    # t(3) = 3.1824 -> 2 +- 3.1824 x 2.58199 / 2 = 2 +- 4.10846
+    e = stats.estimate([-1, 1, 3, 5])
+    assert e.median == 2 and e.low == pytest.approx(-2.10846, abs=1e-3) and e.high == pytest.approx(6.10846, abs=1e-3)
     one = stats.estimate([5.0])
     assert one.median == 5.0 and not one.has_interval
     # ratio: b = a / 3 run for run, so the logs differ by log 3 with equal variances: Welch df = 4 exactly.
