@@ -241,6 +241,8 @@ def _quality(args: RunArgs, engine: Engine, model: str | None, info: EngineInfo)
     cls = type(engine)
     if not args.quality or model is None or not cls.prompt_logits:
         return None
+    if args.repeat is not None and args.repeat > 1:  # the same prompts on the same engine: once is enough
+        return {"skipped": "teacher-forced quality is measured on repeat 1 of this row"}
     # The reference is `moe` in float32 on the CPU with default options: an engine that is
     # exactly that (e.g. `--device cpu` given explicitly) would only be compared with itself.
     if (cls.float32_reference and info.dtype == "float32" and info.device == "cpu"

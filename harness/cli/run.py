@@ -69,6 +69,10 @@ def run(
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
+    repeat: Annotated[int | None,
+                      typer.Option(help="The suite (no --engine): run every engine this many times, interleaved, "
+                                        "and report medians with 95% intervals (default: 3 on the bundled demo "
+                                        "model, else 1).", min=1)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
     as_json: Annotated[bool,
                        typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,

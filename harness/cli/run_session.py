@@ -133,6 +133,9 @@ class _Progress:
 
 
 def run_command(options: dict[str, Any]) -> int:
+    if (options.get("repeat") or 1) > 1:
+        raise HarnessError("--repeat runs the suite's engines several times (pwbench run --workload rag_long with "
+                           "no --engine); for one engine, run it again into another --output and compare the folders")
     args = to_run_args(options)
     progress = _Progress(options["quiet"] or options["as_json"])
     state: dict[str, Any] = {"interrupts": 0}
@@ -175,7 +178,8 @@ def suite_command(options: dict[str, Any]) -> int:
         progress = _Progress(options["quiet"], plain=True)
         return execute(run_args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start)
 
-    result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True))
+    result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True),
+                       repeat=options.get("repeat"))
     report = None
     if result.runs:
         runs = load_runs(list(result.runs.values()))
