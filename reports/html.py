@@ -245,7 +245,8 @@ def _engineering(runs: list[Run], groups: list[Arm], rows: list[dict[str, roi.Va
                          "x": [x[0] for x in p], "y": [x[2] for x in p]})
         parts.append(_figure_div("rate-sweep", data, {"title": {"text": "goodput vs request rate (sweep)"},
                                                        "xaxis": {"title": {"text": "offered req/s"}}}))
-    parts.append("<h2>Timeline</h2><p class='small'>The first run of each arm.</p>")
+    parts.append("<h2 id='timeline'>Timeline</h2><p class='small'>The first run of each arm, on its own clock "
+                 "(seconds since its measured run started); CPU is the process's share of all cores.</p>")
     for r in (a.runs[0] for a in groups):
         steps = r.rows("steps")
         tel = r.rows("telemetry")
@@ -265,7 +266,8 @@ def _engineering(runs: list[Run], groups: list[Arm], rows: list[dict[str, roi.Va
                          "y": [(s.get("h2d_bytes") or 0) / 2**10 for s in steps]})
         parts.append(_figure_div(f"timeline-{len(parts)}", data, {
             "title": {"text": f"{E(r.label)}: utilisation, memory, link traffic and requests in flight"},
-            "xaxis": {"title": {"text": "s"}}, "yaxis": {"title": {"text": "%"}},
+            "xaxis": {"title": {"text": "s since the run's start"}},
+            "yaxis": {"title": {"text": "% (CPU: of all cores)"}, "range": [0, 100]},
             "yaxis2": {"overlaying": "y", "side": "right", "title": {"text": "requests / MiB / KiB"}}}))
     parts.extend(_expert_heatmaps([a.runs[0] for a in groups]))
     return parts

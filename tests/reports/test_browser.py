@@ -1,6 +1,8 @@
 """The report in a real browser: headless Chromium (Debian's `chromium`, which .ci/run installs)
 opens it from a file with the network blocked, logs no console message, renders every chart
-(each plotly div holds its SVG), and saves a screenshot to artifacts/report-first-screen.png."""
+(each plotly div holds its SVG), and saves a screenshot to artifacts/report-first-screen.png;
+the timeline section alone is shot to artifacts/report-timeline.png (its time axis spans the
+run: tests/reports/test_timeline.py)."""
 
 from __future__ import annotations
 
@@ -48,4 +50,22 @@ def test_report_renders_offline_in_chromium(runs, tmp_path):
     shot = ARTIFACTS / "report-first-screen.png"
     shot.unlink(missing_ok=True)
     proc = chromium(page, tmp_path / "profile2", f"--screenshot={shot}")
+    assert proc.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(CHROMIUM is None and os.environ.get("CI") != "true",
+                    reason="needs chromium (apt-get install -y chromium; .ci/run installs it)")
+def test_timeline_screenshot(runs, tmp_path):
+    page = write_report(load_runs([runs]), roi.Prices(), tmp_path / "report.html")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report-timeline.png"
+    shot.unlink(missing_ok=True)
+    target = page.with_name("timeline.html")
+    # the timeline section alone, so the screenshot's first screen is the chart
+    html = page.read_text()
+    head, body = html.split("<body>", 1)
+    section = body[body.index("<h2 id='timeline'>"):]
+    section = section[: section.index("<h2", 10)] if "<h2" in section[10:] else section
+    target.write_text(f"{head}<body>{section}</body></html>")
+    proc = chromium(target, tmp_path / "profile", f"--screenshot={shot}")
     assert proc.returncode == 0 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
