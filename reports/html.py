@@ -362,7 +362,8 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
         f'Hover a cell for its run folders and metric.</p>',
         warn, _html_table(header, cells, titles),
         '<p class="small">One row per arm: the runs of one configuration (engine, model, options, workload and seed, '
-        'SLO). A number is the median of the arm\'s runs; [low-high] is the 95% interval of their mean (Student t)'
+        'SLO). A number is the median of the arm\'s runs; [low-high] is the 95% interval (Student t; of the '
+        'geometric mean when every value is positive)'
         + ("" if repeats > 1 else "; with one run per arm there is no interval (use --repeat 3)")
         + '. served: requests completed of those sent (capacity). accuracy among served: correct answers among the '
         'served requests that carried a task (an unserved request is capacity, not a wrong answer). vs full (both '

@@ -163,7 +163,7 @@ def _folders(arm: Arm) -> str:
 def _repeated(arm: Arm, samples: list[float | None], source: str) -> Value:
     """An arm's metric: the median of its repeats with their 95% interval (reports.stats)."""
     est = stats.estimate(samples)
-    note = (f"median of {est.n} runs, 95% CI of the mean (Student t)" if est.has_interval
+    note = (f"median of {est.n} runs, 95% CI (Student t, on logs when positive)" if est.has_interval
             else "one run: no interval" if est.n == 1 else "")
     return Value(est.median, f"{_folders(arm)}: {source}" + (f" [{note}]" if note else ""), "",
                  tuple(float(x) for x in samples if x is not None), est.low, est.high)
@@ -477,6 +477,7 @@ def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: 
             continue
         name = row["run"].text
         text = f"{name}: "
+        c = None
         if base is not None and row[metric].value is not None:
             c = stats.ratio(list(row[metric].samples), list(base[metric].samples))
             point = f"{c.point:.2f}x" if c.point else "-"
@@ -501,8 +502,13 @@ def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: 
         d, db = row["devices"].value, base["devices"].value if base else None
         if d is not None and db is not None:
             n = db - d
-            text += (f"; {abs(n)} {'fewer' if n > 0 else 'more'} devices at {prices.target_rps:g} req/s" if n
-                     else f"; the same devices at {prices.target_rps:g} req/s ({d})")
+            if c is not None and not c.beyond_noise and n:  # the devices follow the rate: a tie on one is on both
+                text += f"; {d} vs {db} devices at {prices.target_rps:g} req/s, within noise"
+            elif n:
+                text += (f"; {abs(n)} {'fewer' if n > 0 else 'more'} device{'s' * (abs(n) != 1)} at "
+                         f"{prices.target_rps:g} req/s")
+            else:
+                text += f"; the same devices at {prices.target_rps:g} req/s ({d})"
         out.append(text + ".")
     return out
 
