@@ -69,6 +69,13 @@ _ENGINES: dict[str, tuple[str, str]] = {
 # float32, on the CPU.
 REFERENCE_ENGINE = "moe"
 REFERENCE_OPTIONS = {"device": "cpu", "dtype": "float32"}
+# The techniques under test; every other engine is a baseline they are judged against. A run
+# records its engine's role (run.json config.role), so the reports never list engine names.
+TECHNIQUES = frozenset({"pagedweight", "moegen", "full"})
+
+
+def engine_role(name: str) -> str:
+    return "technique" if name in TECHNIQUES else "baseline"
 
 
 def register_engine(name: str, target: str, description: str) -> None:

@@ -311,6 +311,13 @@ def plan_accuracy(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def answer_correct(output_text: str, answer: str) -> bool:
+    """Exact match of a demo task's answer (workloads.demo.tasks.score)."""
+    from workloads.demo.tasks import score  # noqa: PLC0415
+
+    return bool(score(output_text, answer))
+
+
 def task_accuracy(rows: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """Exact match per task over requests that carry one (answer vs output_text up to EOS)."""
     from workloads.demo.tasks import score  # noqa: PLC0415

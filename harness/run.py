@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.base import Engine, EngineInfo
-from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class
+from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class, engine_role
 from harness.calibration import create_calibrated
 from harness.demo_model import DEMO_DEFAULTS, DEMO_TASK_STYLES, demo_synthesizer, uses_demo_language
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
@@ -159,7 +159,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "error": records.error,
         "started_at_unix": records.wall_start,
         "seed": spec.seed,
-        "config": {"workload": asdict(spec), "engine": args.engine, "model": model,
+        "config": {"workload": asdict(spec), "engine": args.engine, "role": engine_role(args.engine), "model": model,
                    "engine_options": args.engine_options, "slo": args.slo, "warmup": args.warmup,
                    "telemetry_hz": args.telemetry_hz,
                    **({"row": args.row, "repeat": args.repeat} if args.row is not None else {})},

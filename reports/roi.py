@@ -17,17 +17,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.metrics import meets_slo, request_times
+from harness.metrics import answer_correct, meets_slo, request_times
 from reports import stats
 from reports.runs import Arm, Run, arms, describe_config
-from workloads.demo.tasks import score
 
 HOURS_PER_MONTH = 730
 # The recommendation's quality tolerance against full precision: accuracy among the requests
 # both served within this many points, and no more lost flips per run than full precision's own.
 ACCURACY_TOLERANCE_POINTS = 1.0
 REFERENCE_ENGINE = "moe"  # full precision
-TECHNIQUES = ("pagedweight", "moegen", "full")  # engines under test; the other arms are baselines
 NO_CAPACITY = "(goodput at the offered rate; no capacity search)"
 
 
@@ -97,7 +95,7 @@ def correctness(run: Run) -> dict[str, bool] | None:
         if r.get("correct") is not None:
             out[str(r["request_id"])] = bool(r["correct"])
         elif r.get("answer") is not None and r.get("output_text") is not None:
-            out[str(r["request_id"])] = bool(score(r["output_text"], r["answer"]))
+            out[str(r["request_id"])] = answer_correct(r["output_text"], r["answer"])
     return out or None
 
 
@@ -251,6 +249,7 @@ def arm_row(arm: Arm, prices: Prices, ref: Arm | None) -> dict[str, Value]:
     return {
         "run": Value(None, f, arm.label),
         "engine": Value(None, f"{f}: engine.name", arm.engine),
+        "role": Value(None, f"{f}: config.role", (arm.runs[0].run.get("config") or {}).get("role") or "baseline"),
         "runs": Value(len(arm.runs), f"{f}: runs of one configuration ({describe_config(first.run)})", f),
         "served": Value(n_served / n_sent if n_sent else None,
                         f"{f}: summary.completed / summary.requests, summed over runs (capacity, not quality)",
@@ -463,17 +462,17 @@ def _winner(best, qualifying, ref, versus, prices: Prices, words: str) -> str:
 
 
 def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: set[str] = frozenset()) -> list[str]:
-    """One sentence per technique arm (TECHNIQUES) against the strongest baseline arm by median
+    """One sentence per technique arm (run.json config.role) against the strongest baseline arm by median
     per-device req/s; clauses whose data is absent are left out."""
     kept = [row for row in rows if not _excluded(row["run"].text, row["runs"].text.split(", "), excluded)]
     basis = "capacity" if all(row["per_device_rps"].text == "capacity" for row in kept) else "goodput"
     metric = "per_device_rps" if basis == "capacity" else "goodput_rps"
     words = _metric_words(basis)[0]
-    baselines = [row for row in kept if row["engine"].text not in TECHNIQUES and row[metric].value is not None]
+    baselines = [row for row in kept if row["role"].text != "technique" and row[metric].value is not None]
     base = max(baselines, key=lambda row: row[metric].value) if baselines else None
     out = []
     for row in kept:
-        if row["engine"].text not in TECHNIQUES:
+        if row["role"].text != "technique":
             continue
         name = row["run"].text
         text = f"{name}: "
@@ -571,4 +570,4 @@ def table(rows: list[dict[str, Value]], columns: dict[str, str] | None = None) -
 
 
 def as_dict(rows: list[dict[str, Value]]) -> list[dict[str, Any]]:
-    return [{k: (v.text if k in ("run", "engine") else v.value) for k, v in row.items()} for row in rows]
+    return [{k: (v.text if k in ("run", "engine", "role") else v.value) for k, v in row.items()} for row in rows]

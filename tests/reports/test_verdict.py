@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 from result_folders import make_run, pwbench
 
+from engines.registry import engine_role
 from reports import roi, stats
 from reports.html import render
 from reports.runs import arms, load_runs
@@ -40,6 +41,7 @@ def clone(src, dst, *, row=None, repeat=None, engine=None, options=None, capacit
         c["repeat"] = repeat
     if engine is not None:
         c["engine"] = run["engine"]["name"] = engine
+        c["role"] = engine_role(engine)
     if options is not None:
         c["engine_options"] = options
     if capacity is not None:
