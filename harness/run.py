@@ -21,6 +21,7 @@ from harness.calibration import create_calibrated
 from harness.demo_model import DEMO_DEFAULTS, DEMO_TASK_STYLES, demo_synthesizer, uses_demo_language
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
+from harness.precision import transition_summary
 from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
 from harness.runner import RunLimits, Runner, RunRecords
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload
@@ -141,6 +142,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         tables = dict(engine.tables())
         notes = list(engine.notes())
         requests = _request_rows(records, model)
+        _join_request_bits(requests, tables.get("request_bits"))
         fidelity = _fidelity(args, cls, model, info, runner.requests, requests)
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
@@ -149,6 +151,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         summary["memory"].update(weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes,
                                  kv_capacity_tokens=info.kv_capacity_tokens)
         summary["fidelity"] = fidelity
+        if (transitions := transition_summary(requests, records.steps, summary["duration_s"])) is not None:
+            summary["transitions"] = transitions
         quality = _quality(args, engine, model, info) if records.status == "complete" else None
     finally:
         engine.stop()
@@ -204,6 +208,17 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
             row["output_text"] = None
         rows.append(row)
     return rows
+
+
+def _join_request_bits(rows: list[dict[str, Any]], bits: list[dict[str, Any]] | None) -> None:
+    """An engine that changes bit widths (its `request_bits` table): each request's token-weighted
+    mean and minimum expert bits and whether a transition happened during it, as columns."""
+    if bits is None:
+        return
+    by_id = {b["request_id"]: b for b in bits}
+    for row in rows:
+        b = by_id.get(row["request_id"], {})
+        row.update(bits_mean=b.get("bits_mean"), bits_min=b.get("bits_min"), in_transition=b.get("in_transition"))
 
 
 def _fidelity(args: RunArgs, cls: type[Engine], model: str | None, info: EngineInfo, sent: list,
