@@ -149,7 +149,8 @@ def _precision(groups: list[Arm]) -> list[str]:
             if not tr:
                 continue
             inside, outside = tr.get("itl_ms_inside") or {}, tr.get("itl_ms_outside") or {}
-            cells.append([r.folder.name, _num(tr.get("windows")), _num(tr.get("per_minute")),
+            label = arm.label if len(arm.runs) == 1 else f"{arm.label} ({r.folder.name})"
+            cells.append([label, _num(tr.get("windows")), _num(tr.get("per_minute")),
                           _num(tr.get("move_bytes")),
                           f"{_num(inside.get('p50'))} / {_num(outside.get('p50'))}",
                           f"{_num(inside.get('p99'))} / {_num(outside.get('p99'))}"])
