@@ -9,8 +9,9 @@ requests, repeat by repeat, so each repeat meets the traffic at another moment. 
 unique completions per probe, answers that differ from the reference (flips), for probes with
 answers the right/wrong flips, and the first token where an answer leaves the reference. An
 engine whose precision never changes (no `mean_bits` series, or one value) and still varies
-shows batch-dependent numerics, which the finding says. Outputs are cut at EOS unless the
-probe ignores it; the reference must be cut the same way (harness/fidelity.py does).
+shows batch-dependent numerics, which the finding says. Outputs are compared as answers, cut
+at the first EOS even for probes that ignore it (harness/fidelity.py's `answer_ids`), the way
+`reference_outputs` there cuts the reference.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 from engines.base import Engine, EngineInfo, EngineRequest
 from harness.capacity import retime
 from harness.errors import HarnessError
-from harness.offline import cut_at_eos, run_offline
+from harness.fidelity import answer_ids, compare_output
+from harness.offline import run_offline
 from harness.runner import Runner
 from workloads.base import Request
 
@@ -66,8 +68,9 @@ def demo_probes(count: int = 8, seed: int = 0) -> ProbeSet:
 
 def random_probes(vocab_size: int, special_ids: Sequence[int] = (), count: int = 8,
                   prompt_tokens: tuple[int, int] = (16, 48), max_new_tokens: int = 8, seed: int = 0) -> ProbeSet:
-    """Seeded random-token prompts (no special ids) of `prompt_tokens` lengths, outputs of
-    exactly `max_new_tokens` tokens (EOS ignored): for models without a task language."""
+    """Seeded random-token prompts (no special ids) of `prompt_tokens` lengths, generating
+    `max_new_tokens` tokens past any EOS (compared up to the first one): for models without a
+    task language."""
     rng = random.Random(f"stability-{seed}")
     ids = [t for t in range(vocab_size) if t not in set(special_ids)]
     if not ids:
@@ -120,10 +123,7 @@ class Stability:
 def first_divergence(output: Sequence[int], reference: Sequence[int]) -> int | None:
     """Index of the first token where `output` and `reference` differ (the shorter one's
     length when one is a prefix of the other); None when they are equal."""
-    for i, (a, b) in enumerate(zip(output, reference)):
-        if a != b:
-            return i
-    return None if len(output) == len(reference) else min(len(output), len(reference))
+    return compare_output(output, reference).divergence
 
 
 def summarize_load(name: str, rate: float, outputs: Mapping[str, Sequence[Sequence[int]]],
@@ -196,12 +196,7 @@ def measure_stability(engine: Engine, probe_set: ProbeSet, reference: Mapping[st
         raise HarnessError(f"stability: no reference output for probe {missing[0]}; compute the reference for "
                            f"every probe")
     eos = tuple(engine.info().eos_token_ids)
-    by_id = {p.probe_id: p for p in probes}
-
-    def cut(pid: str, ids: Sequence[int]) -> list[int]:
-        return list(ids) if by_id[pid].ignore_eos else cut_at_eos(list(ids), eos)
-
-    ref = {p.probe_id: cut(p.probe_id, reference[p.probe_id]) for p in probes}
+    ref = {p.probe_id: answer_ids(reference[p.probe_id], eos) for p in probes}
     answers = {p.probe_id: p.answer for p in probes if p.answer is not None}
     outputs: dict[str, dict[str, list[list[int]]]] = {}
     loads = []
@@ -218,7 +213,7 @@ def measure_stability(engine: Engine, probe_set: ProbeSet, reference: Mapping[st
             for r in range(repeats):
                 for p in probes:
                     done = run_offline(engine, [p.request(f"probe-{p.probe_id}-idle-{r}")], on_step=on_step)
-                    got[p.probe_id].append(cut(p.probe_id, next(iter(done.values())).output_ids))
+                    got[p.probe_id].append(answer_ids(next(iter(done.values())).output_ids, eos))
         else:
             traffic = [replace(b, request_id=f"bg-{b.request_id}") for b in retime(background, rate, seed)]
             span = max(b.arrival_s or 0.0 for b in traffic)
@@ -231,7 +226,7 @@ def measure_stability(engine: Engine, probe_set: ProbeSet, reference: Mapping[st
             records = Runner(engine, requests, clock=clock, sleep=sleep).run()
             for rec in records.requests:
                 if rec.request_id in owner and rec.error is None and rec.finish_s is not None:
-                    got[owner[rec.request_id]].append(cut(owner[rec.request_id], rec.output_ids))
+                    got[owner[rec.request_id]].append(answer_ids(rec.output_ids, eos))
             bits = [float(s["x_mean_bits"]) for s in records.steps if "x_mean_bits" in s]
         outputs[name] = got
         load = summarize_load(name, rate, got, ref, answers, probe_set.decode, _bits(bits))

@@ -1,5 +1,5 @@
 """Stability probes at three loads. The recorded per-load numbers are recomputed here from the
-raw outputs the measurement returns and the float32 reference engine's outputs; on the dummy
+raw outputs the measurement returns and the float32 reference's answers (harness/fidelity.py); on the dummy
 engine (tokens a function of the prompt alone) every load gives the same answers, so the
 counts against a reference altered by hand are known exactly."""
 
@@ -12,9 +12,9 @@ import pytest
 from tiny_models import CPU32
 
 from engines.dummy import DummyConfig, DummyEngine
-from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine
 from harness.calibration import create_calibrated
-from harness.offline import cut_at_eos, run_offline
+from harness.fidelity import reference_outputs
+from harness.offline import run_offline
 from harness.stability import (
     LOADS,
     ProbeSet,
@@ -25,7 +25,7 @@ from harness.stability import (
     summarize_load,
 )
 from workloads.base import Request
-from workloads.demo.language import EOS_ID, demo_language
+from workloads.demo.language import demo_language
 from workloads.demo.tasks import score
 
 DEMO = "engines/demo_model"
@@ -35,19 +35,6 @@ def background(vocab: int, n: int, new: int, seed: int = 0) -> list[Request]:
     rng = random.Random(seed)
     return [Request(f"b{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randrange(40, 120))), new,
                     arrival_s=0.1 * i) for i in range(n)]
-
-
-def reference_outputs(probe_set) -> dict[str, list[int]]:
-    """The float32 reference engine's greedy outputs, cut at EOS unless the probe ignores it."""
-    engine = create_engine(REFERENCE_ENGINE, {"model": DEMO, **REFERENCE_OPTIONS})
-    engine.start()
-    try:
-        done = run_offline(engine, [p.request() for p in probe_set.probes])
-    finally:
-        engine.stop()
-    return {p.probe_id: done[p.probe_id].output_ids if p.ignore_eos else cut_at_eos(done[p.probe_id].output_ids,
-                                                                                     (EOS_ID,))
-            for p in probe_set.probes}
 
 
 def recount(outputs, reference, answers):
@@ -96,7 +83,7 @@ def test_probes_at_three_loads_match_a_recount_from_the_raw_outputs(name, option
     demo = demo_probes(count=4, seed=0)
     tokens = random_probes(1109, (0, 1, 2, 3), count=4, max_new_tokens=16, seed=0).probes
     probe_set = ProbeSet((*demo.probes, *(replace(p, probe_id=f"r{i}") for i, p in enumerate(tokens))), demo.decode)
-    reference = reference_outputs(probe_set)
+    reference = reference_outputs(DEMO, [p.request() for p in probe_set.probes])
     answers = {p.probe_id: p.answer for p in probe_set.probes if p.answer is not None}
     engine = create_calibrated(name, {"model": DEMO, **CPU32, **options})
     engine.start()
