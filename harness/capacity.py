@@ -63,10 +63,12 @@ class CapacityPoint:
     attainment: float  # requests meeting the SLO / requests of the point
     passed: bool
     duration_s: float  # the point's own time on the run clock (its cost)
+    rejected: int = 0  # requests the engine refused at admission (left out of the attainment)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "requests": self.requests, "completed": self.completed,
-                "attainment": self.attainment, "passed": self.passed, "duration_s": self.duration_s}
+                "attainment": self.attainment, "passed": self.passed, "duration_s": self.duration_s,
+                "rejected": self.rejected}
 
 
 @dataclass(frozen=True)
@@ -116,18 +118,24 @@ def retime(requests: Sequence[Request], rate: float, seed: int = 0) -> list[Requ
     return out
 
 
-def point_attainment(records: RunRecords, total: int, slo: Mapping[str, float]) -> tuple[int, float]:
-    """(completed, share of `total` requests that finished without error within the SLO);
-    a request never sent, failed or unfinished counts as missing it."""
+def point_attainment(records: RunRecords, total: int, slo: Mapping[str, float]) -> tuple[int, float, int]:
+    """(completed, share of the `total` requests less those rejected that finished without error
+    within the SLO, rejected). A request never sent, failed or unfinished counts as missing it;
+    one the engine rejected at admission (it can never serve it at any rate, e.g. a prompt
+    beyond the KV its budget leaves) is not a rate effect: it is left out here and reported as
+    `rejected` (the served share shows it)."""
     done = [r for r in records.requests if r.error is None and r.finish_s is not None]
+    rejected = sum(r.rejected for r in records.requests)
     good = sum(meets_slo(request_times({**vars(r), "output_tokens": r.output_tokens}), slo) for r in done)
-    return len(done), good / total if total else 0.0
+    judged = total - rejected
+    return len(done), good / judged if judged > 0 else 0.0, rejected
 
 
 def criterion(attainment: float, slo: Mapping[str, float], requests: int) -> str:
     targets = " and ".join(f"{_SLO_NAMES.get(k, k)} <= {v:g} ms" for k, v in slo.items())
     return (f"at least {attainment * 100:g}% of a point's {requests} requests finish with {targets}; "
-            f"a failed or unserved request counts as missing it")
+            f"a failed or unfinished request counts as missing it, one the engine rejects at admission (it "
+            f"cannot serve it at any rate) is left out and counted as rejected")
 
 
 def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str, float] = DEFAULT_SLO,
@@ -161,8 +169,9 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
         runs.append(records)
         if records.status != "complete":
             return None
-        completed, share = point_attainment(records, len(requests), slo)
-        point = CapacityPoint(rate, len(requests), completed, share, share >= settings.attainment, duration)
+        completed, share, rejected = point_attainment(records, len(requests), slo)
+        point = CapacityPoint(rate, len(requests), completed, share, share >= settings.attainment and rejected
+                              < len(requests), duration, rejected)
         points.append(point)
         if on_point is not None:
             on_point(point)

@@ -18,6 +18,7 @@ from typing import Any
 from engines.base import Engine, EngineInfo
 from engines.registry import REFERENCE_ENGINE, REFERENCE_OPTIONS, create_engine, engine_class, engine_role
 from harness.calibration import create_calibrated
+from harness.capacity import CapacitySettings
 from harness.demo_model import DEMO_DEFAULTS, DEMO_TASK_STYLES, demo_synthesizer, uses_demo_language
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
@@ -41,6 +42,8 @@ class RunArgs:
     telemetry_hz: float = 10.0
     quality: bool = True  # teacher-forced quality and per-request fidelity against the float32 reference
     reference_cache: str | None = None  # folder caching the reference's outputs (the suite's reference/)
+    capacity: CapacitySettings | None = None  # also search the capacity at the SLO (harness/capacity.py)
+    stability_probes: int | None = None  # also probe output stability under load with this many prompts
     row: str | None = None  # the suite row this run is one repeat of
     repeat: int | None = None  # 1-based repeat index within the suite
 
@@ -102,10 +105,12 @@ def warmup_requests(args: RunArgs, info: EngineInfo, demo: bool) -> list:
 
 def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: None,
             on_step: Callable[[RunRecords], None] | None = None,
-            on_start: Callable[[], None] | None = None) -> tuple[Path, dict[str, Any]]:
+            on_start: Callable[[], None] | None = None,
+            say: Callable[[str], None] = lambda line: None) -> tuple[Path, dict[str, Any]]:
     """Run and write the result folder; returns (folder, run.json). `make_runner` lets the CLI
-    keep a handle to the runner (for Ctrl-C) before the run starts; `on_start` is called once
-    warm-up is done, just before the measured run's clock starts."""
+    keep a handle to each runner (for Ctrl-C: the measured run's, then each capacity point's)
+    before it runs; `on_start` is called once warm-up is done, just before the measured run's
+    clock starts; `say` gets a progress line per capacity point and stability load."""
     from harness.hw import peaks_for  # noqa: PLC0415
     from harness.telemetry import TelemetrySampler  # noqa: PLC0415
 
@@ -153,13 +158,20 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         summary["fidelity"] = fidelity
         if (transitions := transition_summary(requests, records.steps, summary["duration_s"])) is not None:
             summary["transitions"] = transitions
-        quality = _quality(args, engine, model, info) if records.status == "complete" else None
+        extra: dict[str, Any] = {}
+        if records.status == "complete" and args.capacity is not None:
+            extra["capacity"] = _capacity(args, engine, workload, runner.requests, records, make_runner, say)
+        if records.status == "complete" and args.stability_probes:
+            rate = (extra.get("capacity") or {}).get("requests_per_s")
+            extra["stability"] = _stability(args, engine, model, info, runner.requests, rate, say)
+        status = "interrupted" if (extra.get("capacity") or {}).get("status") == "interrupted" else records.status
+        quality = _quality(args, engine, model, info) if status == "complete" else None
     finally:
         engine.stop()
     run = {
         "schema_version": SCHEMA_VERSION,
         "run_id": folder.name,
-        "status": records.status,
+        "status": status,
         "error": records.error,
         "started_at_unix": records.wall_start,
         "seed": spec.seed,
@@ -177,6 +189,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "definitions": dict(DEFINITIONS),
         "engine_notes": notes,
         "quality": quality,
+        **extra,
     }
     write_run(folder, run, requests, records.steps, sampler.samples, tables)
     return folder, run
@@ -208,6 +221,58 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
             row["output_text"] = None
         rows.append(row)
     return rows
+
+
+def _capacity(args: RunArgs, engine: Engine, workload, requests: list, records: RunRecords,
+              make_runner: Callable[[Runner], None], say: Callable[[str], None]) -> dict[str, Any]:
+    """The highest rate meeting the SLO (harness/capacity.py) on the same started engine. Unless
+    given, the search starts at half the rate the measured run's busy time suggests (requests
+    served / seconds of engine steps), at least the workload's own rate: a light offered rate
+    would spend minutes on points far below the capacity."""
+    from harness.capacity import find_capacity, workload_rate  # noqa: PLC0415
+
+    settings = args.capacity
+    if settings.start_rate is None:
+        busy = sum(s["duration_s"] for s in records.steps)
+        served = sum(1 for r in records.requests if r.finish_s is not None and r.error is None)
+        estimate = served / busy / 2 if busy > 0 and served else None
+        start = max(filter(None, (estimate, workload_rate(requests))), default=None)
+        settings = replace(settings, start_rate=start)
+
+    def point(p) -> None:
+        say(f"capacity: {p.rate:,.2f} req/s, {p.attainment:.0%} within the SLO: {'pass' if p.passed else 'fail'} "
+            f"({p.duration_s:.1f} s)")
+
+    found = find_capacity(engine, requests, args.slo, settings, closed_loop=workload.closed_loop,
+                          on_point=point, on_runner=make_runner)
+    out = found.to_dict()
+    if found.status != "complete":
+        out.update(status=found.status, error=found.error)
+    rate = f"{found.requests_per_s:,.2f} req/s" if found.requests_per_s else "none"
+    say(f"capacity: {rate} at the SLO ({found.limit.replace('_', ' ')})")
+    return out
+
+
+def _stability(args: RunArgs, engine: Engine, model: str | None, info: EngineInfo, background: list,
+               capacity_rps: float | None, say: Callable[[str], None]) -> dict[str, Any]:
+    """Probes answered at three loads (harness/stability.py) against the float32 reference."""
+    from harness.capacity import workload_rate  # noqa: PLC0415
+    from harness.fidelity import reference_outputs  # noqa: PLC0415
+    from harness.stability import measure_stability, probes_for  # noqa: PLC0415
+
+    if model is None:
+        return {"skipped": "no local model folder to run the float32 reference on"}
+    rate = capacity_rps or workload_rate(background)
+    if not rate:
+        return {"skipped": "no rate to load the probes at: add --find-capacity or give an open-loop --rate"}
+    probes = probes_for(model, info, args.stability_probes, seed=args.workload.seed)
+    cache = Path(args.reference_cache) if args.reference_cache else None
+    reference = reference_outputs(model, [p.request() for p in probes.probes], cache, info.eos_token_ids)
+    result = measure_stability(engine, probes, reference, rate, background, seed=args.workload.seed,
+                               on_load=lambda x: say(f"stability: {x.name} ({x.rate:,.2f} req/s): "
+                                                     f"{x.probes_varying} probes varying, {x.flips} flips"))
+    say(f"stability: {result.finding}")
+    return result.to_dict()
 
 
 def _join_request_bits(rows: list[dict[str, Any]], bits: list[dict[str, Any]] | None) -> None:

@@ -38,6 +38,7 @@ class RequestRecord:
     finish_s: float | None = None
     finish_reason: str | None = None
     error: str | None = None
+    rejected: bool = False  # the engine refused it at admission (it can never serve it, e.g. too long)
     token_times_s: list[float] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     task: str | None = None
@@ -189,7 +190,9 @@ class Runner:
             if self.engine.has_unfinished():
                 self._step(result)
             elif self._ready and self._admitting(now):
-                self.sleep(min(max(self._ready[0][0] - self.now(), 0.0), 0.05))
+                # at least 1 us: a simulated clock whose sleep cannot move it below its float
+                # resolution would otherwise spin here forever
+                self.sleep(min(max(self._ready[0][0] - self.now(), 1e-6), 0.05))
             else:
                 break
 
@@ -206,7 +209,7 @@ class Runner:
             self.engine.add_request(EngineRequest(rec.request_id, tuple(req.prompt_ids), req.max_new_tokens,
                                                   ignore_eos=req.ignore_eos))
         except EngineError as exc:  # this request cannot be served; the run goes on
-            rec.error, rec.finish_s = str(exc), None
+            rec.error, rec.finish_s, rec.rejected = str(exc), None, True
             self._on_finish(rec.request_id, now)
             return
         self._in_flight.add(rec.request_id)

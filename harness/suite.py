@@ -103,7 +103,8 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
             name = f"{row}/r{k}" if repeat > 1 else row
             one = replace(args, workload=spec, engine=engine, model=model, output=str(folder / name),
                           engine_options={**args.engine_options, **options, "budget_bytes": budget},
-                          reference_cache=str(folder / "reference"), row=row, repeat=k)
+                          reference_cache=str(folder / "reference"), row=row, repeat=k,
+                          stability_probes=args.stability_probes if k == 1 else None)  # probes: once a row
             say(f"suite: {name} ({engine}{''.join(f' {k2}={v}' for k2, v in options.items())})")
             try:
                 out, run = on_run(name, one) if on_run else execute(one)

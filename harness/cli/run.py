@@ -69,6 +69,24 @@ def run(
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
+    find_capacity: Annotated[bool,
+                             typer.Option("--find-capacity",
+                                          help="After the run, search the highest request rate this engine serves "
+                                               "within the SLO for --attainment of the requests: double the rate "
+                                               "until a point fails, then bisect (each point the workload's "
+                                               "requests retimed; docs/capacity.md). Written to run.json capacity; "
+                                               "it drives devices and cost in the report.")] = False,
+    attainment: Annotated[float,
+                          typer.Option(help="--find-capacity: share of a point's requests that must meet every "
+                                            "--slo target; a point needs at least 1 / (1 - attainment) requests "
+                                            "(100 for 0.99).")] = 0.99,
+    stability: Annotated[bool,
+                         typer.Option("--stability",
+                                      help="After the run, answer fixed probe prompts (greedy) at three background "
+                                           "loads (idle, near the capacity, above it), 3 times each, and count "
+                                           "distinct answers and flips against the float32 reference. Written to "
+                                           "run.json stability.")] = False,
+    stability_probes: Annotated[int, typer.Option(help="--stability: probe prompts.", min=1)] = 8,
     repeat: Annotated[int | None,
                       typer.Option(help="The suite (no --engine): run every engine this many times, interleaved, "
                                         "and report medians with 95% intervals (default: 3 on the bundled demo "

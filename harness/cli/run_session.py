@@ -69,8 +69,19 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
         workload=spec, given=frozenset(spec_options), engine=o["engine"], model=o["model"],
         engine_options={k: v for k, v in engine_options.items() if v is not None},
         output=o["output"], slo=parse_slo(o["slo"]), warmup=o["warmup"], telemetry_hz=o["telemetry_hz"],
-        quality=o["quality"],
+        quality=o["quality"], capacity=_capacity_settings(o),
+        stability_probes=o.get("stability_probes") if o.get("stability") else None,
     )
+
+
+def _capacity_settings(o: dict[str, Any]):
+    from harness.capacity import CapacitySettings
+
+    if not o.get("find_capacity"):
+        return None
+    settings = CapacitySettings(attainment=o.get("attainment", 0.99))
+    settings.check()
+    return settings
 
 
 class _Progress:
@@ -97,8 +108,9 @@ class _Progress:
         typer.echo(f"run: measuring {total} requests (Ctrl-C stops and saves what was measured)", err=True)
 
     def attach(self, runner: Runner) -> None:
+        """The runner Ctrl-C stops: the measured run's, then each capacity point's (one bar)."""
         self.runner = runner
-        if self.quiet or self.plain:
+        if self.quiet or self.plain or self.bar is not None:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -127,6 +139,14 @@ class _Progress:
             typer.echo(f"run: {done}/{total} requests done, {tokens / elapsed:,.0f} out tok/s, {elapsed:,.1f} s",
                        err=True)
 
+    def say(self, line: str) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.console.print(line, markup=False, highlight=False)
+        else:
+            typer.echo(line, err=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -149,7 +169,8 @@ def run_command(options: dict[str, Any]) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        folder, run = execute(args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start)
+        folder, run = execute(args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start,
+                              say=progress.say)
     finally:
         progress.close()
         signal.signal(signal.SIGINT, previous)
@@ -176,7 +197,8 @@ def suite_command(options: dict[str, Any]) -> int:
 
     def one(row: str, run_args: RunArgs):
         progress = _Progress(options["quiet"], plain=True)
-        return execute(run_args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start)
+        return execute(run_args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start,
+                       say=progress.say)
 
     result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True),
                        repeat=options.get("repeat"))

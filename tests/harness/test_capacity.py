@@ -93,8 +93,21 @@ def test_found_capacity_is_within_tolerance_of_the_analytic_one():
         assert gaps == {round(1 / point.rate, 9)}  # the even spacing kept, at the point's rate
     d = cap.to_dict()
     assert set(d) == {"requests_per_s", "attainment", "slo", "criterion", "limit", "points"}
-    assert set(d["points"][0]) == {"rate", "requests", "completed", "attainment", "passed", "duration_s"}
+    assert set(d["points"][0]) == {"rate", "requests", "completed", "attainment", "passed", "duration_s", "rejected"}
     assert d["slo"] == slo and "99%" in d["criterion"] and "200" in d["criterion"]
+
+
+def test_requests_the_engine_rejects_are_capacity_of_another_kind():
+    """A request the engine refuses at admission (here a token outside the vocabulary; under a
+    budget, a prompt beyond the KV it leaves) cannot be served at any rate: it is left out of
+    the attainment and counted as rejected, so it does not sink the search to below_lowest_rate."""
+    good = uniform(100, 10)
+    bad = [Request(f"x{i}", (5, 99_999), 10, arrival_s=100.5 + i) for i in range(5)]
+    slo = {"ttft_ms": 1000.0, "tpot_ms": 1000.0}
+    cap, seen = search(good + bad, slo, CapacitySettings(attainment=0.99, start_rate=1.0, max_points=3),
+                       max_num_seqs=256)
+    assert all(p.rejected == 5 and p.completed == 100 and p.attainment == 1.0 and p.passed for p in seen)
+    assert cap.requests_per_s == 4.0 and cap.limit == "above_highest_rate"
 
 
 def test_an_slo_no_rate_meets_halves_then_reports_below_lowest_rate():
