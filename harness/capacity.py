@@ -38,6 +38,8 @@ class CapacitySettings:
     max_points: int = 8
     max_rate: float | None = None  # never measure above this; passing here is "above_highest_rate"
     halvings: int = 3  # a failing start is halved at most this many times
+    min_rate: float | None = None  # never halve below this; failing here is "below_lowest_rate"
+    requests: int | None = None  # points replay this many requests of the workload (pwbench run draws them)
     seed: int = 0  # the Poisson spacing given to requests that arrive together
 
     def check(self) -> None:
@@ -51,6 +53,11 @@ class CapacitySettings:
             raise HarnessError(f"--max-points must be >= 1; got {self.max_points}")
         if self.max_rate is not None and not self.max_rate > 0:
             raise HarnessError(f"--max-rate must be > 0 requests/s; got {self.max_rate}")
+        if self.min_rate is not None and not self.min_rate > 0:
+            raise HarnessError(f"--min-rate must be > 0 requests/s; got {self.min_rate}")
+        if self.requests is not None and self.requests < min_requests(self.attainment):
+            raise HarnessError(f"capacity points of {self.requests} requests cannot judge {self.attainment:g} "
+                               f"attainment; use at least {min_requests(self.attainment)}")
         if self.halvings < 0:
             raise HarnessError(f"--halvings must be >= 0; got {self.halvings}")
 
@@ -193,6 +200,8 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
     if lo is None:  # halve until a point passes
         for _ in range(settings.halvings):
             if len(points) >= settings.max_points:
+                break
+            if settings.min_rate is not None and rate / 2 < settings.min_rate * (1 - 1e-9):
                 break
             rate /= 2
             point = measure(rate)

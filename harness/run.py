@@ -92,6 +92,7 @@ def build(args: RunArgs, info: EngineInfo, demo: bool):
 
 
 WARMUP_SEED_OFFSET = 7919  # warm-up traffic: the same workload under another seed, never the measured requests
+CAPACITY_SEED_OFFSET = 104729  # capacity points' traffic (when they draw their own requests)
 
 
 def warmup_requests(args: RunArgs, info: EngineInfo, demo: bool) -> list:
@@ -160,7 +161,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
             summary["transitions"] = transitions
         extra: dict[str, Any] = {}
         if records.status == "complete" and args.capacity is not None:
-            extra["capacity"] = _capacity(args, engine, workload, runner.requests, records, make_runner, say)
+            extra["capacity"] = _capacity(args, engine, info, demo, workload, runner.requests, records, make_runner,
+                                          say)
         if records.status == "complete" and args.stability_probes:
             rate = (extra.get("capacity") or {}).get("requests_per_s")
             extra["stability"] = _stability(args, engine, model, info, runner.requests, rate, say)
@@ -223,15 +225,20 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
     return rows
 
 
-def _capacity(args: RunArgs, engine: Engine, workload, requests: list, records: RunRecords,
-              make_runner: Callable[[Runner], None], say: Callable[[str], None]) -> dict[str, Any]:
-    """The highest rate meeting the SLO (harness/capacity.py) on the same started engine. Unless
-    given, the search starts at half the rate the measured run's busy time suggests (requests
-    served / seconds of engine steps), at least the workload's own rate: a light offered rate
-    would spend minutes on points far below the capacity."""
+def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workload, requests: list,
+              records: RunRecords, make_runner: Callable[[Runner], None], say: Callable[[str], None]) -> dict[str, Any]:
+    """The highest rate meeting the SLO (harness/capacity.py) on the same started engine. Points
+    replay the measured requests, or `settings.requests` of the workload drawn under another
+    seed (a point judges a percentile: it may need more requests than the run). Unless given,
+    the search starts at half the rate the measured run's busy time suggests (requests served /
+    seconds of engine steps), at least the workload's own rate: a light offered rate would
+    spend minutes on points far below the capacity."""
     from harness.capacity import find_capacity, workload_rate  # noqa: PLC0415
 
     settings = args.capacity
+    if settings.requests is not None and settings.requests != len(requests):
+        spec = replace(args.workload, seed=args.workload.seed + CAPACITY_SEED_OFFSET, requests=settings.requests)
+        requests = list(build(replace(args, workload=spec), info, demo)[1].requests[: settings.requests])
     if settings.start_rate is None:
         busy = sum(s["duration_s"] for s in records.steps)
         served = sum(1 for r in records.requests if r.finish_s is not None and r.error is None)

@@ -167,11 +167,32 @@ def _repeated(arm: Arm, samples: list[float | None], source: str) -> Value:
                  tuple(float(x) for x in samples if x is not None), est.low, est.high)
 
 
-def _per_device(arm: Arm) -> tuple[Value, str]:
-    """The per-device req/s that drives devices and cost: capacity when every run has it."""
+def searched(run: Run) -> bool:
+    """The run searched its capacity (whatever it found, even none)."""
+    cap = run.run.get("capacity")
+    return bool(cap) and "points" in cap
+
+
+def capacity_value(arm: Arm, source: str) -> Value:
+    """The arm's capacity: the median of its repeats' found rates; text "lower bound" when a
+    search passed at its highest rate (the capacity is at least that), "< R req/s" when no
+    repeat passed even the lowest rate R it tried."""
     caps = [capacity_rps(r) for r in arm.runs]
-    if all(c is not None for c in caps):
-        return _repeated(arm, caps, "capacity.requests_per_s (highest rate meeting the SLO criterion)"), "capacity"
+    v = _repeated(arm, caps, source)
+    limits = {(r.run.get("capacity") or {}).get("limit") for r in arm.runs}
+    if v.value is None:
+        tried = [p["rate"] for r in arm.runs for p in (r.run.get("capacity") or {}).get("points") or []]
+        return Value(None, v.source + " (no rate tried met the SLO)", f"< {_number(min(tried))}" if tried else "")
+    if "above_highest_rate" in limits:
+        return Value(v.value, v.source + " (a lower bound: the search passed at its highest rate)", "lower bound",
+                     v.samples, v.low, v.high)
+    return v
+
+
+def _per_device(arm: Arm) -> tuple[Value, str]:
+    """The per-device req/s that drives devices and cost: capacity when every run searched it."""
+    if all(searched(r) for r in arm.runs):
+        return capacity_value(arm, "capacity.requests_per_s (highest rate meeting the SLO criterion)"), "capacity"
     good = [r.summary.get("goodput_requests_per_s") for r in arm.runs]
     return _repeated(arm, good, f"summary.goodput_requests_per_s {NO_CAPACITY}"), "goodput"
 
@@ -254,8 +275,8 @@ def arm_row(arm: Arm, prices: Prices, ref: Arm | None) -> dict[str, Value]:
         "served": Value(n_served / n_sent if n_sent else None,
                         f"{f}: summary.completed / summary.requests, summed over runs (capacity, not quality)",
                         f"{n_served}/{n_sent}"),
-        "capacity_rps": (_repeated(arm, [capacity_rps(r) for r in arm.runs],
-                                   "capacity.requests_per_s (highest offered rate meeting the SLO criterion)")
+        "capacity_rps": (capacity_value(arm, "capacity.requests_per_s (highest offered rate meeting the SLO "
+                                             "criterion)")
                          if basis == "capacity" else Value(None, f"{f}: no capacity search in run.json")),
         "output_tokens_per_s": _repeated(arm, [r.summary.get("output_tokens_per_s") for r in arm.runs],
                                          "summary.output_tokens_per_s"),
@@ -445,7 +466,9 @@ def _winner(best, qualifying, ref, versus, prices: Prices, words: str) -> str:
     others = [row for row in qualifying if row is not best]
     closest = min(others, key=lambda row: versus(best, row).point or math.inf)
     c = versus(best, closest)
-    text = f"{name} serves {c.point:.2f}x {words} ({_ci(c)}) vs {closest['run'].text}, the closest qualifying arm"
+    least = "at least " if best["capacity_rps"].text == "lower bound" else ""
+    text = (f"{name} serves {least}{c.point:.2f}x {words} ({_ci(c)}) vs {closest['run'].text}, the closest "
+            "qualifying arm")
     if best["fidelity"].value is not None:
         text += f", with {best['fidelity'].value * 100:.1f}% of answers identical to full precision"
     delta = best["accuracy_delta_points"].value
@@ -480,6 +503,8 @@ def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: 
         if base is not None and row[metric].value is not None:
             c = stats.ratio(list(row[metric].samples), list(base[metric].samples))
             point = f"{c.point:.2f}x" if c.point else "-"
+            if row["capacity_rps"].text == "lower bound":
+                point = f"at least {point}"
             if c.tie:
                 text += f"within noise of {base['run'].text} on {words} ({point}, {_ci(c)})"
             elif c.has_interval:
@@ -501,8 +526,10 @@ def technique_sentences(rows: list[dict[str, Value]], prices: Prices, excluded: 
         d, db = row["devices"].value, base["devices"].value if base else None
         if d is not None and db is not None:
             n = db - d
-            if c is not None and not c.beyond_noise and n:  # the devices follow the rate: a tie on one is on both
+            if c is not None and c.tie and n:  # the devices follow the rate: a tie on one is on both
                 text += f"; {d} vs {db} devices at {prices.target_rps:g} req/s, within noise"
+            elif c is not None and not c.has_interval and n:
+                text += f"; {d} vs {db} devices at {prices.target_rps:g} req/s (no interval)"
             elif n:
                 text += (f"; {abs(n)} {'fewer' if n > 0 else 'more'} device{'s' * (abs(n) != 1)} at "
                          f"{prices.target_rps:g} req/s")
@@ -521,7 +548,7 @@ def fmt(key: str, v: Value) -> str:
     if key in ("run", "engine", "served", "flips_lost"):
         return v.text or ("-" if x is None else str(x))
     if x is None:
-        return "-"
+        return v.text if key in ("capacity_rps", "per_device_rps") and v.text else "-"
     if key == "kv_capacity_tokens" and v.text:
         return v.text
     if key in ("accuracy", "top1_agreement", "fidelity"):
@@ -541,7 +568,7 @@ def fmt(key: str, v: Value) -> str:
         text = _number(x)
     if v.low is not None and v.high is not None and v.low != v.high:
         text += f" [{_number(v.low)}-{_number(v.high)}]"
-    return text
+    return (">= " + text) if v.text == "lower bound" else text
 
 
 COLUMNS = {

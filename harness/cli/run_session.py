@@ -25,7 +25,9 @@ from workloads.base import WorkloadError
 from workloads.registry import WorkloadSpec, parse_length_range
 
 
-def parse_slo(text: str) -> dict[str, float]:
+def parse_slo(text: str | None) -> dict[str, float]:
+    if text is None:
+        return dict(DEFAULT_SLO)
     slo: dict[str, float] = {}
     for key, value in parse_set_options([p for p in text.split(",") if p.strip()]).items():
         if key not in ("ttft_ms", "tpot_ms", "e2e_ms"):
@@ -201,7 +203,7 @@ def suite_command(options: dict[str, Any]) -> int:
                        say=progress.say)
 
     result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True),
-                       repeat=options.get("repeat"))
+                       repeat=options.get("repeat"), slo_given=options["slo"] is not None)
     report = None
     if result.runs:
         runs = load_runs(list(result.runs.values()))

@@ -1,7 +1,9 @@
 """`pwbench run --workload rag_long` with no --engine: the PoC suite, here with 2 requests an
-engine (the README's command runs the demo defaults): every suite engine gets a folder in the
-suite folder, all under the same budget (below full-precision weights + peak KV) and the
-same workload, then the report, whose path is printed with the executive table."""
+engine, 2 repeats and capacity points of those 2 requests (the README's command runs the demo
+defaults): every suite engine gets a folder per repeat in the suite folder, interleaved, all
+under the same budget (below full-precision weights + peak KV) and the same workload, each
+with its capacity at the demo SLO and, on repeat 1, its stability probes; then the report,
+whose path is printed with the executive table and the verdict."""
 
 from __future__ import annotations
 
@@ -17,9 +19,16 @@ from harness.suite import SUITE
 def test_suite_runs_every_engine_under_one_budget_then_the_report(tmp_path):
     out = tmp_path / "suite"
     proc = pwbench("run", "--workload", "rag_long", "--requests", "2", "--warmup", "0", "--no-quality",
-                   "--output", str(out), timeout=900)
+                   "--repeat", "2", "--find-capacity", "--attainment", "0.5", "--output", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = {row: json.loads((out / row / "run.json").read_text()) for row in SUITE}
+    runs = {row: json.loads((out / row / "r1" / "run.json").read_text()) for row in SUITE}
+    again = {row: json.loads((out / row / "r2" / "run.json").read_text()) for row in SUITE}
+    # interleaved: every row's first repeat started before any row's second
+    assert max(r["started_at_unix"] for r in runs.values()) < min(r["started_at_unix"] for r in again.values())
+    assert all(r["config"]["row"] == row and r["config"]["repeat"] == 1 for row, r in runs.items())
+    assert all(r["config"]["slo"] == {"ttft_ms": 500.0, "tpot_ms": 150.0} for r in runs.values())  # the demo SLO
+    assert all(r["capacity"]["points"] and "stability" in r for r in runs.values())
+    assert all("capacity" in r and "stability" not in r for r in again.values())  # probes once a row
     assert {row: r["engine"]["name"] for row, r in runs.items()} == {row: engine for row, (engine, _) in SUITE.items()}
     budgets = {r["summary"]["memory"]["budget_bytes"] for r in runs.values()}
     assert len(budgets) == 1
@@ -29,6 +38,7 @@ def test_suite_runs_every_engine_under_one_budget_then_the_report(tmp_path):
     assert full > 0 and len({json.dumps(r["config"]["workload"], sort_keys=True) for r in runs.values()}) == 1
     assert f"report: {out / 'report.html'}" in proc.stdout and (out / "report.html").stat().st_size > 3_000_000
     assert "recommendation:" in proc.stdout and all(row in proc.stdout for row in SUITE)
+    assert (out / "reference").is_dir()  # the float32 reference's answers, computed once
     # memory pressure separates the engines: the quantized ones hold more KV than full precision
     assert runs["static-gptq-4bit"]["engine"]["kv_capacity_tokens"] > moe["engine"]["kv_capacity_tokens"]
     assert runs["offload"]["summary"]["engine"]["h2d_bytes_per_output_token"] > 0

@@ -91,6 +91,7 @@ def row(name, engine, goodput, delta, peak=1, budget=2):
     samples = tuple(goodput * f for f in (0.98, 1.0, 1.02))
     return {"run": V(None, name, name), "engine": V(None, name, engine), "runs": V(3, "", name),
             "goodput_rps": V(goodput, "", "", samples), "per_device_rps": V(goodput, "", "goodput", samples),
+            "capacity_rps": V(None, ""),
             "accuracy_delta_points": V(delta, ""), "peak_device_bytes": V(peak, ""), "budget_bytes": V(budget, ""),
             "flips_lost": V(None, ""), "fidelity": V(None, ""), "h2d_bytes_per_token": V(None, ""),
             "served": V(None, ""), "accuracy": V(None, ""),

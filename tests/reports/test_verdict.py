@@ -304,3 +304,25 @@ def test_precision_section_from_transitions_and_bits(base, tmp_path):
     (trace,) = spec["data"]
     assert trace["x"] == sorted(bins) == [4.0, 8.0, 16.0]
     assert trace["y"] == pytest.approx([sum(bins[x]) / len(bins[x]) * 100 for x in sorted(bins)])
+
+
+def test_capacity_bounds_are_shown_as_bounds(base, tmp_path):
+    """A search that passed at its highest rate gives a lower bound (">= x", "at least" in the
+    sentence); one that failed at every rate it tried shows "< lowest rate" and no devices."""
+    def with_limit(folder, rps, limit, rates):
+        run = json.loads((folder / "run.json").read_text())
+        run["capacity"].update(requests_per_s=rps, limit=limit,
+                               points=[{"rate": r, "requests": 20, "completed": 20, "attainment": 1.0,
+                                        "passed": rps is not None, "duration_s": 1.0} for r in rates])
+        (folder / "run.json").write_text(json.dumps(run))
+
+    root = tmp_path / "s"
+    for i, (fast, slow) in enumerate(((50.0, None), (52.0, None))):
+        with_limit(clone(base, root / f"moegen-r{i + 1}", row="moegen", repeat=i + 1, engine="moegen", capacity=1.0),
+                   fast, "above_highest_rate", [12.5, 25.0, fast])
+        with_limit(clone(base, root / f"static-r{i + 1}", row="static", repeat=i + 1, engine="static-gptq",
+                         capacity=1.0), slow, "below_lowest_rate", [1.7, 0.85])
+    rows = {row["run"].text: row for row in roi.executive(load_runs([root]), PRICES)}
+    assert roi.fmt("capacity_rps", rows["moegen"]["capacity_rps"]).startswith(">= 51 [")
+    assert roi.fmt("capacity_rps", rows["static"]["capacity_rps"]) == "< 0.85"
+    assert rows["static"]["devices"].value is None
