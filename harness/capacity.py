@@ -6,9 +6,12 @@ the point's rate (`retime`: the workload's arrival shape scaled, so gamma bursts
 bursts), with the prefix cache emptied before it so one point's prompts never serve the
 next. The search doubles the rate until a point fails, then bisects between the last pass
 and the first fail until the bracket is within a relative tolerance or the point budget is
-spent. A point judges a percentile, so it needs at least `min_requests(attainment)` requests
-(100 for 99%): with fewer, one miss already fails it. Failed or unserved requests count as
-missing the SLO. docs/capacity.md says what a search costs.
+spent. Every rate tried lies on the grid 2^(k/n) req/s (n steps per doubling, each within the
+tolerance), so repeated searches try the same rates and their answers differ by what was
+measured, not by the path the search took. A point judges a percentile, so it needs at least
+`min_requests(attainment)` requests (100 for 99%): with fewer, one miss already fails it.
+Failed or unfinished requests count as missing the SLO; rejected ones are counted apart.
+docs/capacity.md says what a search costs.
 """
 
 from __future__ import annotations
@@ -191,7 +194,18 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
                         stopped.error if stopped else None)
 
     cap = settings.max_rate or math.inf
-    rate = min(settings.start_rate or workload_rate(requests) or 1.0, cap)
+    # The grid: 2^(k/n) req/s with the fewest steps per doubling n whose ratio is within the
+    # tolerance (n = 8 for 10%, 4 for 25%), so doubling and halving stay on it.
+    n = math.ceil(math.log(2) / math.log(1 + settings.tolerance) - 1e-9)
+    step = 2 ** (1 / n)
+
+    def snap(r: float) -> float:
+        """The nearest rate on the grid, capped: every search (every repeat) tries the same
+        rates, so repeats differ by what they measure, not by the path they took."""
+        k = round(math.log2(r) * n)
+        return min(2.0 ** (k // n) * 2 ** ((k % n) / n), cap)
+
+    rate = snap(settings.start_rate or workload_rate(requests) or 1.0)
     first = measure(rate)
     if first is None:
         return result(None, "below_lowest_rate")
@@ -201,9 +215,9 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
         for _ in range(settings.halvings):
             if len(points) >= settings.max_points:
                 break
-            if settings.min_rate is not None and rate / 2 < settings.min_rate * (1 - 1e-9):
+            if settings.min_rate is not None and snap(rate / 2) < settings.min_rate * (1 - 1e-9):
                 break
-            rate /= 2
+            rate = snap(rate / 2)
             point = measure(rate)
             if point is None:
                 break
@@ -217,7 +231,7 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
         while hi is None:
             if lo >= cap or len(points) >= settings.max_points:
                 return result(lo, "above_highest_rate")
-            rate = min(lo * 2, cap)
+            rate = snap(lo * 2)
             point = measure(rate)
             if point is None:
                 return result(lo, "above_highest_rate")
@@ -225,8 +239,10 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
                 lo = rate
             else:
                 hi = rate
-    while (hi - lo) / lo > settings.tolerance and len(points) < settings.max_points:
-        rate = (lo + hi) / 2
+    while hi / lo > step * (1 + 1e-9) and len(points) < settings.max_points:
+        rate = snap(math.sqrt(lo * hi))
+        if not lo < rate < hi:
+            break
         point = measure(rate)
         if point is None:
             break

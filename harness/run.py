@@ -227,7 +227,9 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
 
 def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workload, requests: list,
               records: RunRecords, make_runner: Callable[[Runner], None], say: Callable[[str], None]) -> dict[str, Any]:
-    """The highest rate meeting the SLO (harness/capacity.py) on the same started engine. Points
+    """The highest rate meeting the SLO (harness/capacity.py) on the same started engine, at most
+    n / the TTFT target (n requests a point: beyond that rate they all arrive within one TTFT
+    target, and every higher rate is the same burst). Points
     replay the measured requests, or `settings.requests` of the workload drawn under another
     seed (a point judges a percentile: it may need more requests than the run). Unless given,
     the search starts at half the rate the measured run's busy time suggests (requests served /
@@ -239,6 +241,10 @@ def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workl
     if settings.requests is not None and settings.requests != len(requests):
         spec = replace(args.workload, seed=args.workload.seed + CAPACITY_SEED_OFFSET, requests=settings.requests)
         requests = list(build(replace(args, workload=spec), info, demo)[1].requests[: settings.requests])
+    if settings.max_rate is None and args.slo.get("ttft_ms"):
+        # Above n / TTFT target the whole point arrives within one TTFT target: every higher rate
+        # is the same burst, so the search stops there (a capacity found there is a lower bound).
+        settings = replace(settings, max_rate=len(requests) / (args.slo["ttft_ms"] / 1e3))
     if settings.start_rate is None:
         busy = sum(s["duration_s"] for s in records.steps)
         served = sum(1 for r in records.requests if r.finish_s is not None and r.error is None)
@@ -253,6 +259,8 @@ def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workl
     found = find_capacity(engine, requests, args.slo, settings, closed_loop=workload.closed_loop,
                           on_point=point, on_runner=make_runner)
     out = found.to_dict()
+    if settings.max_rate is not None:
+        out["max_rate"] = settings.max_rate
     if found.status != "complete":
         out.update(status=found.status, error=found.error)
     rate = f"{found.requests_per_s:,.2f} req/s" if found.requests_per_s else "none"

@@ -130,8 +130,9 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
                 continue
             if run["status"] == "complete":
                 runs[name] = Path(out)
-                if (rate := (run.get("capacity") or {}).get("requests_per_s")) and args.capacity.start_rate is None:
-                    found[row] = rate
+                cap = run.get("capacity") or {}
+                if cap.get("limit") == "found" and args.capacity.start_rate is None:  # not from a lower bound
+                    found[row] = cap["requests_per_s"]
             else:
                 failed[row] = f"status {run['status']}: {run.get('error')}"
     return SuiteResult(folder, runs, failed, int(budget))
