@@ -55,6 +55,31 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
                                        f"ppl {q['perplexity']:.2f} (ref {q['reference_perplexity']:.2f})"))
     elif q:
         out.append(("quality vs fp32", q.get("skipped", "-")))
+    f = s.get("fidelity") or {}
+    if "fidelity" in f:
+        out.append(("vs full precision", f"{f['identical']}/{f['compared']} answers identical "
+                                         f"({f['fidelity'] * 100:.1f}%), {f['flips_lost']} lost / "
+                                         f"{f['flips_gained']} gained flips, token match "
+                                         f"{f['token_match_mean'] * 100:.1f}%"))
+    elif f.get("skipped"):
+        out.append(("vs full precision", f["skipped"]))
+    cap = run.get("capacity")
+    if cap:
+        rate = cap.get("requests_per_s")
+        found = (f"{'>= ' if cap.get('limit') == 'above_highest_rate' else ''}{_fmt(rate, 2)} req/s" if rate
+                 else "none (below the lowest rate tried)")
+        slo = ", ".join(f"{k}<={v:g}" for k, v in (cap.get("slo") or {}).items())
+        out.append(("capacity at SLO", f"{found} with {cap.get('attainment', 0) * 100:g}% of requests within {slo} "
+                                       f"({len(cap.get('points') or [])} points)"))
+    st = run.get("stability")
+    if st and "loads" in st:
+        loads = ", ".join(f"{x['name']} {x['probes_varying']} varying / {x['flips']} flips" for x in st["loads"])
+        out.append(("stability", f"{st['probes']} probes x {st['repeats']}: {loads}"))
+    tr = s.get("transitions")
+    if tr:
+        inside, outside = tr.get("itl_ms_inside") or {}, tr.get("itl_ms_outside") or {}
+        out.append(("bit transitions", f"{tr['windows']} windows ({_fmt(tr['per_minute'])}/min), ITL p99 "
+                                       f"{_fmt(inside.get('p99'))} ms inside vs {_fmt(outside.get('p99'))} ms outside"))
     m = s.get("memory", {})
     if "weight_bytes" in m and "memory" not in gone:
         out.append(("memory",

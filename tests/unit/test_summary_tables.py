@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from reports.summary_table import table_rows
+from reports.summary_table import rows, table_rows
 
 
 def test_usage_bits_and_fallbacks_are_summarised(tmp_path):
@@ -29,3 +29,26 @@ def test_usage_bits_and_fallbacks_are_summarised(tmp_path):
 
 def test_a_folder_without_engine_tables_adds_nothing(tmp_path):
     assert table_rows(tmp_path) == []
+
+
+def test_verdict_lines_when_the_run_has_them(tmp_path):
+    """Fidelity, capacity (a lower bound when the search passed at its highest rate), stability
+    and transitions each get a line of `pwbench show`, from the run.json fields."""
+    from result_folders import make_run
+
+    from harness.results import read_run
+
+    run = read_run(make_run(tmp_path / "d", decode_ms_per_token=0.1))
+    run["summary"]["fidelity"] = {"compared": 4, "identical": 3, "fidelity": 0.75, "flips_lost": 1,
+                                  "flips_gained": 0, "token_match_mean": 0.9}
+    run["capacity"] = {"requests_per_s": 40.0, "attainment": 0.95, "slo": {"ttft_ms": 500.0},
+                       "limit": "above_highest_rate", "points": [{}, {}]}
+    run["stability"] = {"probes": 8, "repeats": 3, "loads": [{"name": "idle", "probes_varying": 0, "flips": 1}]}
+    run["summary"]["transitions"] = {"windows": 2, "per_minute": 6.0, "itl_ms_inside": {"p99": 12.0},
+                                     "itl_ms_outside": {"p99": 9.0}}
+    lines = dict(rows(run))
+    assert lines["vs full precision"] == ("3/4 answers identical (75.0%), 1 lost / 0 gained flips, "
+                                          "token match 90.0%")
+    assert lines["capacity at SLO"] == ">= 40.00 req/s with 95% of requests within ttft_ms<=500 (2 points)"
+    assert lines["stability"] == "8 probes x 3: idle 0 varying / 1 flips"
+    assert lines["bit transitions"] == "2 windows (6.0/min), ITL p99 12.0 ms inside vs 9.0 ms outside"
