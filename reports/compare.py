@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from reports import roi
+from reports import roi, verdict
 from reports.runs import Run, incomparable
 
 
@@ -17,9 +17,9 @@ def markdown(runs: list[Run], prices: roi.Prices) -> str:
     header, cells = roi.table(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
-    _, sentence = roi.recommend(rows, prices, set(flagged))
-    lines += [""] + [f"- {t}" for t in roi.technique_sentences(rows, prices, set(flagged))]
-    lines += ["", f"**Recommendation:** {sentence}", "", roi.RULE]
+    _, sentence = verdict.recommend(rows, prices, set(flagged))
+    lines += [""] + [f"- {t}" for t in verdict.technique_sentences(rows, prices, set(flagged))]
+    lines += ["", f"**Recommendation:** {sentence}", "", verdict.RULE]
     lines += [f"- not comparable: {k}: {v}" for k, v in flagged.items()]
     return "\n".join(lines)
 
@@ -41,9 +41,9 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
     for row in cells:
         table.add_row(*(escape(c) for c in row))
     console.print(table)
-    for t in roi.technique_sentences(rows, prices, set(flagged)):
+    for t in verdict.technique_sentences(rows, prices, set(flagged)):
         console.print(t, markup=False)
-    _, sentence = roi.recommend(rows, prices, set(flagged))
+    _, sentence = verdict.recommend(rows, prices, set(flagged))
     console.print(f"recommendation: {sentence}", markup=False)
     for k, v in flagged.items():
         console.print(f"not comparable: {k}: {v}", markup=False, style="yellow")

@@ -1,6 +1,6 @@
 """`pwbench report`: one self-contained HTML file from result folders.
 
-The first screen is the verdict (reports.roi, per arm = the repeats of one configuration):
+The first screen is the verdict (reports.roi and reports.verdict, per arm = the repeats of one configuration):
 one sentence per technique against the strongest baseline, the recommendation (a winner only
 beyond noise, else the tie), then the executive table. Below it the engineering pages: latency
 CDFs, bar charts (median per arm, whiskers = 95% interval where an arm has repeats) of
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.metrics import request_times
-from reports import roi, stats
+from reports import roi, stats, verdict
 from reports.runs import Arm, Run, arms, incomparable
 
 E = html.escape
@@ -319,8 +319,8 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     groups = arms(runs)
     flagged = incomparable(runs)
     rows = roi.executive(runs, prices, set(flagged))
-    recommended, sentence = roi.recommend(rows, prices, set(flagged))
-    techniques = roi.technique_sentences(rows, prices, set(flagged))
+    recommended, sentence = verdict.recommend(rows, prices, set(flagged))
+    techniques = verdict.technique_sentences(rows, prices, set(flagged))
     header, cells = roi.table(rows, roi.PAGE)
     keys = list(roi.PAGE)
     titles = [[row[k].source for k in keys] for row in rows]
@@ -344,16 +344,16 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
         warn = ('<div class="warn"><b>Runs that cannot be compared with the first run '
                 f"({E(runs[0].label)}); left out of the recommendation:</b><ul>"
                 + "".join(f"<li>{E(k)}: {E(v)}</li>" for k, v in flagged.items()) + "</ul></div>")
-    verdict = ("<ul id='techniques'>" + "".join(f"<li>{E(t)}</li>" for t in techniques) + "</ul>") if techniques \
+    sentences = ("<ul id='techniques'>" + "".join(f"<li>{E(t)}</li>" for t in techniques) + "</ul>") if techniques \
         else ""
     repeats = max((row["runs"].value or 0 for row in rows), default=0)
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>pwbench ROI report</title>",
         f"<style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head><body>",
         '<section id="executive"><h1>Can these engines serve more on the same devices?</h1>',
-        verdict,
+        sentences,
         f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br>'
-        f'<span class="small">{E(roi.RULE)}</span></div>',
+        f'<span class="small">{E(verdict.RULE)}</span></div>',
         f'<p class="small">Workload <b>{E(str(wl.get("name")))}</b> ({E(str(wl.get("requests")))} requests, '
         f'{E(str(wl.get("arrival")))} arrivals, seed {E(str(first.get("seed")))}) on '
         f'{E(str(env.get("gpu") or env.get("cpu_model")))}; '

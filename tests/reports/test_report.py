@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from result_folders import make_run, pwbench
 
-from reports import roi
+from reports import roi, verdict
 from reports.html import render
 from reports.runs import load_runs
 
@@ -103,14 +103,14 @@ def test_recommendation_follows_its_rule():
     rows = [row("moe", "moe", 1.0, 0.0), row("pw", "pagedweight", 1.8, -0.4),
             row("lossy", "static-gptq", 3.0, -5.0),          # too much accuracy lost
             row("big", "offload", 2.5, 0.0, peak=3, budget=2)]  # over the budget
-    name, text = roi.recommend(rows, prices)
+    name, text = verdict.recommend(rows, prices)
     assert name == "pw"
     # moe: ceil(10 / 0.7) = 15 devices; pw: ceil(10 / 1.26) = 8; 7 x $4 x 730 h = $20,440
     assert "1.80x" in text and "-0.4 accuracy points" in text
     assert "7 fewer devices than full precision (8 vs 15)" in text
     assert "$20,440" in text
-    assert roi.recommend(rows, prices, excluded={"pw"})[0] == "moe"
-    assert roi.recommend([row("moe", "moe", 0.0, 0.0)], prices)[0] is None
+    assert verdict.recommend(rows, prices, excluded={"pw"})[0] == "moe"
+    assert verdict.recommend([row("moe", "moe", 0.0, 0.0)], prices)[0] is None
 
 
 def test_executive_numbers_equal_the_result_files(runs):
@@ -141,7 +141,7 @@ def test_executive_numbers_equal_the_result_files(runs):
     assert not re.search(r"<script[^>]*\bsrc=", html)
     # the recommendation is the rule's choice, stated on the page
     rows = roi.executive(load_runs([runs]), roi.Prices(4.0, 10.0, 0.7))
-    assert roi.recommend(rows, roi.Prices(4.0, 10.0, 0.7))[1].replace("'", "&#x27;") in html
+    assert verdict.recommend(rows, roi.Prices(4.0, 10.0, 0.7))[1].replace("'", "&#x27;") in html
 
 
 def test_model_name_with_script_is_escaped(runs, tmp_path):

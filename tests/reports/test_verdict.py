@@ -18,7 +18,7 @@ import pytest
 from result_folders import make_run, pwbench
 
 from engines.registry import engine_role
-from reports import roi, stats
+from reports import roi, stats, verdict
 from reports.html import render
 from reports.runs import arms, load_runs
 
@@ -124,7 +124,7 @@ def test_within_noise_is_a_tie_naming_both(base, tmp_path):
     runs = suite(base, tmp_path / "a", {"pagedweight": ("pagedweight", [2.10, 2.31, 2.20]),
                                         "moegen": ("moegen", [2.25, 2.12, 2.18])})
     rows = roi.executive(runs, PRICES)
-    name, text = roi.recommend(rows, PRICES)
+    name, text = verdict.recommend(rows, PRICES)
     assert name is None
     assert text.startswith("moegen and pagedweight are within noise of each other: ")
     # the range of the medians (2.18, 2.20) and the widest relative half-interval, by hand
@@ -137,7 +137,7 @@ def test_within_noise_is_a_tie_naming_both(base, tmp_path):
     # a second run of the same suite, with the noise landing the other way round: the same statement
     again = suite(base, tmp_path / "b", {"pagedweight": ("pagedweight", [2.24, 2.11, 2.15]),
                                          "moegen": ("moegen", [2.08, 2.29, 2.21])})
-    _, text2 = roi.recommend(roi.executive(again, PRICES), PRICES)
+    _, text2 = verdict.recommend(roi.executive(again, PRICES), PRICES)
 
     def words(s):
         return re.sub(r"[\d.,]+", "#", s)
@@ -162,13 +162,13 @@ def test_far_beyond_noise_names_the_winner_with_its_interval(base, tmp_path):
               capacity=pw[i], stability=stab)
     runs = load_runs([root])
     rows = roi.executive(runs, PRICES)
-    name, text = roi.recommend(rows, PRICES)
+    name, text = verdict.recommend(rows, PRICES)
     c = stats.ratio(pw, gptq)
     assert name == "pagedweight"
     assert text.startswith(f"pagedweight serves 3.00x the requests per device at the SLO (95% CI {c.low:.2f}-"
                            f"{c.high:.2f}x) vs static-gptq-4bit")
     # the first screen: one sentence per technique against the baseline, flips under load from run.json stability
-    (sentence,) = roi.technique_sentences(rows, PRICES)
+    (sentence,) = verdict.technique_sentences(rows, PRICES)
     # devices at 10 req/s: ceil(10 / (6.3 x 0.7)) = 3 vs ceil(10 / (2.1 x 0.7)) = 7
     assert sentence == (f"pagedweight: 3.00x the requests per device at the SLO (95% CI {c.low:.2f}-{c.high:.2f}x) "
                         "vs static-gptq-4bit, with 1 flip under load; 4 fewer devices at 10 req/s.")
@@ -218,7 +218,7 @@ def test_one_run_per_side_has_no_interval(base, tmp_path):
     rec = next(line for line in proc.stdout.splitlines() if line.startswith("**Recommendation:**"))
     assert "fast has the highest goodput req/s (8.00, 4.00x slow)" in rec
     assert "the comparison has no interval (one run each: no interval; use --repeat 3)" in rec
-    assert roi.recommend(roi.executive(load_runs([a, b]), PRICES), PRICES)[0] is None
+    assert verdict.recommend(roi.executive(load_runs([a, b]), PRICES), PRICES)[0] is None
 
 
 def test_capacity_drives_devices_and_cost(base, tmp_path):
@@ -277,7 +277,7 @@ def test_quality_columns_equal_a_recomputation(base, tmp_path):
     assert by["static-rtn"]["accuracy_delta_points"].value == pytest.approx(0.0)
     assert by["static-rtn"]["flips_lost"].text == "2 lost / 1 gained"
     # 2 lost flips per run where full precision loses none: outside the tolerance, so moe stands alone
-    assert roi.recommend(rows, PRICES)[0] == "moe"
+    assert verdict.recommend(rows, PRICES)[0] == "moe"
     table = roi.table(rows)
     assert table[1][1][table[0].index("identical to full")] == "50.0%"
 
