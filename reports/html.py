@@ -248,7 +248,7 @@ def _engineering(runs: list[Run], groups: list[Arm], rows: list[dict[str, roi.Va
                                                        "xaxis": {"title": {"text": "offered req/s"}}}))
     parts.append("<h2 id='timeline'>Timeline</h2><p class='small'>The first run of each arm, on its own clock "
                  "(seconds since its measured run started); CPU is the process's share of all cores.</p>")
-    for r in (a.runs[0] for a in groups):
+    for arm, r in ((a, a.runs[0]) for a in groups):
         steps = r.rows("steps")
         tel = r.rows("telemetry")
         data = []
@@ -266,17 +266,22 @@ def _engineering(runs: list[Run], groups: list[Arm], rows: list[dict[str, roi.Va
             data.append({"type": "scatter", "mode": "lines", "name": "h2d KiB per step", "yaxis": "y2", "x": xs,
                          "y": [(s.get("h2d_bytes") or 0) / 2**10 for s in steps]})
         parts.append(_figure_div(f"timeline-{len(parts)}", data, {
-            "title": {"text": f"{E(r.label)}: utilisation, memory, link traffic and requests in flight"},
+            "title": {"text": f"{E(_first(arm))}: utilisation, memory, link traffic and requests in flight"},
             "xaxis": {"title": {"text": "s since the run's start"}},
             "yaxis": {"title": {"text": "% (CPU: of all cores)"}, "range": [0, 100]},
             "yaxis2": {"overlaying": "y", "side": "right", "title": {"text": "requests / MiB / KiB"}}}))
-    parts.extend(_expert_heatmaps([a.runs[0] for a in groups]))
+    parts.extend(_expert_heatmaps([(_first(a), a.runs[0]) for a in groups]))
     return parts
 
 
-def _expert_heatmaps(runs: list[Run]) -> list[str]:
+def _first(arm: Arm) -> str:
+    """The arm's label, with its first run's folder when it has repeats (the charts draw that run)."""
+    return arm.label if len(arm.runs) == 1 else f"{arm.label} ({arm.runs[0].folder.name})"
+
+
+def _expert_heatmaps(runs: list[tuple[str, Run]]) -> list[str]:
     out = []
-    for i, r in enumerate(runs):
+    for i, (label, r) in enumerate(runs):
         bits = r.rows("expert_bits")
         if bits:
             keys = sorted({(b["layer"], b["expert"]) for b in bits})
@@ -286,7 +291,7 @@ def _expert_heatmaps(runs: list[Run]) -> list[str]:
             out.append(_figure_div(f"bits-{i}",
                                    [{"type": "heatmap", "z": z, "x": steps, "y": [f"L{a} E{b}" for a, b in keys],
                                                   "colorscale": "Viridis", "colorbar": {"title": {"text": "bits"}}}],
-                                   {"title": {"text": f"{E(r.label)}: bits per expert over engine steps"},
+                                   {"title": {"text": f"{E(label)}: bits per expert over engine steps"},
                                     "height": 500}))
         usage = r.rows("expert_usage")
         if usage:
@@ -296,7 +301,7 @@ def _expert_heatmaps(runs: list[Run]) -> list[str]:
             z = [[grid.get((layer, e), 0) for e in experts] for layer in layers]
             out.append(_figure_div(f"usage-{i}",
                                    [{"type": "heatmap", "z": z, "x": experts, "y": layers, "colorscale": "Blues"}],
-                                   {"title": {"text": f"{E(r.label)}: expert selection (tokens routed)"},
+                                   {"title": {"text": f"{E(label)}: expert selection (tokens routed)"},
                                     "xaxis": {"title": {"text": "expert"}}, "yaxis": {"title": {"text": "layer"}}}))
     if out:
         out.insert(0, "<h2>Experts</h2>")
