@@ -149,7 +149,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         notes = list(engine.notes())
         requests = _request_rows(records, model)
         _join_request_bits(requests, tables.get("request_bits"))
-        fidelity = _fidelity(args, cls, model, info, runner.requests, requests)
+        fidelity = _fidelity(args, model, info, runner.requests, requests)
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
         peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
@@ -301,9 +301,11 @@ def _join_request_bits(rows: list[dict[str, Any]], bits: list[dict[str, Any]] | 
         row.update(bits_mean=b.get("bits_mean"), bits_min=b.get("bits_min"), in_transition=b.get("in_transition"))
 
 
-def _fidelity(args: RunArgs, cls: type[Engine], model: str | None, info: EngineInfo, sent: list,
+def _fidelity(args: RunArgs, model: str | None, info: EngineInfo, sent: list,
               rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-request fidelity columns added to `rows` in place; the summary (harness/fidelity.py)."""
+    """Per-request fidelity columns added to `rows` in place; the summary (harness/fidelity.py).
+    Any engine whose model is a local folder the reference can load: in-process engines, and
+    engine openai given `--model DIR` (the served model's own folder)."""
     from engines.base import EngineError, EngineRequest  # noqa: PLC0415
     from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
     from harness.fidelity import COLUMNS, fidelity_summary, reference_outputs, request_columns  # noqa: PLC0415
@@ -312,8 +314,8 @@ def _fidelity(args: RunArgs, cls: type[Engine], model: str | None, info: EngineI
         row.update(dict.fromkeys(COLUMNS))
     if not args.quality:
         return {"skipped": "--no-quality"}
-    if model is None or not cls.needs_model:
-        return {"skipped": "no local model folder to run the float32 reference on"}
+    if model is None or not (Path(model) / "config.json").is_file():  # engine openai: a served model's name
+        return {"skipped": "no local model folder to run the float32 reference on (give --model DIR)"}
     served = {r["request_id"] for r in rows if not r.get("error") and r.get("finish_s") is not None}
     asked = [EngineRequest(r.request_id, tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=r.ignore_eos)
              for r in sent if r.request_id in served]
