@@ -156,7 +156,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         summary = summarize(requests, records.steps, args.slo, info.model_stats, peaks)
         summary["memory"].update(weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes,
                                  kv_capacity_tokens=info.kv_capacity_tokens)
-        summary["fidelity"] = fidelity
+        if "skipped" not in fidelity:  # a pure function of requests.parquet, like the rest of the summary
+            summary["fidelity"] = fidelity
         if (transitions := transition_summary(requests, records.steps, summary["duration_s"])) is not None:
             summary["transitions"] = transitions
         extra: dict[str, Any] = {}
@@ -191,6 +192,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         "definitions": dict(DEFINITIONS),
         "engine_notes": notes,
         "quality": quality,
+        **({"fidelity_skipped": fidelity["skipped"]} if "skipped" in fidelity else {}),
         **extra,
     }
     write_run(folder, run, requests, records.steps, sampler.samples, tables)

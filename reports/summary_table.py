@@ -61,8 +61,8 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
                                          f"({f['fidelity'] * 100:.1f}%), {f['flips_lost']} lost / "
                                          f"{f['flips_gained']} gained flips, token match "
                                          f"{f['token_match_mean'] * 100:.1f}%"))
-    elif f.get("skipped"):
-        out.append(("vs full precision", f["skipped"]))
+    elif run.get("fidelity_skipped"):
+        out.append(("vs full precision", f"not compared: {run['fidelity_skipped']}"))
     cap = run.get("capacity")
     if cap:
         rate = cap.get("requests_per_s")

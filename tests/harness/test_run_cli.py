@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from engines.runtime import cpu_attention, gemm
+from harness.fidelity import REFERENCE_TEXT
 from harness.results import read_run
 
 
@@ -115,6 +116,16 @@ def expected_summary(req: pd.DataFrame, steps: pd.DataFrame, slo: dict, model: d
         "experts_hit_per_step_mean": float(steps["experts_hit"].mean()) if len(steps) else None,
         "preemptions": int(steps["preempted"].sum()) if len(steps) else 0,
     }
+    if "ref_identical" in req and req["ref_identical"].notna().any():  # answers against the reference
+        cmp = req[req["ref_identical"].notna()]
+        tasks = cmp[cmp["correct"].notna()]
+        out["fidelity"] = {
+            "compared": len(cmp), "identical": int(cmp["ref_identical"].astype(bool).sum()),
+            "fidelity": float(cmp["ref_identical"].astype(bool).mean()),
+            "flips_lost": int((cmp["flip"] == "lost").sum()), "flips_gained": int((cmp["flip"] == "gained").sum()),
+            "token_match_mean": float(cmp["ref_token_match"].mean()),
+            "accuracy_served": float(tasks["correct"].astype(bool).mean()) if len(tasks) else None,
+            "reference": REFERENCE_TEXT}
     cached = int(steps["cached_prompt_tokens"].sum()) if len(steps) else 0
     computed = int(steps["prefill_tokens"].sum()) if len(steps) else 0
     out["engine"]["cached_prompt_tokens"] = cached
