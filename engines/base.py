@@ -229,6 +229,7 @@ class Engine(ABC):
         """Forget every cached prompt prefix, so the next request computes its whole prompt (the
         harness calls it after warm-up and between capacity points, so measured hits are the
         measured traffic's own). Engines without a prefix cache have nothing to do."""
+        return None
 
     def tables(self) -> Mapping[str, list[dict[str, Any]]]:
         """Engine-specific result tables, written as `<name>.parquet` beside steps.parquet

@@ -41,6 +41,7 @@ def test_compare_output_by_hand():
     assert (m.identical, m.divergence, m.token_match) == (False, 2, 0.5)
 
 
+@pytest.mark.slow  # two demo-model runs and the reference: ~35 s for both tests
 def test_reference_run_is_identical_and_2bit_rtn_is_not(pair):
     (ref_run, ref), (rtn_run, rtn) = pair
     f = ref_run["summary"]["fidelity"]
@@ -52,6 +53,7 @@ def test_reference_run_is_identical_and_2bit_rtn_is_not(pair):
     assert set(flips) <= {"lost", "gained"}
 
 
+@pytest.mark.slow
 def test_fidelity_columns_equal_a_recomputation_from_the_two_folders(pair):
     """The float32 moe run answered every request as the reference does (fidelity 100%), so its
     folder is the reference here: each 2-bit column is recomputed from the two folders' ids."""

@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from html import escape
 
+import pytest
 from result_folders import pwbench
 
 from reports import roi
 from reports.html import render
 from reports.runs import load_runs
+
+pytestmark = pytest.mark.slow  # a demo-model run with a capacity search and probes: ~35 s
 
 
 def test_capacity_and_stability_reach_run_json_and_the_report(tmp_path):

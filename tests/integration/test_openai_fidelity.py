@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from serving import Server
 
 from engines.common.demo import demo_model_path
 from harness.results import read_rows
 from harness.run import RunArgs, execute
 from workloads.registry import WorkloadSpec
+
+pytestmark = pytest.mark.slow  # a pwbench serve subprocess and a local reference: ~30 s
 
 
 def test_openai_run_is_compared_with_the_local_reference(tmp_path):
