@@ -99,9 +99,14 @@ def warmup_requests(args: RunArgs, info: EngineInfo, demo: bool) -> list:
     """`args.warmup` requests of the run's workload drawn under another seed, ids prefixed."""
     if args.warmup <= 0:
         return []
-    spec = replace(args.workload, seed=args.workload.seed + WARMUP_SEED_OFFSET, requests=args.warmup)
-    _, workload = build(replace(args, workload=spec), info, demo)
-    return list(workload.requests[: args.warmup])
+    return drawn(args, info, demo, WARMUP_SEED_OFFSET, args.warmup)
+
+
+def drawn(args: RunArgs, info: EngineInfo, demo: bool, seed_offset: int, count: int) -> list:
+    """`count` requests of the run's workload drawn under seed + `seed_offset`: traffic of the
+    same shape that is never the measured requests (warm-up, capacity points)."""
+    spec = replace(args.workload, seed=args.workload.seed + seed_offset, requests=count)
+    return list(build(replace(args, workload=spec), info, demo)[1].requests[:count])
 
 
 def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: None,
@@ -241,8 +246,7 @@ def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workl
 
     settings = args.capacity
     if settings.requests is not None and settings.requests != len(requests):
-        spec = replace(args.workload, seed=args.workload.seed + CAPACITY_SEED_OFFSET, requests=settings.requests)
-        requests = list(build(replace(args, workload=spec), info, demo)[1].requests[: settings.requests])
+        requests = drawn(args, info, demo, CAPACITY_SEED_OFFSET, settings.requests)
     if settings.max_rate is None and args.slo.get("ttft_ms"):
         # Above n / TTFT target the whole point arrives within one TTFT target: every higher rate
         # is the same burst, so the search stops there (a capacity found there is a lower bound).

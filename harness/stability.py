@@ -120,12 +120,6 @@ class Stability:
                 "finding": self.finding}
 
 
-def first_divergence(output: Sequence[int], reference: Sequence[int]) -> int | None:
-    """Index of the first token where `output` and `reference` differ (the shorter one's
-    length when one is a prefix of the other); None when they are equal."""
-    return compare_output(output, reference).divergence
-
-
 def summarize_load(name: str, rate: float, outputs: Mapping[str, Sequence[Sequence[int]]],
                    reference: Mapping[str, Sequence[int]], answers: Mapping[str, str] | None = None,
                    decode: Callable[[list[int]], str] | None = None,
@@ -133,7 +127,7 @@ def summarize_load(name: str, rate: float, outputs: Mapping[str, Sequence[Sequen
     from workloads.demo.tasks import score  # noqa: PLC0415
 
     uniques = [len({tuple(o) for o in outs}) for outs in outputs.values()]
-    positions = [first_divergence(o, reference[pid]) for pid, outs in outputs.items() for o in outs]
+    positions = [compare_output(o, reference[pid]).divergence for pid, outs in outputs.items() for o in outs]
     flips = sum(p is not None for p in positions)
     task_flips = None
     if decode is not None and answers:
