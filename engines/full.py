@@ -48,8 +48,6 @@ def whole_device_budget(cfg: FullConfig) -> int:
 class FullEngine(RuntimeEngine):
     name = "full"
     config_cls = FullConfig
-    plain_experts_only = True  # pages and the on-demand fetch hold bias-free SwiGLU experts
-    gqa_only = True  # moegen's micro-batched attention
     needs_calibration = True
 
     def start(self) -> None:

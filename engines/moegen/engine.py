@@ -96,8 +96,6 @@ def plan_copies(loaded: Loaded, cfg: MoEGenConfig, name: str) -> CopyEngine:
 class MoEGenEngine(RuntimeEngine):
     name = "moegen"
     config_cls = MoEGenConfig
-    plain_experts_only = True  # the streaming ring computes bias-free SwiGLU experts
-    gqa_only = True  # micro-batched (and host) attention computes grouped-query attention only
     plannable = True
 
     def build(self, cfg: MoEGenConfig, loaded: Loaded) -> EngineParts:

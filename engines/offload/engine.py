@@ -86,7 +86,6 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
 class OffloadEngine(RuntimeEngine):
     name = "offload"
     config_cls = OffloadConfig
-    plain_experts_only = True  # its host tier and device slots hold gate_up/down only
 
     def build(self, cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
         return offload_parts(cfg, loaded)

@@ -140,7 +140,6 @@ def paged_stats(paged: PagedExperts) -> dict[str, float]:
 class PagedWeightEngine(RuntimeEngine):
     name = "pagedweight"
     config_cls = PagedWeightConfig
-    plain_experts_only = True  # its pages and precision tiers hold gate_up/down only
     needs_calibration = True
 
     def build(self, cfg: PagedWeightConfig, loaded: Loaded) -> EngineParts:
