@@ -2,7 +2,9 @@
 quantized before serving and kept resident on the device (the static-quantization baselines).
 
 Given a quantized folder (GPTQ, AWQ or compressed-tensors) they serve it as stored, refusing
-one quantized with another method. Given a full-precision folder and `--set bits=N` they
+one quantized with another method; a gpt-oss folder with MXFP4 experts (the released format)
+is served as stored by any of them, its experts kept in MXFP4 on the device. gpt-oss experts
+quantized here keep their biases and the clamped SwiGLU exact. Given a full-precision folder and `--set bits=N` they
 quantize it at start with their method into ~/.cache/pwbench/quantized/<method>-<hash of
 model, method, options> ($PWBENCH_CACHE or `cache_dir` move it) and reuse that folder next
 time; the engine always serves what was read back from disk, so a first run and a cached run
@@ -25,10 +27,11 @@ from engines.common.device import dtype_name, resolve_device, resolve_dtype
 from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
-from engines.quant.hf_format import read_scheme
-from engines.quant.load import QuantizedLoad, load_quantized_weights, quantized_backend
+from engines.quant.hf_format import MXFP4_SCHEME, read_scheme
+from engines.quant.load import QuantizedLoad, load_mxfp4_folder, load_quantized_weights, quantized_backend
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
 from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, resident_parts
+from engines.runtime.mxfp4 import is_mxfp4
 from engines.runtime.transfer import TransferLedger
 
 
@@ -51,7 +54,6 @@ class StaticQuantConfig(RuntimeConfig):
 class StaticQuantEngine(RuntimeEngine):
     method: ClassVar[str]
     config_cls = StaticQuantConfig
-    plain_experts_only = True  # fused_moe and the quantized formats have no expert biases
 
     def load(self, cfg: StaticQuantConfig) -> Loaded:
         """The quantized folder (given, or quantized now from a full-precision one and cached)."""
@@ -62,8 +64,11 @@ class StaticQuantEngine(RuntimeEngine):
         self.check_model(source.config)
         folder, self.quantized_at_start = self._quantized_folder(source)
         checkpoint = open_checkpoint(folder)
-        self._check_method(checkpoint)
-        self.quantized: QuantizedLoad = load_quantized_weights(checkpoint, device, dtype, ledger)
+        if is_mxfp4(checkpoint.config):
+            self.quantized: QuantizedLoad = load_mxfp4_folder(checkpoint, device, dtype, ledger)
+        else:
+            self._check_method(checkpoint)
+            self.quantized = load_quantized_weights(checkpoint, device, dtype, ledger)
         return Loaded(checkpoint, self.quantized.weights, device, dtype, ledger,
                       backend=quantized_backend(self.quantized.experts), source=source)
 
@@ -83,7 +88,11 @@ class StaticQuantEngine(RuntimeEngine):
         """(folder to load, whether it was quantized by this start)."""
         cfg = self.config
         if src.config.quantization:
-            scheme = read_scheme(src.config.quantization, str(src.path / "config.json"))
+            mxfp4 = is_mxfp4(src.config)
+            scheme = MXFP4_SCHEME if mxfp4 else read_scheme(src.config.quantization, str(src.path / "config.json"))
+            if mxfp4 and cfg.bits is not None:
+                raise EngineError(f"{src.path} holds MXFP4 experts, served as stored; --set bits applies to "
+                                  "full-precision folders only (drop it)")
             if cfg.bits is not None and (cfg.bits, cfg.group_size) != (scheme.bits, scheme.group_size):
                 raise EngineError(
                     f"{src.path} is already quantized ({scheme.fmt}, bits {scheme.bits}, group_size "

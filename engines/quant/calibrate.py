@@ -13,7 +13,9 @@ the post-attention RMSNorm's output, which the router and the shared expert read
 writer folds it into the checkpoint (norm weight / s; router, shared expert and its gate x s),
 which is exact in full precision and yields a standard AWQ folder that any AWQ loader runs
 with no extra tensor. Per-expert input scales would fit each expert better but have no place
-in any format. Each expert's down-projection scale is folded into its own up rows.
+in any format. Each expert's down-projection scale is folded into its own up rows, except
+for gpt-oss's clamped SwiGLU ((clamp(up) + 1) * glu(gate) does not scale with up), whose down
+projection is quantized unscaled. Expert biases and the clamp pass through unquantized.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class LayerQuantizer(StackedBackend):
     def forward(self, i: int, h: Tensor, d: Dispatch) -> Tensor:
         dense = self.dense[i]
         o = self.options
-        tokens, added = self._expert_tokens(h, d, self.weights.layers[i].mlp.router)  # type: ignore[union-attr]
+        moe = self.weights.layers[i].mlp
+        tokens, added = self._expert_tokens(h, d, moe.router, moe.router_bias)  # type: ignore[union-attr]
         rtn = quantize_experts(dense, o.bits, o.group_size, o.symmetric, SCALE_DTYPE)
         scale, alpha = None, None
         if o.method == "gptq":
@@ -136,7 +139,8 @@ class LayerQuantizer(StackedBackend):
             self.progress(report)
         return y_q
 
-    def _expert_tokens(self, h: Tensor, d: Dispatch, router: Tensor) -> tuple[list[Tensor], list[int]]:
+    def _expert_tokens(self, h: Tensor, d: Dispatch, router: Tensor,
+                       router_bias: Tensor | None) -> tuple[list[Tensor], list[int]]:
         """Rows of h for each expert: its routed tokens, then the top-ranked others if too few."""
         need = min(self.options.min_expert_tokens, h.shape[0])
         tokens, added, start, probs = [], [], 0, None
@@ -146,7 +150,7 @@ class LayerQuantizer(StackedBackend):
             short = need - n
             if short > 0:
                 if probs is None:
-                    probs = torch.softmax(F.linear(h, router).float(), dim=-1)
+                    probs = torch.softmax(F.linear(h, router, router_bias).float(), dim=-1)
                 score = probs[:, e].clone()
                 score[rows] = -torch.inf
                 rows = torch.cat([rows, torch.topk(score, short).indices])
@@ -163,22 +167,25 @@ class LayerQuantizer(StackedBackend):
         for e, rows in enumerate(tokens):
             x = h[rows].float()  # one expert's inputs at a time: all of them at once is T*A*D floats
             gu = gptq_quantize(dense.gate_up[e], hessian(x), o.bits, o.group_size, o.symmetric, **args)
-            gate, up = F.linear(x, dequantize(gu, torch.float32)).chunk(2, dim=-1)
-            down.append(gptq_quantize(dense.down[e], hessian(F.silu(gate) * up), o.bits, o.group_size,
-                                      o.symmetric, **args))
+            a = _activation(x, dequantize(gu, torch.float32), dense, e)
+            down.append(gptq_quantize(dense.down[e], hessian(a), o.bits, o.group_size, o.symmetric, **args))
             gate_up.append(gu)
-        return QuantizedExperts(stack(gate_up), stack(down))
+        return QuantizedExperts(stack(gate_up), stack(down), dense.gate_up_bias, dense.down_bias, dense.clamp)
 
     def _awq(self, h: Tensor, d: Dispatch, dense: DenseExperts,
              tokens: list[Tensor]) -> tuple[QuantizedExperts, Tensor, float]:
         o = self.options
         qargs = (o.bits, o.group_size, o.symmetric)
         hf, down_fp = h.float(), dense.down.float()
-        y_ref = grouped_swiglu(hf, d, DenseExperts(dense.gate_up.float(), down_fp))
+        biases = [None if b is None else b.float() for b in (dense.gate_up_bias, dense.down_bias)]
+
+        def f32(gate_up: Tensor) -> DenseExperts:
+            return DenseExperts(gate_up, down_fp, *biases, dense.clamp)
+
+        y_ref = grouped_swiglu(hf, d, f32(dense.gate_up.float()))
 
         def block_loss(s: Tensor) -> float:  # the layer's output with only gate/up quantized
-            gate_up = fake_quantize(dense.gate_up, s, *qargs)
-            return float((grouped_swiglu(hf, d, DenseExperts(gate_up, down_fp)) - y_ref).pow(2).mean())
+            return float((grouped_swiglu(hf, d, f32(fake_quantize(dense.gate_up, s, *qargs))) - y_ref).pow(2).mean())
 
         choice = search_scale(act_scale(hf), block_loss, o.awq_grid)
         s = choice.scale
@@ -186,15 +193,29 @@ class LayerQuantizer(StackedBackend):
         inter = down.shape[-1]
         for e, rows in enumerate(tokens):
             x = hf[rows]
-            gate, up = F.linear(x, dense.gate_up[e].float()).chunk(2, dim=-1)
-            a = F.silu(gate) * up
-            c = search_scale(act_scale(a), linear_loss(a, down[e], *qargs), o.awq_grid)
-            down[e] *= c.scale
-            gate_up[e, inter:] /= c.scale[:, None]  # up's output rows feed down's input channels
+            a = _activation(x, dense.gate_up[e].float(), dense, e)
+            if dense.clamp is None:  # a scales with up's rows only without the clamp (see the docstring)
+                c = search_scale(act_scale(a), linear_loss(a, down[e], *qargs), o.awq_grid).scale
+                down[e] *= c
+                gate_up[e, inter:] /= c[:, None]  # up's output rows feed down's input channels
+                a = a / c
             gate_up[e] = search_clip(x / s, gate_up[e], *qargs, grid=o.awq_grid)
-            down[e] = search_clip(a / c.scale, down[e], *qargs, grid=o.awq_grid)
-        q = QuantizedExperts(quantize_rtn(gate_up, *qargs, SCALE_DTYPE), quantize_rtn(down, *qargs, SCALE_DTYPE))
+            down[e] = search_clip(a, down[e], *qargs, grid=o.awq_grid)
+        q = QuantizedExperts(quantize_rtn(gate_up, *qargs, SCALE_DTYPE), quantize_rtn(down, *qargs, SCALE_DTYPE),
+                             dense.gate_up_bias, dense.down_bias, dense.clamp)
         return q, s, choice.alpha
+
+
+def _activation(x: Tensor, gate_up: Tensor, dense: DenseExperts, e: int) -> Tensor:
+    """Expert e's down-projection input for rows x [n, D] through `gate_up` [2I, D] in float32:
+    silu(gate) * up, or gpt-oss's clamped variant with its gate/up bias (as experts.swiglu)."""
+    bias = None if dense.gate_up_bias is None else dense.gate_up_bias[e].float()
+    gate, up = F.linear(x, gate_up, bias).chunk(2, dim=-1)
+    if dense.clamp is None:
+        return F.silu(gate) * up
+    limit, alpha = dense.clamp
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def _rel_error(y_q: Tensor, y: Tensor) -> float:

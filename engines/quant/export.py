@@ -8,6 +8,12 @@ its input scales folded into norm, router and shared expert), the other files (t
 generation config) and quantize_report.json. All of it goes to a temporary folder renamed into
 place at the end, so a failed run leaves no half-written model. Calibration prompts come from
 the caller: engines do not read workloads.
+
+gpt-oss experts (fused, gate/up interleaved, with biases) go out per expert like everyone
+else's, each projection with its bias copied bit for bit from the source: `experts.E.gate_proj.bias`
+(even gate_up columns), `up_proj.bias` (odd ones), `down_proj.bias`; the clamp stays in
+config.json. This is llm-compressor's module layout for gpt-oss (LinearExpert, de-interleaved the
+same way) without its extra `experts.` level; no tool publishes a packed gpt-oss expert layout.
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ _EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.exper
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth)$|model\.safetensors\.index\.json$|config\.json$")
 # AWQ: tensors reading the post-attention RMSNorm's output, which take its scale s back.
 _NORM = "post_attention_layernorm.weight"
-_READS_NORM = ("mlp.gate.weight", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
-               "mlp.shared_expert_gate.weight")
+_READS_NORM = ("mlp.gate.weight", "mlp.router.weight", "mlp.shared_expert.gate_proj.weight",
+               "mlp.shared_expert.up_proj.weight", "mlp.shared_expert_gate.weight")
 
 
 def folder_scheme(options: QuantizeOptions, fmt: str | None) -> FolderScheme:
@@ -199,4 +205,24 @@ def _expert_tensors(ckpt: Checkpoint, result: QuantizedModel, scheme: FolderSche
             for proj, qw in zip(PROJECTIONS, parts):
                 for suffix, t in write_linear(qw, scheme).items():
                     tensors[f"model.layers.{i}.mlp.experts.{e}.{proj}.{suffix}"] = t.contiguous()
+    if ckpt.config.expert_bias:
+        tensors.update(_expert_biases(ckpt, sorted(result.experts)))
+    return tensors
+
+
+def _expert_biases(ckpt: Checkpoint, layers: list[int]) -> dict[str, Tensor]:
+    """gpt-oss's expert biases from the source files, bit for bit, split per expert and projection."""
+    tensors: dict[str, Tensor] = {}
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, "pt")) for f in set(ckpt.key_files.values())}
+
+        def source(key: str) -> Tensor:
+            return handles[ckpt.key_files[key]].get_tensor(key)
+
+        for i in layers:
+            p = f"model.layers.{i}.mlp.experts."
+            gate_up, down = source(p + "gate_up_proj_bias"), source(p + "down_proj_bias")  # [E, 2I], [E, D]
+            for e in range(gate_up.shape[0]):
+                for proj, bias in zip(PROJECTIONS, (gate_up[e, 0::2], gate_up[e, 1::2], down[e])):
+                    tensors[f"{p}{e}.{proj}.bias"] = bias.contiguous()
     return tensors

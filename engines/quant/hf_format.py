@@ -47,7 +47,7 @@ SCALE_DTYPE = torch.float16
 class FolderScheme:
     """What a folder's quantization_config says about its quantized layers."""
 
-    fmt: str  # quant_method: gptq | awq | compressed-tensors
+    fmt: str  # quant_method: gptq | awq | compressed-tensors (| mxfp4, MXFP4_SCHEME)
     bits: int
     group_size: int
     symmetric: bool
@@ -57,6 +57,11 @@ class FolderScheme:
     @property
     def tensor_names(self) -> tuple[str, ...]:
         return REQUIRED[self.fmt] + OPTIONAL[self.fmt]
+
+
+# A gpt-oss MXFP4 folder (quant_method "mxfp4"): experts only, E2M1 codes with one power-of-two
+# scale per 32 inputs (engines/runtime/mxfp4.py reads it; none of the tensor names above apply).
+MXFP4_SCHEME = FolderScheme("mxfp4", bits=4, group_size=32, symmetric=True)
 
 
 def _field(qc: Mapping[str, Any], key: str, default: Any) -> Any:
@@ -204,7 +209,8 @@ def quantization_config(scheme: FolderScheme, expert_modules: list[str], extra: 
     if scheme.fmt == "awq":
         return {
             "quant_method": "awq", "bits": scheme.bits, "group_size": scheme.group_size, "zero_point": True,
-            "version": "gemm", "modules_to_not_convert": ["self_attn", "mlp.gate", "shared_expert", "lm_head"],
+            "version": "gemm",
+            "modules_to_not_convert": ["self_attn", "mlp.gate", "mlp.router", "shared_expert", "lm_head"],
             "dynamic": only_experts_dynamic(expert_modules),
         }
     weights = {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.symmetric, "strategy": "group",

@@ -1,9 +1,11 @@
 """Load a quantized Hugging Face folder (GPTQ, AutoAWQ, compressed-tensors) into the runtime.
 
 Plugs the runtime's generic reader (engines/runtime/checkpoint.py): routed experts stay packed
-as stored (one QuantizedExperts per layer, gate and up fused row-wise), any other linear layer
-stored quantized (attention, shared expert) is dequantized to the model dtype at load. The
-scheme comes from config.json's `quantization_config` (hf_format.read_scheme).
+as stored (one QuantizedExperts per layer, gate and up fused row-wise; gpt-oss's per-expert
+biases, see export.py, at the model dtype), any other linear layer stored quantized (attention,
+shared expert) is dequantized to the model dtype at load. The scheme comes from config.json's
+`quantization_config` (hf_format.read_scheme). A gpt-oss MXFP4 folder loads with its experts
+kept in MXFP4 (`load_mxfp4_folder`), run by the same fused_moe.
 """
 
 from __future__ import annotations
@@ -14,12 +16,20 @@ import torch
 from torch import Tensor
 
 from engines.base import ModelLoadError
-from engines.quant.hf_format import REQUIRED, FolderScheme, read_linear, read_scheme
+from engines.quant.hf_format import MXFP4_SCHEME, REQUIRED, FolderScheme, read_linear, read_scheme
 from engines.quant.ops import fused_moe
 from engines.quant.qweight import QuantizedExperts, QuantizedWeight, concat_rows, dequantize, stack
-from engines.runtime.checkpoint import EXPERT_NAMES, Checkpoint, TensorReader, expert_names, load_model
+from engines.runtime.checkpoint import (
+    EXPERT_NAMES,
+    Checkpoint,
+    TensorReader,
+    expert_names,
+    load_model,
+    load_mxfp4_weights,
+)
 from engines.runtime.config import ModelConfig
 from engines.runtime.experts import ResidentBackend
+from engines.runtime.mxfp4 import Mxfp4Experts
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import ModelWeights
 
@@ -29,7 +39,7 @@ class QuantizedLoad:
     """What load_quantized_weights returns."""
 
     weights: ModelWeights
-    experts: dict[int, QuantizedExperts]  # MoE layer -> its routed experts, packed
+    experts: dict[int, QuantizedExperts] | dict[int, Mxfp4Experts]  # MoE layer -> its routed experts, packed
     scheme: FolderScheme
     dequantized: tuple[str, ...]  # other linear layers stored quantized, dequantized at load
 
@@ -76,7 +86,7 @@ class QuantizedLinears:
                                  f"{self.scheme.fmt} folder; pwbench's static engines need every routed "
                                  "expert quantized")
         names = expert_names(reader, prefix, REQUIRED[self.scheme.fmt][0])
-        gate_up, down = [], []
+        gate_up, down, gu_bias, down_bias = [], [], [], []
         for e in range(E):
             g = self.quantized(reader, f"{prefix}{e}.{names[0]}", (I, D))
             u = self.quantized(reader, f"{prefix}{e}.{names[1]}", (I, D))
@@ -84,7 +94,16 @@ class QuantizedLinears:
             if g is not None and u is not None and d is not None:
                 gate_up.append(concat_rows([g, u]))
                 down.append(d)
-        return QuantizedExperts(stack(gate_up), stack(down)) if len(down) == E else None
+            if cfg.expert_bias:
+                gu_bias += [reader.get(f"{prefix}{e}.{n}.bias", (I,)) for n in names[:2]]
+                down_bias.append(reader.get(f"{prefix}{e}.{names[2]}.bias", (D,)))
+        if len(down) < E or any(b is None for b in gu_bias + down_bias):
+            return None
+        if not cfg.expert_bias:
+            return QuantizedExperts(stack(gate_up), stack(down))
+        gate, up = torch.stack(gu_bias[0::2]), torch.stack(gu_bias[1::2])
+        return QuantizedExperts(stack(gate_up), stack(down), torch.cat([gate, up], dim=1), torch.stack(down_bias),
+                                cfg.swiglu_clamp)
 
 
 def load_quantized_weights(
@@ -99,6 +118,14 @@ def load_quantized_weights(
     return QuantizedLoad(weights, experts, fmt.scheme, tuple(fmt.dequantized))
 
 
-def quantized_backend(experts: dict[int, QuantizedExperts]) -> ResidentBackend:
+def load_mxfp4_folder(
+    ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger
+) -> QuantizedLoad:
+    """A gpt-oss MXFP4 folder served as stored: experts in MXFP4, every other weight as stored."""
+    weights, experts = load_mxfp4_weights(ckpt, device, dtype, ledger)
+    return QuantizedLoad(weights, experts, MXFP4_SCHEME, ())
+
+
+def quantized_backend(experts: dict[int, QuantizedExperts] | dict[int, Mxfp4Experts]) -> ResidentBackend:
     """Packed experts resident on the device, run by the fused dequantize-and-matmul kernel."""
     return ResidentBackend(experts, fused_moe)

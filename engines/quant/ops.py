@@ -1,4 +1,6 @@
 """The public quantized ops, each resolved once per process between Triton and a torch reference.
+`fused_moe` runs pwbench's packed group-wise experts (QuantizedExperts) and gpt-oss's MXFP4
+experts (engines/runtime/mxfp4.py's Mxfp4Experts), either with per-expert biases and the clamp.
 
 Triton (triton_kernels.py) when CUDA is available, the torch references below otherwise; the
 environment variable PWBENCH_KERNELS=torch|triton overrides, and TRITON_INTERPRET=1 lets
@@ -20,6 +22,7 @@ from engines.base import EngineError
 from engines.quant.configs import interpreting
 from engines.quant.qweight import QuantFormatError, QuantizedExperts, QuantizedWeight, dequantize
 from engines.runtime.experts import Dispatch, grouped_swiglu
+from engines.runtime.mxfp4 import Mxfp4Experts, Mxfp4Weight, mxfp4_moe_reference
 from engines.runtime.weights import DenseExperts
 
 KERNELS_ENV = "PWBENCH_KERNELS"
@@ -63,10 +66,19 @@ class _DequantizedStack:
         return dequantize(self._qw.expert(e), self._dtype)
 
 
-def fused_moe_reference(x: Tensor, d: Dispatch, experts: QuantizedExperts) -> Tensor:
-    """x [T, D] -> sum over each token's experts of weight * SwiGLU expert(x), like grouped_swiglu."""
+def fused_moe_reference(x: Tensor, d: Dispatch, experts: QuantizedExperts | Mxfp4Experts) -> Tensor:
+    """x [T, D] -> sum over each token's experts of weight * SwiGLU expert(x), like grouped_swiglu
+    (biases and the clamp included when the experts have them)."""
+    if isinstance(experts, Mxfp4Experts):
+        return mxfp4_moe_reference(x, d, experts)
     gate_up, down = (_DequantizedStack(w, x.dtype) for w in (experts.gate_up, experts.down))
-    return grouped_swiglu(x, d, DenseExperts(gate_up, down))  # type: ignore[arg-type]  (indexable stand-ins)
+    stand_in = DenseExperts(gate_up, down, experts.gate_up_bias, experts.down_bias, experts.clamp)  # type: ignore[arg-type]
+    return grouped_swiglu(x, d, stand_in)
+
+
+def mxfp4_matmul_reference(x: Tensor, w: Mxfp4Weight) -> Tensor:
+    """x [T, in] -> x @ dequantize(w)^T [T, out], in x's dtype."""
+    return F.linear(x, w.dequantize(x.dtype))
 
 
 # --- the public ops ---------------------------------------------------------------------------
@@ -79,7 +91,7 @@ def _check_x(x: Tensor, features: int, what: str) -> None:
         raise QuantFormatError(f"{what}: x dtype must be one of {FLOAT_DTYPES}, got {x.dtype}")
 
 
-def _check_device(x: Tensor, qw: QuantizedWeight, what: str) -> None:
+def _check_device(x: Tensor, qw: QuantizedWeight | Mxfp4Weight, what: str) -> None:
     if qw.device != x.device:
         raise QuantFormatError(f"{what}: x is on {x.device} but the weight is on {qw.device}")
 
@@ -97,10 +109,24 @@ def dequant_matmul(x: Tensor, qw: QuantizedWeight) -> Tensor:
     return dequant_matmul_reference(x, qw)
 
 
-def fused_moe(x: Tensor, dispatch: Dispatch, experts: QuantizedExperts) -> Tensor:
+def mxfp4_matmul(x: Tensor, w: Mxfp4Weight) -> Tensor:
+    """x [T, in] @ dequantize(w)^T -> [T, out] in x's dtype; w is one MXFP4 matrix [out, in]."""
+    if w.lead:
+        raise QuantFormatError(f"mxfp4_matmul: expects one matrix, got a stack {list(w.lead)}")
+    _check_x(x, w.shape[1], "mxfp4_matmul")
+    _check_device(x, w, "mxfp4_matmul")
+    if kernel_impl() == "triton":
+        from engines.quant import triton_kernels  # noqa: PLC0415  (Triton only on this path)
+
+        return triton_kernels.dequant_matmul(x, w)
+    return mxfp4_matmul_reference(x, w)
+
+
+def fused_moe(x: Tensor, dispatch: Dispatch, experts: QuantizedExperts | Mxfp4Experts) -> Tensor:
     """x [T, D], tokens sorted by expert (the runtime's Dispatch), quantized gate_up [E, 2I, D]
-    and down [E, D, I] -> [T, D]: sum over each token's experts of routing weight *
-    down(silu(gate(x)) * up(x)), the semantics of engines.runtime.experts.grouped_swiglu."""
+    and down [E, D, I] (group-wise or MXFP4) -> [T, D]: sum over each token's experts of
+    routing weight * down(silu(gate(x)) * up(x)) (gpt-oss: with biases and the clamped
+    SwiGLU), the semantics of engines.runtime.experts.grouped_swiglu."""
     _check_x(x, experts.gate_up.shape[1], "fused_moe")
     _check_device(x, experts.gate_up, "fused_moe")
     n = dispatch.token_index.numel()

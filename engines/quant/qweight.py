@@ -311,11 +311,15 @@ def stack(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
 class QuantizedExperts:
     """All routed experts of one MoE layer, quantized: the fused-MoE kernel's weight input.
 
-    gate_up [E, 2I, D] (gate rows first, as DenseExperts) and down [E, D, I].
+    gate_up [E, 2I, D] (gate rows first, as DenseExperts) and down [E, D, I]. gpt-oss experts
+    also have biases, kept at full precision, and a clamped SwiGLU (see DenseExperts).
     """
 
     gate_up: QuantizedWeight
     down: QuantizedWeight
+    gate_up_bias: Tensor | None = None  # [E, 2I]
+    down_bias: Tensor | None = None  # [E, D]
+    clamp: tuple[float, float] | None = None  # (limit, alpha); None: plain SwiGLU
 
     def __post_init__(self) -> None:
         gu, dn = self.gate_up, self.down
@@ -336,7 +340,8 @@ class QuantizedExperts:
         return self.gate_up.lead[0]
 
     def nbytes(self) -> int:
-        return self.gate_up.nbytes() + self.down.nbytes()
+        biases = sum(t.numel() * t.element_size() for t in (self.gate_up_bias, self.down_bias) if t is not None)
+        return self.gate_up.nbytes() + self.down.nbytes() + biases
 
     def expert_nbytes(self, expert: int) -> int:
         """One expert's share: every expert of a stack has the same scheme and shape."""
@@ -345,8 +350,10 @@ class QuantizedExperts:
 
 def quantize_experts(experts: DenseExperts, bits: int, group_size: int, symmetric: bool = False,
                      scale_dtype: torch.dtype | None = None) -> QuantizedExperts:
-    """RTN-quantize a layer's dense experts (both matrices with the same scheme)."""
+    """RTN-quantize a layer's dense experts (both matrices with the same scheme; biases and clamp
+    carried over as they are)."""
     return QuantizedExperts(
         quantize_rtn(experts.gate_up, bits, group_size, symmetric, scale_dtype),
         quantize_rtn(experts.down, bits, group_size, symmetric, scale_dtype),
+        experts.gate_up_bias, experts.down_bias, experts.clamp,
     )

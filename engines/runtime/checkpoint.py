@@ -7,7 +7,8 @@ expected tensor must exist with the shape config.json implies, and every tensor 
 files must be used, so a checkpoint we do not understand fails loudly instead of running
 with random weights. Errors are ModelLoadError with the file and tensor named; the one
 exception is DeepSeek/GLM multi-token-prediction layers (`model.layers.{L}` and up), skipped
-and logged. gpt-oss experts (fused, or MXFP4) are read by engines/runtime/mxfp4.py.
+and logged. gpt-oss experts (fused, or MXFP4: dequantized, or kept packed by
+`load_mxfp4_weights`) are read by engines/runtime/mxfp4.py.
 
 The reader is pluggable and knows no quantization: `load_model` takes the loader of a
 layer's routed experts and, optionally, a `LinearFormat` for linear layers stored other than
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from engines.base import ModelLoadError
 from engines.runtime.config import ModelConfig, parse_config
-from engines.runtime.mxfp4 import gpt_oss_experts
+from engines.runtime.mxfp4 import Mxfp4Experts, gpt_oss_experts, is_mxfp4, mxfp4_experts
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import (
     AttentionWeights,
@@ -188,7 +189,7 @@ def load_weights(
 ) -> tuple[ModelWeights, dict[int, DenseExperts]]:
     """Dense weights plus each MoE layer's routed experts at full precision."""
     cfg = ckpt.config
-    if cfg.quantization and not (cfg.architecture == "gpt_oss" and cfg.quantization.get("quant_method") == "mxfp4"):
+    if cfg.quantization and not is_mxfp4(cfg):
         method = cfg.quantization.get("quant_method", "?")
         raise ModelLoadError(
             f"{ckpt.path} is a quantized checkpoint (quant_method {method!r}); the full-precision "
@@ -196,6 +197,17 @@ def load_weights(
             "static-awq or static-rtn)"
         )
     return load_model(ckpt, device, dtype, ledger, dense_experts)
+
+
+def load_mxfp4_weights(
+    ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger
+) -> tuple[ModelWeights, dict[int, Mxfp4Experts]]:
+    """Dense weights plus each MoE layer's routed experts kept in MXFP4 (an MXFP4 gpt-oss folder)."""
+    if not is_mxfp4(ckpt.config):
+        method = (ckpt.config.quantization or {}).get("quant_method")
+        raise ModelLoadError(f"{ckpt.path} is not a gpt-oss folder with MXFP4 experts ({ckpt.config.architecture}, "
+                             f"quant_method {method!r}); MXFP4 experts can be served only from one")
+    return load_model(ckpt, device, dtype, ledger, mxfp4_experts)
 
 
 def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledger: TransferLedger,
