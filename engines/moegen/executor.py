@@ -12,6 +12,10 @@ q/k/v cross to the host (counted d2h), K/V are written into the host pool, atten
 the host CPU next to the KV, and its output crosses back (counted h2d). On a CPU run both
 sides are the same cores and the copies go through the link model; on CUDA they are real.
 
+Every placement runs every attention kind: the model hands each call the layer's
+LayerAttention (window, softmax scale, sinks, and for MLA the expansion of the cached latent
+and rope key into keys and values), so k/v here are whatever the layer's cache stores.
+
 `StreamAttention` keeps the KV pool in the host tier but attends on the device: each
 micro-batch's blocks are copied per layer into one half of a device staging buffer, the next
 micro-batch's copy issued before this one attends (`stream`); with a host share, each decode
@@ -20,12 +24,13 @@ micro-batch's first sequences are attended as HostAttention does and the rest so
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from engines.runtime.attention import AttentionBatch, DecodeGroup, PrefillSegment, paged_attention
+from engines.runtime.attention import AttentionBatch, DecodeGroup, LayerAttention, PrefillSegment, attend_cached
 from engines.runtime.batch import StepBatch
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.executor import Executor
@@ -92,8 +97,10 @@ def normal_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 class HostAttention:
     """Attention over a host-tier KV cache, computed on the host (see the module docstring)."""
 
-    def __init__(self, kv: KVCache, copies: CopyEngine, windows: tuple[int | None, ...]) -> None:
-        self.kv, self.copies, self.windows = kv, copies, windows
+    def __init__(self, kv: KVCache, copies: CopyEngine, windows: tuple[int | None, ...] | None = None) -> None:
+        # `windows` is not read: each call's LayerAttention carries the layer's window.
+        self.kv, self.copies = kv, copies
+        self._sinks: dict[int, Tensor] = {}  # layer -> host copy of its sink logits (CUDA runs)
 
     def _buffer(self, t: Tensor, device: torch.device) -> Tensor:
         # Normal (not inference-mode) tensors: the CPU link model copies into them on its own
@@ -109,18 +116,28 @@ class HostAttention:
         return qh, kh, vh, self.copies.d2h([(qh, q), (kh, k), (vh, v)], tag="activations")
 
     def finish(self, i: int, sent: tuple[Tensor, Tensor, Tensor, CopyHandle], attn: AttentionBatch,
-               device: torch.device) -> Tensor:
+               device: torch.device, spec: LayerAttention) -> Tensor:
         """Write K/V into the host pool, attend on the host, send the output back (counted h2d)."""
         qh, kh, vh, handle = sent
         handle.wait()
         self.kv.write(i, attn.slots, kh, vh)
-        o = paged_attention(qh, kh, vh, self.kv, i, attn, self.windows[i])
+        o = attend_cached(qh, kh, vh, self.kv, i, attn, self._on_host(i, spec))
         out = self._buffer(o, device)
         self.copies.h2d([(out, o)], tag="activations").wait()
         return out
 
-    def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch) -> Tensor:
-        return self.finish(i, self.send(q, k, v), attn, q.device)
+    def _on_host(self, i: int, spec: LayerAttention) -> LayerAttention:
+        """`spec` with its sink logits on the host: copied once per layer (counted d2h, tag
+        "weights"), since the host attends and device sinks cannot join a host softmax."""
+        if spec.sinks is None or spec.sinks.device.type == "cpu":
+            return spec
+        if i not in self._sinks:
+            self._sinks[i] = self._buffer(spec.sinks, torch.device("cpu"))
+            self.copies.d2h([(self._sinks[i], spec.sinks)], tag="weights").wait()
+        return dataclasses.replace(spec, sinks=self._sinks[i])
+
+    def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch, spec: LayerAttention) -> Tensor:
+        return self.finish(i, self.send(q, k, v), attn, q.device, spec)
 
 
 class _Staged:
@@ -166,13 +183,14 @@ class StreamAttention:
     Prefill chunks are attended the same way (a chunk starting its sequence copies nothing).
     """
 
-    def __init__(self, kv, copies: CopyEngine, windows: tuple[int | None, ...], ledger: TransferLedger,
+    def __init__(self, kv, copies: CopyEngine, windows: tuple[int | None, ...] | None, ledger: TransferLedger,
                  half_blocks: int, host_share: float = 0.0) -> None:
         if half_blocks < 1:
             raise ValueError(f"a staging half needs at least one block, got {half_blocks}")
-        self.kv, self.copies, self.windows, self.ledger = kv, copies, windows, ledger
+        # `windows` is not read: each call's LayerAttention carries the layer's window.
+        self.kv, self.copies, self.ledger = kv, copies, ledger
         self.half_blocks, self.host_share = half_blocks, host_share
-        self.host = HostAttention(kv, copies, windows)
+        self.host = HostAttention(kv, copies)
         k0, v0 = kv.k[0], kv.v[0]
         self.heads, _, self.block_size, self.kdim = k0.shape
         self.vdim = v0.shape[-1]
@@ -288,7 +306,7 @@ class StreamAttention:
         self._issued[(i, j)] = (half, handle)
 
     # -- attention -----------------------------------------------------------------------------------
-    def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch) -> Tensor:
+    def __call__(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch, spec: LayerAttention) -> Tensor:
         ci, j = self._current
         if ci != i:
             raise RuntimeError(f"StreamAttention: layer {i} attends, but part {j} of layer {ci} was entered")
@@ -305,12 +323,12 @@ class StreamAttention:
             K = kd.shape[1]
             dk.view(K, -1, kd.shape[2])[:, part.attn.slots] = kd.transpose(0, 1)
             dv.view(K, -1, vd.shape[2])[:, part.attn.slots] = vd.transpose(0, 1)
-            outs.append(paged_attention(qd, kd, vd, _Staged(dk, dv, self.block_size), i, part.attn, self.windows[i]))
+            outs.append(attend_cached(qd, kd, vd, _Staged(dk, dv, self.block_size), i, part.attn, spec))
             kh = normal_tensor(tuple(kd.shape), kd.dtype, torch.device("cpu"), self.copies.device.type == "cuda")
             vh = normal_tensor(tuple(vd.shape), vd.dtype, torch.device("cpu"), self.copies.device.type == "cuda")
             self._pending.append((i, part.host_slots, kh, vh, self.copies.d2h([(kh, kd), (vh, vd)], tag="kv")))
         if sent is not None:
-            outs.insert(0, self.host.finish(i, sent, part.host_attn, q.device))
+            outs.insert(0, self.host.finish(i, sent, part.host_attn, q.device, spec))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def finish_step(self) -> None:

@@ -8,6 +8,9 @@ the chunk starts the sequence (the common case) and an explicit mask when it con
 Decodes are grouped by context length (the engine orders them shortest first) so that the
 padding of a group's gathered blocks stays small: on CPU the gather copy dominates a decode
 step, and one table padded to the longest sequence nearly doubled it.
+
+`LayerAttention` carries what a layer's attention needs besides q/k/v (window, scale, sinks,
+MLA's expansion of its latent), so `attend_cached` runs it over any KV the same way.
 """
 
 from __future__ import annotations
@@ -159,6 +162,28 @@ def group_by_length(lengths: list[int], slack: float = 1.25) -> list[tuple[int, 
 
 # What the cache holds -> attention's K/V, [K, N, L, d] each (MLA expands its latent here).
 Expand = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention needs besides q, this step's K/V and the layout, wherever it
+    runs (the model's cache, a host pool, a device staging buffer): its sliding window, softmax
+    scale (None: 1/sqrt(query head dim)), per-head sink logits [H] (gpt-oss) and, for MLA,
+    `expand`: how the cache's contents (latent, rope key) become keys and values."""
+
+    window: int | None = None
+    scale: float | None = None
+    sinks: Tensor | None = None
+    expand: Expand | None = None
+
+
+def attend_cached(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, batch: AttentionBatch,
+                  spec: LayerAttention) -> Tensor:
+    """paged_attention for `spec`'s layer, where k and v are this step's cache contents (already
+    written to `cache`): expanded as the cached ones are (MLA), -> [T, H, value dim]."""
+    ks, vs = (k, v) if spec.expand is None else spec.expand(k, v)
+    return paged_attention(q, ks, vs, cache, layer, batch, spec.window, scale=spec.scale, expand=spec.expand,
+                           sinks=spec.sinks)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,

@@ -19,8 +19,9 @@ from torch import Tensor
 
 from engines.runtime.attention import (
     AttentionBatch,
+    LayerAttention,
     apply_rope,
-    paged_attention,
+    attend_cached,
     rms_norm,
     rope_cos_sin,
     rope_frequencies,
@@ -29,12 +30,13 @@ from engines.runtime.config import ModelConfig
 from engines.runtime.experts import ExpertBackend, dense_mlp, dispatch, route, route_groups
 from engines.runtime.gemm import PackedWeight, linear, pack, packed_bytes
 from engines.runtime.kv_cache import KVCache
-from engines.runtime.mla import mla_attention
+from engines.runtime.mla import mla_keys_values, mla_output, mla_project
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import MLAWeights, ModelWeights, MoEWeights
 
-# (layer, q [T, H, hd], k and v [T, K, hd], the batch's attention layout) -> [T, H, hd]
-Attend = Callable[[int, Tensor, Tensor, Tensor, AttentionBatch], Tensor]
+# (layer, q [T, H, hd], this step's cache contents k and v [T, K, hd_k / hd_v], the batch's
+# attention layout, the layer's LayerAttention) -> [T, H, value dim]: writes k/v to its KV, attends.
+Attend = Callable[[int, Tensor, Tensor, Tensor, AttentionBatch, LayerAttention], Tensor]
 
 
 @dataclass
@@ -72,17 +74,12 @@ class MoEModel:
                         attend: Attend | None = None) -> Tensor:
         """Layer i's RMSNorm, attention over the KV cache (writing this batch's K/V), residual.
         `attend` replaces where the attention itself runs (default `self.attend`: this
-        model's KV cache, on the device); projections and the residual stay here. Multi-head
-        latent attention (DeepSeek-V3) runs over the model's own cache only."""
-        layer, cfg, T = self.weights.layers[i], self.config, x.shape[0]
-        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        if isinstance(layer.attn, MLAWeights):
-            if attend is not None:
-                raise ValueError("multi-head latent attention runs over the model's own KV cache only")
-            return x + mla_attention(cfg, layer.attn, h, *rope, self.kv, i, attn)
+        model's KV cache, on the device), given the layer's LayerAttention (window, scale,
+        sinks, MLA's expansion); projections, the output projection and the residual stay here."""
+        h = rms_norm(x, self.weights.layers[i].attn_norm, self.config.rms_norm_eps)
         q, k, v = self.project_qkv(i, h, *rope)
-        o = (attend or self.attend)(i, q, k, v, attn)
-        return x + F.linear(o.reshape(T, cfg.q_size), layer.attn.o, layer.attn.o_bias)
+        o = (attend or self.attend)(i, q, k, v, attn, self.layer_attention(i))
+        return x + self.attention_output(i, o)
 
     def mlp_block(self, i: int, x: Tensor) -> tuple[Tensor, list[int] | None]:
         """Layer i's RMSNorm, routed experts (+ shared expert) or dense MLP, residual; also the
@@ -109,8 +106,11 @@ class MoEModel:
 
     def project_qkv(self, i: int, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's normalised input h [T, D] -> q [T, H, hd], k and v [T, K, hd], with the
-        architecture's q/k norms, clipping and RoPE applied."""
+        architecture's q/k norms, clipping and RoPE applied: what the cache stores as k and v.
+        MLA: absorbed queries [T, H, r + rope], latent [T, 1, r] and rope key [T, 1, rope]."""
         cfg, w, T = self.config, self.weights.layers[i].attn, h.shape[0]
+        if isinstance(w, MLAWeights):
+            return mla_project(cfg, w, h, cos, sin)
         q = F.linear(h, w.q, w.q_bias)
         k = F.linear(h, w.k, w.k_bias)
         v = F.linear(h, w.v, w.v_bias)
@@ -125,12 +125,24 @@ class MoEModel:
             q, k = rms_norm(q, w.q_norm, cfg.rms_norm_eps), rms_norm(k, w.k_norm, cfg.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch) -> Tensor:
-        """Write this batch's K/V into the model's cache and attend: -> [T, H, hd]."""
+    def layer_attention(self, i: int) -> LayerAttention:
+        """What layer i's attention needs wherever it runs: window, scale, sinks, MLA's expansion."""
+        cfg, w = self.config, self.weights.layers[i].attn
+        if isinstance(w, MLAWeights):
+            return LayerAttention(cfg.sliding_windows[i], cfg.attn_scale, None, mla_keys_values)
+        return LayerAttention(cfg.sliding_windows[i], cfg.attn_scale, w.sinks)
+
+    def attention_output(self, i: int, o: Tensor) -> Tensor:
+        """Attention's output [T, H, value dim] -> o_proj's [T, D] (MLA: expanded by kv_b first)."""
+        w = self.weights.layers[i].attn
+        if isinstance(w, MLAWeights):
+            return mla_output(self.config, w, o)
+        return F.linear(o.reshape(o.shape[0], self.config.q_size), w.o, w.o_bias)
+
+    def attend(self, i: int, q: Tensor, k: Tensor, v: Tensor, attn: AttentionBatch, spec: LayerAttention) -> Tensor:
+        """Write this batch's K/V into the model's cache and attend: -> [T, H, value dim]."""
         self.kv.write(i, attn.slots, k, v)
-        cfg = self.config
-        return paged_attention(q, k, v, self.kv, i, attn, cfg.sliding_windows[i], scale=cfg.attn_scale,
-                               sinks=self.weights.layers[i].attn.sinks)
+        return attend_cached(q, k, v, self.kv, i, attn, spec)
 
     def _moe(self, i: int, w: MoEWeights, h: Tensor) -> tuple[Tensor, list[int]]:
         cfg = self.config
