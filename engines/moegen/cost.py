@@ -32,6 +32,10 @@ elementwise kernels' activation elements per token and per expert assignment (AC
 torch call costs a dispatch overhead (`Hardware.op_overhead_s`; 180 calls per layer plus 8 per
 expert that runs, counted). Left out: the Python between calls beyond that overhead and the
 scheduler's per-sequence bookkeeping (on this CPU ~10% of a 256-sequence decode step).
+For multi-head latent attention (DeepSeek-V3) weight and KV bytes are exact, but the attention
+terms are approximate: ModelShape's q_size/kv_size/heads/head_dim stand for the absorbed form
+(hardware.model_shape), so FLOPs per attended key, the projections' FLOPs and the activations
+crossing to host attention are close to, not equal to, what the runtime computes and moves.
 
 `choose_plan` enumerates KV placements (device when it fits the budget, host, stream and split
 when the staging buffer fits), expert ring slots, resident experts and (stream, split) the

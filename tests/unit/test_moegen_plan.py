@@ -310,3 +310,42 @@ def test_activations_move_through_elementwise_kernels_at_the_measured_rate():
     per_token = 14 * 100 + 6 * (100 + 50) + 100
     per_assignment = 6 * 100 + 5 * 200
     assert with_act.compute_s - without.compute_s == pytest.approx((10 * per_token + 20 * per_assignment) * 4 / 5e8)
+
+
+# Published configs (config.json on the Hugging Face hub), the fields model_shape reads.
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "max_position_embeddings": 163840,
+    "num_experts_per_tok": 8, "n_routed_experts": 256, "n_shared_experts": 1, "moe_intermediate_size": 2048,
+    "intermediate_size": 18432, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "num_nextn_predict_layers": 1, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+GPT_OSS_120B = {
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "num_hidden_layers": 36,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+    "num_experts_per_tok": 4, "num_local_experts": 128, "intermediate_size": 2880, "sliding_window": 128,
+    "attention_bias": True, "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False},
+}
+
+
+@pytest.mark.parametrize("raw, params_b, kv_per_token", [
+    # The model cards: DeepSeek-V3 671B parameters (without its 14B multi-token-prediction module);
+    # MLA caches a 512 latent + a 64 rope key per token and layer: 61 x 576 x 2 bytes.
+    (DEEPSEEK_V3, 671.0, 61 * (512 + 64) * 2),
+    # gpt-oss-120b 116.8B parameters (sinks, router and expert biases included); K and V of 8
+    # heads of 64 per layer.
+    (GPT_OSS_120B, 116.8, 36 * 2 * 8 * 64 * 2),
+])
+def test_model_shape_counts_the_published_parameters_and_kv_bytes(raw, params_b, kv_per_token):
+    from engines.moegen.hardware import model_shape
+    from engines.runtime.config import parse_config
+
+    shape = model_shape(parse_config(raw, "config.json"), 2)  # bf16
+    params = (shape.dense_bytes + shape.total_experts * shape.expert_bytes) / 2
+    assert params / 1e9 == pytest.approx(params_b, abs=0.05)
+    assert shape.kv_bytes_per_token == kv_per_token
