@@ -60,13 +60,10 @@ class FullEngine(RuntimeEngine):
         if cfg.expert_bits is not None:
             raise EngineError("engine full pages its own expert precisions; expert_bits is engine moe's fake "
                               "quantization (drop it, or use --engine moe)")
-        notes, mc, dense = [], loaded.checkpoint.config, loaded.dense_bytes
-        widths = {d for w in loaded.experts.values() for d in (w.gate_up.shape[-1], w.down.shape[-1])}
-        if cfg.bits != "16" and any(d % cfg.group_size for d in widths):  # no quantized version can be built
-            notes.append(f"expert input widths {sorted(widths)} are not multiples of group_size {cfg.group_size}: "
-                         "experts are paged at 16 bits only (no quantized widths)")
-            cfg = dataclasses.replace(cfg, bits="16")
+        mc, dense = loaded.checkpoint.config, loaded.dense_bytes
+        # A group size that does not divide the experts' widths is replaced (or rows padded) there, with a note.
         self.paged = paged = paged_experts(cfg, loaded, self.name)
+        notes, cfg = list(paged.notes), dataclasses.replace(cfg, group_size=paged.group_size)
         backend, block, per_expert = paged.backend, loaded.kv_block_bytes(cfg.block_size), loaded.bytes_per_expert
         shape, hw = loaded_shape(loaded, per_expert, self.name), plan_hardware(cfg, loaded.device)
 

@@ -14,7 +14,8 @@ layer by layer, expert by expert.
   when its expert has run and takes the next queued copy.
 
 Every decision is made on the calling thread from the routing alone, so bytes and transfers
-are deterministic; only the copies' timing is the link's. Each expert runs the same SwiGLU on
+are deterministic; only the copies' timing is the link's. Each expert runs the same SwiGLU (its
+biases and clamp included, for gpt-oss: a slot holds an expert's biases beside its weights) on
 the same rows as in the resident backend and `combine` sums in expert order: identical output.
 """
 
@@ -29,7 +30,7 @@ from torch import Tensor
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, combine, segments, swiglu
 from engines.runtime.gemm import PackedWeight, pack, packed_bytes
-from engines.runtime.host_tier import HostTierBackend
+from engines.runtime.host_tier import ExpertSlots, HostTierBackend
 from engines.runtime.weights import DenseExperts
 
 Key = tuple[int, int]  # (layer, expert)
@@ -38,20 +39,26 @@ Key = tuple[int, int]  # (layer, expert)
 class StreamingBackend(HostTierBackend):
     def __init__(self, experts: dict[int, DenseExperts], slots: int, resident: set[Key], copies: CopyEngine,
                  device: torch.device) -> None:
-        shapes = {(tuple(w.gate_up.shape[1:]), tuple(w.down.shape[1:])) for w in experts.values()}
+        shapes = {(tuple(w.gate_up.shape[1:]), tuple(w.down.shape[1:]), w.gate_up_bias is None, w.down_bias is None,
+                   w.clamp) for w in experts.values()}
         if len(shapes) > 1:
-            raise ValueError(f"streamed experts must share one shape across layers, got {sorted(shapes)}")
+            raise ValueError(f"streamed experts must share one shape (and biases, clamp) across layers, "
+                             f"got {sorted(shapes, key=repr)}")
         streamed = sum(w.num_experts for w in experts.values()) - len(resident)
         if streamed and slots < 1:
             raise ValueError(f"{streamed} experts stream and need at least one device slot, got {slots}")
         super().__init__(experts, copies)
-        # Resident experts stay where loading put them (own storage, so the stacks can go).
-        self.resident = {(i, e): (experts[i].gate_up[e].clone(), experts[i].down[e].clone())
-                         for i, e in sorted(resident)}
+        # Resident experts stay where loading put them (own storage, so the stacks can go): each
+        # one slot of its own, weights and biases.
+        self.resident: dict[Key, ExpertSlots] = {}
+        for i, e in sorted(resident):
+            own = ExpertSlots.like(experts[i], 1, device)
+            for dst, src in own.copies(0, experts[i], e):
+                dst.copy_(src)
+            self.resident[(i, e)] = own
         first = next(iter(experts.values()))
         n = slots if streamed else 0
-        self.gate_up = torch.zeros((n, *first.gate_up.shape[1:]), dtype=first.gate_up.dtype, device=device)
-        self.down = torch.zeros((n, *first.down.shape[1:]), dtype=first.down.dtype, device=device)
+        self.ring = ExpertSlots.like(first, n, device)
         self._free: deque[int] = deque(range(n))
         self._queue: deque[Key] = deque()  # streamed experts queued, not yet issued, FIFO
         self._issued: dict[Key, tuple[int, CopyHandle]] = {}  # slot and copy of experts in flight or landed
@@ -60,19 +67,19 @@ class StreamingBackend(HostTierBackend):
         self._packed: dict[Key, tuple[PackedWeight | Tensor, PackedWeight | Tensor]] = {}  # prepack
 
     def prepack(self) -> int:
-        """Resident experts get packed copies; streamed ones land in a slot each step, where
-        packing would cost what it saves."""
-        self._packed = {k: (pack(gu), pack(dn)) for k, (gu, dn) in self.resident.items()}
+        """Resident bias-free experts get packed copies (a linear with a bias runs F.linear
+        anyway); streamed ones land in a slot each step, where packing would cost what it saves."""
+        self._packed = {k: (pack(s.gate_up[0]), pack(s.down[0])) for k, s in self.resident.items()
+                        if s.gate_up_bias is None and s.down_bias is None}
         return sum(packed_bytes(pair) for pair in self._packed.values())
 
     # -- ExpertBackend -----------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        """Resident experts and the ring's slots (allocated once, full or not)."""
-        held = [*self.resident.values(), (self.gate_up, self.down)]
-        return sum(t.numel() * t.element_size() for pair in held for t in pair)
+        """Resident experts and the ring's slots, weights and biases (allocated once, full or not)."""
+        return sum(s.nbytes() for s in self.resident.values()) + self.ring.nbytes()
 
     def num_slots(self) -> int:
-        return self.gate_up.shape[0]
+        return len(self.ring)
 
     def prefetch(self, layer: int) -> None:
         if layer in self._queued_layers or layer not in self.host:
@@ -96,8 +103,9 @@ class StreamingBackend(HostTierBackend):
         out = torch.empty_like(xs)
         for e in rows:
             if (layer, e) in self.resident:
-                gate_up, down = self._packed.get((layer, e)) or self.resident[(layer, e)]
-                out[rows[e]] = swiglu(xs[rows[e]], gate_up, down)
+                packed = self._packed.get((layer, e))
+                out[rows[e]] = (swiglu(xs[rows[e]], *packed, clamp=self.ring.clamp) if packed is not None
+                                else self.resident[(layer, e)].run(0, xs[rows[e]]))
         # This layer's streamed experts are at the head of the FIFO (earlier layers are done).
         for e in range(self.num_experts(layer)):
             key = (layer, e)
@@ -110,7 +118,7 @@ class StreamingBackend(HostTierBackend):
                 t0 = time.perf_counter()
                 handle.wait()
                 self._stall += time.perf_counter() - t0
-                out[rows[e]] = swiglu(xs[rows[e]], self.gate_up[slot], self.down[slot])
+                out[rows[e]] = self.ring.run(slot, xs[rows[e]])
                 self._stats["streamed_experts"] += 1
             else:  # prefetched a layer ahead, then routed no token
                 self._stats["streamed_unused"] += 1
@@ -140,8 +148,6 @@ class StreamingBackend(HostTierBackend):
         while self._queue and self._free:
             layer, e = key = self._queue.popleft()
             slot = self._free.popleft()
-            host = self.host[layer]
-            handle = self.copies.h2d([(self.gate_up[slot], host.gate_up[e]), (self.down[slot], host.down[e])],
-                                     tag="experts")
+            handle = self.copies.h2d(self.ring.copies(slot, self.host[layer], e), tag="experts")
             self._stats["streamed_bytes"] += handle.nbytes
             self._issued[key] = (slot, handle)

@@ -16,7 +16,8 @@ least recent). A layer's forward:
 Every decision (hit, miss, victim, prefetch) is made on the calling thread from the routing
 alone, so the bytes and transfers are deterministic for a schedule; only the copies' timing
 is the link's. Results are bit-identical to the resident backend: each expert runs the same
-SwiGLU on the same rows and `combine` sums them in expert order.
+SwiGLU (with its biases and clamp, for gpt-oss) on the same rows and `combine` sums them in
+expert order. A slot holds an expert's biases beside its weights: they travel and count with it.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engines.runtime.copies import CopyEngine, CopyHandle
-from engines.runtime.experts import Dispatch, combine, segments, swiglu
-from engines.runtime.host_tier import HostTierBackend
+from engines.runtime.experts import Dispatch, combine, segments
+from engines.runtime.host_tier import ExpertSlots, HostTierBackend
 from engines.runtime.weights import DenseExperts
 
 POLICIES = ("lru", "lfu")
@@ -91,23 +92,21 @@ class OffloadBackend(HostTierBackend):
             raise ValueError(f"need at least one expert slot per layer, got {slots}")
         super().__init__(experts, copies)
         self.predictor = predictor
-        self.gate_up: dict[int, Tensor] = {}
-        self.down: dict[int, Tensor] = {}
+        self.slot_buffers: dict[int, ExpertSlots] = {}
         self.caches: dict[int, ExpertCache] = {}
         for i, w in experts.items():
             k = min(slots, w.num_experts)
-            self.gate_up[i] = torch.zeros((k, *w.gate_up.shape[1:]), dtype=w.gate_up.dtype, device=device)
-            self.down[i] = torch.zeros((k, *w.down.shape[1:]), dtype=w.down.dtype, device=device)
+            self.slot_buffers[i] = ExpertSlots.like(w, k, device)
             self.caches[i] = ExpertCache(k, policy)
         self._tick = 0
 
     # -- ExpertBackend ---------------------------------------------------------------------------
     def device_bytes(self) -> int:
-        """The slots' buffers (allocated once, full or not)."""
-        return sum(t.numel() * t.element_size() for t in (*self.gate_up.values(), *self.down.values()))
+        """The slots' buffers, weights and biases (allocated once, full or not)."""
+        return sum(s.nbytes() for s in self.slot_buffers.values())
 
     def slots(self, layer: int) -> int:
-        return self.gate_up[layer].shape[0]
+        return len(self.slot_buffers[layer])
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
         self._count(layer, d)
@@ -133,7 +132,7 @@ class OffloadBackend(HostTierBackend):
             if handle is not None:
                 handle.wait()
             slot = cache.slot_of[e]
-            out[rows[e]] = swiglu(xs[rows[e]], self.gate_up[layer][slot], self.down[layer][slot])
+            out[rows[e]] = self.slot_buffers[layer].run(slot, xs[rows[e]])
             cache.touch(e, self._tick)
             pending.discard(e)
         return combine(x, d, out)
@@ -159,11 +158,8 @@ class OffloadBackend(HostTierBackend):
         if placed is None:
             return False
         slot, _ = placed
-        host = self.host[layer]
-        cache.loading[expert] = self.copies.h2d(
-            [(self.gate_up[layer][slot], host.gate_up[expert]), (self.down[layer][slot], host.down[expert])],
-            tag="experts",
-        )
+        pairs = self.slot_buffers[layer].copies(slot, self.host[layer], expert)
+        cache.loading[expert] = self.copies.h2d(pairs, tag="experts")
         return True
 
     def _prefetch(self, layer: int, x: Tensor) -> None:

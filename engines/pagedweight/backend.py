@@ -2,8 +2,9 @@
 
 Each (layer, expert) has a store in the host tier (engines/pagedweight/formats.py) that names the
 parts a version at b bits is made of: for bit-planes the top b planes plus the shared scales
-and zeros, for re-quantize that width's own codes, at 16 bits the full-precision master. The
-device holds one committed `Held` per expert (its parts' device buffers) or nothing (bits 0).
+and zeros, for re-quantize that width's own codes, at 16 bits the full-precision master; and,
+for experts with biases (gpt-oss), the full-precision biases in every version. The device
+holds one committed `Held` per expert (its parts' device buffers) or nothing (bits 0).
 
 Changing an expert's width is a *move*: the parts the target has and the held version lacks
 are copied host->device into new buffers (through the CopyEngine: counted, asynchronous);
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from engines.pagedweight.importance import Importance, Key
 from engines.runtime.copies import CopyEngine, CopyHandle
-from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments, swiglu
+from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments
 
 
 @dataclass
@@ -294,8 +295,7 @@ class PagedWeightBackend(ExpertBackend):
                 pick = torch.randperm(n, generator=gen)[:take].sort().values + rows[e].start
                 x_host = self.copies.ledger.to_host(xs[pick], "feedback")
                 y_host = self.copies.ledger.to_host(out[pick], "feedback")
-                master = self.stores[(layer, e)].master
-                ref = swiglu(x_host, master.gate_up, master.down)
+                ref = self.stores[(layer, e)].reference(x_host)  # biases and clamp as the model's
                 err = float((y_host.float() - ref.float()).pow(2).sum())
                 norm = float(ref.float().pow(2).sum())
                 self.feedback.expert_error[(layer, e)] = (bits, err / max(norm, 1e-30))

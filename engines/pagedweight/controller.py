@@ -12,7 +12,7 @@ step (a bit-width move started in it, or its copies were in flight while it comp
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +40,8 @@ class PagedExperts:
     importance: Importance
     quality: dict[Key, int]
     floors: dict[Key, int]
+    group_size: int = 32  # the group size the quantized versions use (may differ from the asked one)
+    notes: list[str] = field(default_factory=list)  # for the run's notes (e.g. a group size that did not fit)
 
     def floor_bytes(self) -> int:
         """Every expert at its floor, plus the on-demand staging slots when a floor is 0."""

@@ -10,6 +10,7 @@ sensitivity (sensitivity.py) against the KV demand. Design and measurements: doc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,9 @@ class PagedWeightConfig(RuntimeConfig):
     # sensitivity, squared error over squared output on calibration activations) exceeds this;
     # 0.01 is about 20 dB SNR, ~4-bit RTN on the demo model. None: any width down to floor_bits.
     max_expert_error: float | None = 0.01
-    group_size: int = 32  # inputs per quantization group
+    # Inputs per quantization group (32, 64 or 128); one that does not divide every expert input
+    # width is replaced by the largest that does, or rows are padded to whole groups (see the notes).
+    group_size: int = 32
     importance_decay: float = 0.9  # EMA of each expert's routing-mass share, per step
     hysteresis: float = 0.02  # an optional re-plan must lower the expected cost by this share
     min_residence_steps: int = 8  # steps an expert keeps a width before an optional change
@@ -80,7 +83,7 @@ def calibration_prompts(cfg: PagedWeightConfig, name: str) -> int | list[list[in
 def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExperts:
     """The experts' host-tier stores, their measured sensitivities and quality floors, and the
     backend over them (nothing on the device yet)."""
-    from engines.pagedweight.formats import make_store  # noqa: PLC0415
+    from engines.pagedweight.formats import fit_group_size, make_store  # noqa: PLC0415
     from engines.pagedweight.sensitivity import load_or_measure  # noqa: PLC0415
     from engines.quant.qweight import QuantFormatError  # noqa: PLC0415
 
@@ -94,15 +97,28 @@ def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExp
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0):
         raise EngineError(f"engine {name}: max_expert_error must be a number > 0 (e.g. 0.01) or none, got {bound!r}")
     dense = loaded.experts
+    notes: list[str] = []
+    group_size = cfg.group_size
+    if any(b < 16 for b in widths):
+        inputs = {n for w in dense.values() for n in (w.gate_up.shape[-1], w.down.shape[-1])}  # D and I
+        try:  # the asked size, else one that fits every expert input width, said in the notes
+            group_size, note = fit_group_size(cfg.group_size, sorted(inputs), cfg.representation)
+        except QuantFormatError as exc:
+            raise EngineError(f"engine {name}: {exc}") from None
+        notes += [note] if note else []
     copies = CopyEngine(loaded.ledger, loaded.device, cfg.link_gbps)
+
+    def store(w, e: int):
+        biases = [None if b is None else b[e] for b in (w.gate_up_bias, w.down_bias)]
+        return make_store(cfg.representation, w.gate_up[e], w.down[e], widths, group_size, copies.host,
+                          gate_up_bias=biases[0], down_bias=biases[1], clamp=w.clamp)
+
     try:
-        stores = {(i, e): make_store(cfg.representation, w.gate_up[e], w.down[e], widths, cfg.group_size, copies.host)
-                  for i, w in dense.items() for e in range(w.num_experts)}
+        stores = {(i, e): store(w, e) for i, w in dense.items() for e in range(w.num_experts)}
     except QuantFormatError as exc:
-        raise EngineError(f"engine {name}: {exc} (set group_size to one that divides it, "
-                          "e.g. --set group_size=64)") from None
+        raise EngineError(f"engine {name}: {exc}") from None
     sensitivity = {k: dict(v) for k, v in load_or_measure(
-        loaded.checkpoint, dense, loaded.weights, cfg.representation, widths, cfg.group_size,
+        loaded.checkpoint, dense, loaded.weights, cfg.representation, widths, group_size,
         prompts=calibration_prompts(cfg, name), device=loaded.device, dtype=loaded.dtype).items()}
     importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay)
     # The lowest width whose measured error is within max_expert_error (16 always is).
@@ -113,7 +129,7 @@ def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExp
     backend.fetch_bits = dict(quality)  # an expert that left the device comes back at its quality floor
     if 0 in floors.values():
         backend.staging_bytes = backend.fetch_slots * backend.staging_slot_bytes()
-    return PagedExperts(backend, widths, sensitivity, importance, quality, floors)
+    return PagedExperts(backend, widths, sensitivity, importance, quality, floors, group_size, notes)
 
 
 def floor_claim(cfg: PagedWeightConfig, paged: PagedExperts, fix: str | None = None) -> Claim:
@@ -152,4 +168,5 @@ class PagedWeightEngine(RuntimeEngine):
         kv = KVPool(on_device=True, weights_beside=dense + paged.floor_bytes())
         self.controller = PagedController(cfg, paged, room)
         return EngineParts(paged.backend, claims, kv, copies=paged.backend.copies, controllers=[self.controller],
-                           stats=lambda: paged_stats(paged))
+                           stats=lambda: paged_stats(paged), notes=list(paged.notes),
+                           config=dataclasses.replace(cfg, group_size=paged.group_size))

@@ -20,14 +20,25 @@ exactly the parts of B that A lacks and frees the parts of A that B lacks (`tran
   2 bits is fine here (Any-Precision's kernels stop at 3; these dequantize in torch).
 
 16 bits is the full-precision master in either representation (parts `gate_up`, `down`): it
-shares nothing with the quantized versions, so moving to or from 16 copies a whole version.
-Compute: `forward` (one expert) and `group_forward` (experts at one width in one call, each
-row's output kept separate: the caller combines with routing weights). Not here: which width
-an expert gets (arbiter.py), the device buffers and copies (backend.py).
+shares no weight part with the quantized versions, so moving to or from 16 copies a whole
+version's weights. Experts with biases (gpt-oss) keep them at full precision in every version
+as the shared parts `gate_up_bias` and `down_bias`: a width change never copies them, and
+every version computes the model's SwiGLU (the clamped one, with its (limit, alpha), for
+gpt-oss) on its weights plus the exact biases.
+
+Group sizes: `fit_group_size` picks the largest supported group size that divides every
+expert input width when the asked one does not; when none does, each row's last group is
+padded by repeating the row's last weight (the group's range, hence its codes, stay those of
+its real weights; padded inputs meet zeros at compute). Bit planes pack 8 inputs per byte,
+so their rows are padded to a multiple of 8 as well. Compute: `forward` (one expert) and
+`group_forward` (experts at one width in one call, each row's output kept separate: the caller
+combines with routing weights). Not here: which width an expert gets (arbiter.py), the device
+buffers and copies (backend.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +48,7 @@ from torch import Tensor
 
 from engines.quant.ops import dequant_matmul, fused_moe
 from engines.quant.qweight import (
+    SUPPORTED_GROUP_SIZES,
     QuantFormatError,
     QuantizedExperts,
     QuantizedWeight,
@@ -54,6 +66,7 @@ FULL = 16  # the master's "width", whatever dtype the model runs in
 REPRESENTATIONS = ("bitplanes", "requantize")
 PLANES = 8  # bit planes of the one stored copy
 MATRICES = ("gate_up", "down")
+BIASES = ("gate_up_bias", "down_bias")  # shared full-precision parts of experts with biases
 
 Parts = Mapping[str, Tensor]
 HostFn = Callable[[Tensor], Tensor]
@@ -105,7 +118,58 @@ def dequantize_planes(planes: Sequence[Tensor], scales: Tensor, zeros: Tensor, g
     return ((level - zero) * scale).to(dtype)
 
 
+# --- group sizes ------------------------------------------------------------------------------
+
+
+def padded_width(width: int, group_size: int, representation: str) -> int:
+    """A row of `width` inputs as stored: whole groups (and whole bytes of planes)."""
+    step = math.lcm(group_size, PLANES) if representation == "bitplanes" else group_size
+    return -(-width // step) * step
+
+
+def fit_group_size(requested: int, widths: Sequence[int], representation: str = "bitplanes") -> tuple[int, str | None]:
+    """The group size to quantize experts whose input widths (D and I) are `widths` with, and a
+    note when it is not simply `requested`: the largest supported size dividing every width, or,
+    when none does, the one that pads rows least (the last group of each row padded)."""
+    sizes = sorted(SUPPORTED_GROUP_SIZES, reverse=True)
+    if requested not in sizes:
+        raise QuantFormatError(f"group_size must be one of {', '.join(map(str, sizes))}, got {requested}")
+    widths = sorted(set(widths))
+    odd = [w for w in widths if w % requested]
+    if not odd:
+        return requested, None
+    what = f"group_size {requested} does not divide expert width {'/'.join(map(str, odd))}"
+    fits = [g for g in sizes if all(w % g == 0 for w in widths)]
+    if fits:
+        return fits[0], f"{what}: experts quantized with group_size {fits[0]}"
+    # Least padding; on a tie the asked size, then the larger (fewer scales).
+    g = min(sizes, key=lambda g: (sum(padded_width(w, g, representation) for w in widths), g != requested, -g))
+    pads = ", ".join(f"{w} -> {padded_width(w, g, representation)}" for w in widths
+                     if padded_width(w, g, representation) != w)
+    return g, (f"{what}, nor does any supported group size ({', '.join(map(str, sizes))}): experts quantized "
+               f"with group_size {g}, each row's last group padded (inputs {pads})")
+
+
 # --- versions ---------------------------------------------------------------------------------
+
+
+def _pad(x: Tensor, width: int) -> Tensor:
+    """x [..., n] -> [..., width], zeros after (padded inputs add 0 to every output)."""
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _glu(h: Tensor, clamp: tuple[float, float] | None) -> Tensor:
+    """gate_up's output [n, 2I] -> the activation [n, I], as engines.runtime.experts.swiglu."""
+    gate, up = h.chunk(2, dim=-1)
+    if clamp is None:
+        return F.silu(gate) * up
+    limit, alpha = clamp
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,35 +181,56 @@ class ExpertVersion:
     parts: Parts  # name -> tensor; read-only once built (a committed version is never written)
     shape: tuple[int, int]  # (I, D)
     group_size: int
+    clamp: tuple[float, float] | None = None  # the clamped SwiGLU's (limit, alpha); None: plain SwiGLU
+    padded: tuple[int, int] | None = None  # (I, D) as the quantized rows store them; None: `shape`
 
     def nbytes(self) -> int:
         return _nbytes(self.parts)
+
+    @property
+    def stored(self) -> tuple[int, int]:
+        return self.padded or self.shape
+
+    def biases(self) -> tuple[Tensor | None, Tensor | None]:
+        """(gate_up_bias [2I], down_bias [D]) at full precision, or None each."""
+        return self.parts.get("gate_up_bias"), self.parts.get("down_bias")
 
     def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """(gate_up [2I, D], down [D, I]) dequantized to `dtype` (the master's tensors at 16)."""
         if self.bits == FULL:
             return self.parts["gate_up"].to(dtype), self.parts["down"].to(dtype)
+        inter, hidden = self.shape
         if self.representation == "bitplanes":
             gate_up, down = (_plane_weight(self.parts, m, self.bits, self.group_size, dtype) for m in MATRICES)
         else:
-            gate_up, down = (dequantize(_record(self.parts, m, self.bits, self.group_size, self.shape), dtype)
-                             for m in MATRICES)
-        return gate_up, down
+            gate_up, down = (dequantize(_record(self.parts, m, self.bits, self.group_size, self.shape, self.stored),
+                                        dtype) for m in MATRICES)
+        return gate_up[:, :hidden], down[:, :inter]
+
+    def dense_forward(self, x: Tensor) -> Tensor:
+        """The SwiGLU of the dequantized weights in x's dtype, exact biases, the model's clamp."""
+        return swiglu(x, *self.weights(x.dtype), *(_as(b, x.dtype) for b in self.biases()), self.clamp)
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [n, D] -> down(silu(gate(x)) * up(x)) [n, D], in x's dtype."""
+        """x [n, D] -> down(act(gate_up(x) + gate_up_bias)) + down_bias [n, D], in x's dtype."""
         if self.bits == FULL:  # the master itself: exactly the resident backend's computation
-            return swiglu(x, self.parts["gate_up"], self.parts["down"])
+            return swiglu(x, self.parts["gate_up"], self.parts["down"], *self.biases(), self.clamp)
         if self.representation == "requantize":  # the serving op (Triton on CUDA)
-            gate_up, down = (_record(self.parts, m, self.bits, self.group_size, self.shape) for m in MATRICES)
-            gate, up = dequant_matmul(x, gate_up).chunk(2, dim=-1)
-            return dequant_matmul(F.silu(gate) * up, down)
-        return swiglu(x, *self.weights(x.dtype))
+            inter, hidden = self.stored
+            gate_up, down = (_record(self.parts, m, self.bits, self.group_size, self.shape, self.stored)
+                             for m in MATRICES)
+            gu_bias, down_bias = self.biases()
+            h = dequant_matmul(_pad(x, hidden), gate_up)
+            y = dequant_matmul(_pad(_glu(h if gu_bias is None else h + gu_bias, self.clamp), inter), down)
+            return y if down_bias is None else y + down_bias
+        return self.dense_forward(x)
 
 
-def _record(parts: Parts, m: str, bits: int, group_size: int, shape: tuple[int, int]) -> QuantizedWeight:
+def _record(parts: Parts, m: str, bits: int, group_size: int, shape: tuple[int, int],
+            stored: tuple[int, int] | None = None) -> QuantizedWeight:
     inter, hidden = shape
-    out_in = (2 * inter, hidden) if m == "gate_up" else (hidden, inter)
+    stored_inter, stored_hidden = stored or shape
+    out_in = (2 * inter, stored_hidden) if m == "gate_up" else (hidden, stored_inter)
     return QuantizedWeight(parts[f"{m}.qdata@{bits}"], parts[f"{m}.scales@{bits}"], parts[f"{m}.zeros@{bits}"],
                            bits, group_size, False, out_in)
 
@@ -155,6 +240,13 @@ def _plane_weight(parts: Parts, m: str, bits: int, group_size: int, dtype: torch
     return dequantize_planes(planes, parts[f"{m}.scales"], parts[f"{m}.zeros"], group_size, dtype)
 
 
+def _pad_rows(w: Tensor, width: int) -> Tensor:
+    """w [out, in] -> [out, width], each row's last weight repeated: the last group's range, and
+    so its scale, zero and real codes, are those of its real weights."""
+    n = w.shape[-1]
+    return w if n == width else torch.cat((w, w[..., -1:].expand(*w.shape[:-1], width - n)), dim=-1)
+
+
 # --- stores -----------------------------------------------------------------------------------
 
 
@@ -162,36 +254,49 @@ class ExpertStore:
     """One expert's master and quantized versions in the host tier (see the module docstring).
 
     `host` places each stored tensor in the host tier (CopyEngine.host: pinned on CUDA); the
-    quantization itself runs where the master is (the device at load, so it is fast)."""
+    quantization itself runs where the master is (the device at load, so it is fast). Biases
+    (gate_up_bias [2I], down_bias [D]) and `clamp` are gpt-oss's; None for plain SwiGLU."""
 
     representation: str
 
     def __init__(self, gate_up: Tensor, down: Tensor, bits: Sequence[int], group_size: int = 32,
-                 host: HostFn | None = None) -> None:
+                 host: HostFn | None = None, *, gate_up_bias: Tensor | None = None,
+                 down_bias: Tensor | None = None, clamp: tuple[float, float] | None = None) -> None:
         if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[0] % 2 or \
                 tuple(down.shape) != (gate_up.shape[1], gate_up.shape[0] // 2):
             raise QuantFormatError(f"expert: gate_up must be [2I, D] and down [D, I], got {list(gate_up.shape)} "
                                    f"and {list(down.shape)}")
+        for name, b, n in (("gate_up_bias", gate_up_bias, gate_up.shape[0]), ("down_bias", down_bias, down.shape[0])):
+            if b is not None and tuple(b.shape) != (n,):
+                raise QuantFormatError(f"expert: {name} must be [{n}], got {list(b.shape)}")
         widths = tuple(sorted(set(bits), reverse=True))
         bad = [b for b in widths if b not in PAGED_BITS]
         if not widths or bad or len(widths) != len(bits):
             raise QuantFormatError(f"expert store: bits must be distinct values among {PAGED_BITS}, got {list(bits)}")
         self.bits = widths
         self.group_size = group_size
+        self.clamp = clamp
         self.shape = (down.shape[1], down.shape[0])  # (I, D)
-        if any(b < FULL for b in widths):
-            check_scheme(8, group_size, gate_up.shape[1], "expert gate_up (D)")
-            check_scheme(8, group_size, down.shape[1], "expert down (I)")
-        self._host = host or (lambda t: t.detach().contiguous())
-        self.master = MLPWeights(self._host(gate_up), self._host(down))
-        self._parts: dict[int, dict[str, Tensor]] = {}
-        if FULL in widths:
-            self._parts[FULL] = {"gate_up": self.master.gate_up, "down": self.master.down}
+        self.padded = self.shape
         quantized = [b for b in widths if b < FULL]
         if quantized:
-            self._build(gate_up, down, quantized)
+            self.padded = tuple(padded_width(n, group_size, self.representation) for n in self.shape)  # type: ignore[assignment]
+            check_scheme(8, group_size, self.padded[1], "expert gate_up (D)")
+            check_scheme(8, group_size, self.padded[0], "expert down (I)")
+        self._host = host or (lambda t: t.detach().contiguous())
+        self.master = MLPWeights(self._host(gate_up), self._host(down))
+        self.bias = {name: self._host(b) for name, b in zip(BIASES, (gate_up_bias, down_bias)) if b is not None}
+        self._parts: dict[int, dict[str, Tensor]] = {}
+        if FULL in widths:
+            self._parts[FULL] = {"gate_up": self.master.gate_up, "down": self.master.down, **self.bias}
+        if quantized:
+            inter, hidden = self.padded
+            self._build(_pad_rows(gate_up, hidden), _pad_rows(down, inter), quantized)
+            for b in quantized:
+                self._parts[b].update(self.bias)
 
     def _build(self, gate_up: Tensor, down: Tensor, bits: list[int]) -> None:
+        """The quantized versions' weight parts from the master's rows padded to whole groups."""
         raise NotImplementedError
 
     # -- what a version is made of -----------------------------------------------------------------
@@ -204,13 +309,19 @@ class ExpertStore:
     def version(self, bits: int, parts: Parts | None = None) -> ExpertVersion:
         """The version at `bits`, over `parts` (device buffers) or the host tier's."""
         return ExpertVersion(self.representation, bits, self.parts(bits) if parts is None else parts,
-                             self.shape, self.group_size)
+                             self.shape, self.group_size, self.clamp,
+                             None if self.padded == self.shape else self.padded)
 
     def versions(self) -> dict[int, ExpertVersion]:
         return {b: self.version(b) for b in self.bits}
 
+    def reference(self, x: Tensor) -> Tensor:
+        """The host master's output on x [n, D] (the quality feedback's reference)."""
+        return swiglu(x, self.master.gate_up, self.master.down, self.bias.get("gate_up_bias"),
+                      self.bias.get("down_bias"), self.clamp)
+
     def nbytes(self, bits: int) -> int:
-        """Device bytes of the version at `bits` (0: not resident)."""
+        """Device bytes of the version at `bits`, biases included (0: not resident)."""
         return 0 if bits == 0 else _nbytes(self.parts(bits))
 
     def host_bytes(self) -> int:
@@ -262,7 +373,7 @@ class ExpertStore:
         if not xs:
             return []
         if bits == FULL:
-            return [swiglu(x, p["gate_up"], p["down"]) for p, x in zip(parts_list, xs)]
+            return [self.version(FULL, p).forward(x) for p, x in zip(parts_list, xs)]
         return self._group(parts_list, bits, xs)
 
     def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
@@ -287,7 +398,11 @@ class RequantizeStore(ExpertStore):
         """The fused-MoE op over the group stacked as one layer, with a dispatch whose
         assignments are the rows themselves (token_index = arange, weights 1): its combine then
         returns each row's own output, since 1 * y added to 0 is y exactly. Stacking copies the
-        group's (small, packed) parts once per call: the price of one launch for the group."""
+        group's (small, packed) parts once per call: the price of one launch for the group.
+        The fused op knows plain SwiGLU over unpadded rows only: experts with biases, a clamp
+        or padded rows run one by one (`forward`)."""
+        if self.bias or self.clamp is not None or self.padded != self.shape:
+            return [self.version(bits, p).forward(x) for p, x in zip(parts_list, xs)]
         experts = QuantizedExperts(*(stack([_record(p, m, bits, self.group_size, self.shape) for p in parts_list])
                                      for m in MATRICES))
         x = torch.cat(list(xs))
@@ -320,22 +435,29 @@ class BitPlaneStore(ExpertStore):
         """One stacked dequantize of the group's planes per matrix, then each expert's SwiGLU
         on its own rows (the same elementwise math as `forward`, so the same results)."""
         dtype = xs[0].dtype
+        inter, hidden = self.shape
         w = {}
         for m in MATRICES:
             planes = [torch.stack([p[f"{m}.plane{j}"] for p in parts_list]) for j in range(1, bits + 1)]
             scales = torch.stack([p[f"{m}.scales"] for p in parts_list])
             zeros = torch.stack([p[f"{m}.zeros"] for p in parts_list])
             w[m] = dequantize_planes(planes, scales, zeros, self.group_size, dtype)
-        return [swiglu(x, w["gate_up"][g], w["down"][g]) for g, x in enumerate(xs)]
+        out = []
+        for g, (p, x) in enumerate(zip(parts_list, xs)):
+            biases = (_as(p.get(name), dtype) for name in BIASES)
+            out.append(swiglu(x, w["gate_up"][g][:, :hidden], w["down"][g][:, :inter], *biases, self.clamp))
+        return out
 
 
 _STORES: dict[str, type[ExpertStore]] = {"bitplanes": BitPlaneStore, "requantize": RequantizeStore}
 
 
 def make_store(representation: str, gate_up: Tensor, down: Tensor, bits: Sequence[int], group_size: int = 32,
-               host: HostFn | None = None) -> ExpertStore:
-    """The store of one expert in `representation` ("bitplanes" or "requantize")."""
+               host: HostFn | None = None, *, gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+               clamp: tuple[float, float] | None = None) -> ExpertStore:
+    """The store of one expert in `representation` ("bitplanes" or "requantize"), with its
+    biases and SwiGLU clamp when the model's experts have them."""
     cls = _STORES.get(representation)
     if cls is None:
         raise QuantFormatError(f"representation must be one of {', '.join(REPRESENTATIONS)}, got {representation!r}")
-    return cls(gate_up, down, bits, group_size, host)
+    return cls(gate_up, down, bits, group_size, host, gate_up_bias=gate_up_bias, down_bias=down_bias, clamp=clamp)

@@ -5,7 +5,8 @@ calibration inputs x: the rows the router really sends it when the full-precisio
 the calibration prompts (one flat prefill through the runtime's own MoEModel with a recording
 expert backend; every layer computes at full precision, so each expert is measured with the
 rest of the model exact: the additive cost model the arbiter assumes). f is the master, f_b
-the store's version (engines/pagedweight/formats.py), both evaluated in float32; 16 bits is 0.
+the store's version (engines/pagedweight/formats.py), both evaluated in float32 with the
+expert's exact biases and the model's SwiGLU (gpt-oss's clamped one); 16 bits is 0.
 At most `max_rows` evenly spaced rows per expert are used (they span every prompt). An expert
 that got no calibration rows gets its layer's mean at each width (listed under "filled").
 
@@ -54,7 +55,7 @@ from engines.runtime.model import MoEModel
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import DenseExperts, ModelWeights
 
-SCHEMA = 1  # bump when the measurement changes: old tables then miss the cache
+SCHEMA = 2  # bump when the measurement changes: old tables then miss the cache (2: expert biases, clamp)
 MAX_ROWS = 512
 PROMPT_LEN = 256  # tokens per random calibration prompt (capped by the model's length)
 BLOCK = 16  # KV block size of the calibration pass
@@ -184,12 +185,17 @@ def measure(config: ModelConfig, dense: Mapping[int, DenseExperts], weights: Mod
         x = _spread(x, max_rows).float()
         # The store quantizes the master in its own dtype (as the engine's does); both outputs
         # in float32 so the error is the quantization's, not the model dtype's rounding.
-        store = make_store(representation, w.gate_up[e], w.down[e], quantized, group_size) if quantized else None
-        ref = swiglu(x, w.gate_up[e].float(), w.down[e].float())
+        # Biases (gpt-oss) stay exact in every version and the clamp is the model's: both
+        # outputs are the expert's real SwiGLU, only the weights differ.
+        biases = [None if b is None else b[e] for b in (w.gate_up_bias, w.down_bias)]
+        store = make_store(representation, w.gate_up[e], w.down[e], quantized, group_size, gate_up_bias=biases[0],
+                           down_bias=biases[1], clamp=w.clamp) if quantized else None
+        ref = swiglu(x, w.gate_up[e].float(), w.down[e].float(), *(None if b is None else b.float() for b in biases),
+                     w.clamp)
         norm = ref.pow(2).sum().clamp(min=1e-30)
         out = {b: 0.0 for b in widths if b == FULL}
         for b in quantized:
-            y = swiglu(x, *store.version(b).weights(torch.float32))  # type: ignore[union-attr]
+            y = store.version(b).dense_forward(x)  # type: ignore[union-attr]
             out[b] = float((y - ref).pow(2).sum() / norm)
         table[(layer, e)] = out
         rows[(layer, e)] = x.shape[0]

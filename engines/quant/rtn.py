@@ -9,6 +9,8 @@ quality" without a kernel.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -41,21 +43,27 @@ def rtn_fake_quantize(w: Tensor, bits: int, group_size: int, symmetric: bool = F
 
 
 def fake_quantized(dense: dict[int, DenseExperts], bits: int, group_size: int = 32) -> dict[int, DenseExperts]:
-    """Every layer's routed experts RTN quantize-dequantized (new tensors; `dense` untouched).
+    """Every layer's routed expert weights RTN quantize-dequantized (new tensors; `dense`
+    untouched); biases and the SwiGLU clamp carried over exact.
     `group_size` 0: one group per output row, the plain per-channel RTN GPTQ (arXiv 2210.17323)
     compares against; otherwise groups of that many inputs (capped at the row length, which it
     must divide)."""
     if bits not in SUPPORTED_BITS:
         raise EngineError(f"expert_bits must be one of {SUPPORTED_BITS} (or 16 for full precision), got {bits}")
+    rows = sorted({w.shape[-1] for experts in dense.values() for w in (experts.gate_up, experts.down)})
+    odd = [row for row in rows if row % min(group_size or row, row)]
+    if odd:
+        common = math.gcd(*rows)  # the fitting sizes are its divisors: suggest the largest below the asked one
+        fit = max(g for g in range(1, min(group_size, common) + 1) if common % g == 0)
+        raise EngineError(f"expert group size {group_size} does not divide the expert rows ({'/'.join(map(str, odd))} "
+                          f"inputs; all rows: {'/'.join(map(str, rows))}): set expert_group={fit} (it divides every "
+                          "row), or 0 for one group per row")
     out = {}
     for i, experts in dense.items():
         ws = []
         for w in (experts.gate_up, experts.down):
             row = w.shape[-1]
-            group = min(group_size or row, row)
-            if row % group:
-                raise EngineError(f"expert group size {group_size} does not divide the expert rows ({row} inputs); "
-                                  f"pick a divisor of {row}, or 0 for one group per row")
-            ws.append(rtn_fake_quantize(w, bits, group))
-        out[i] = DenseExperts(*ws)
+            ws.append(rtn_fake_quantize(w, bits, min(group_size or row, row)))
+        # Biases (gpt-oss) are a few numbers per expert: kept exact, as the clamp.
+        out[i] = DenseExperts(*ws, experts.gate_up_bias, experts.down_bias, experts.clamp)
     return out

@@ -192,11 +192,11 @@ class RuntimeEngine(Engine):
 
     def check_model(self, mc: ModelConfig) -> None:
         """Refuse, in one line, a model whose experts or attention this engine cannot compute."""
-        if not mc.plain_experts and (self.plain_experts_only or self.config.expert_bits is not None):
-            what = f"engine {self.name}" if self.plain_experts_only else "expert_bits (fake quantization)"
+        # expert_bits (engines/quant/rtn.py) rounds the weights and keeps biases and clamp exact.
+        if not mc.plain_experts and self.plain_experts_only:
             raise EngineError(
-                f"{what} runs bias-free SwiGLU experts only; {mc.architecture}'s experts have biases and a "
-                "clamped SwiGLU: use engine moe (without expert_bits) for this model"
+                f"engine {self.name} runs bias-free SwiGLU experts only; {mc.architecture}'s experts have biases and "
+                "a clamped SwiGLU: use engine moe, offload, pagedweight, moegen or full for this model"
             )
         what = ("multi-head latent attention" if mc.mla is not None else "attention sinks" if mc.attention_sinks
                 else "a non-default softmax scale" if mc.attn_scale is not None else None)

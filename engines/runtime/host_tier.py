@@ -1,19 +1,77 @@
 """`HostTierBackend`: full-precision routed experts kept in the host tier (pinned on CUDA) and
 copied to device buffers when used; the base that engine offload's cache and moegen's
-streaming ring share."""
+streaming ring share. `ExpertSlots` are those device buffers: k experts of one stack's shape,
+weights and (gpt-oss) biases, computed with the stack's SwiGLU (clamped or not) exactly as
+`grouped_swiglu` computes the resident stack.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
 from engines.runtime.copies import CopyEngine
-from engines.runtime.experts import StackedBackend
+from engines.runtime.experts import StackedBackend, swiglu
 from engines.runtime.weights import DenseExperts
 
 
+def _each(w: DenseExperts) -> tuple[Tensor | None, ...]:
+    """An expert stack's per-expert tensors, in copy order (weights, then the biases or None)."""
+    return w.gate_up, w.down, w.gate_up_bias, w.down_bias
+
+
+@dataclass
+class ExpertSlots:
+    """k device buffers each holding one expert of a stack's shape: gate_up [k, 2I, D], down
+    [k, D, I] and, for a stack with biases, gate_up_bias [k, 2I] and down_bias [k, D]."""
+
+    gate_up: Tensor
+    down: Tensor
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+    clamp: tuple[float, float] | None = None
+
+    @classmethod
+    def like(cls, w: DenseExperts, k: int, device: torch.device) -> ExpertSlots:
+        """k zeroed slots shaped as one expert of `w` (its biases too when it has them)."""
+        bufs = [None if t is None else torch.zeros((k, *t.shape[1:]), dtype=t.dtype, device=device) for t in _each(w)]
+        return cls(*bufs, clamp=w.clamp)  # type: ignore[arg-type]
+
+    def __len__(self) -> int:
+        return self.gate_up.shape[0]
+
+    def nbytes(self) -> int:
+        """The buffers' bytes (allocated once, full or not)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
+
+    def _tensors(self) -> tuple[Tensor | None, ...]:
+        return self.gate_up, self.down, self.gate_up_bias, self.down_bias
+
+    def copies(self, slot: int, host: DenseExperts, expert: int) -> list[tuple[Tensor, Tensor]]:
+        """The (device slot, host) pairs that load `host`'s expert `expert` into `slot`."""
+        return [(dst[slot], src[expert]) for dst, src in zip(self._tensors(), _each(host))
+                if dst is not None and src is not None]
+
+    def run(self, slot: int, x: Tensor) -> Tensor:
+        """The expert in `slot` over its rows x [n, D] -> [n, D]."""
+        gu_bias, down_bias = self.gate_up_bias, self.down_bias
+        return swiglu(x, self.gate_up[slot], self.down[slot], None if gu_bias is None else gu_bias[slot],
+                      None if down_bias is None else down_bias[slot], self.clamp)
+
+
 class HostTierBackend(StackedBackend):
-    """Full-precision experts kept in the host tier (`host`: MoE layer -> DenseExperts) and
-    copied to device slots when used: what OffloadBackend and moegen's StreamingBackend share."""
+    """Full-precision experts kept in the host tier (`host`: MoE layer -> DenseExperts, biases
+    and clamp included) and copied to device slots when used: what OffloadBackend and moegen's
+    StreamingBackend share."""
 
     def __init__(self, experts: dict[int, DenseExperts], copies: CopyEngine) -> None:
         self.copies = copies
-        self.host = {i: DenseExperts(copies.host(w.gate_up), copies.host(w.down)) for i, w in experts.items()}
+
+        def host(t: Tensor | None) -> Tensor | None:
+            return None if t is None else copies.host(t)
+
+        self.host = {i: DenseExperts(*(host(t) for t in _each(w)), w.clamp)  # type: ignore[misc]
+                     for i, w in experts.items()}
         super().__init__(self.host)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_runs import generate, random_requests
-from tiny_models import CPU32, PLAIN_EXPERT_ARCHS, build_hf_model
+from tiny_models import ARCHS, CPU32, build_hf_model
 
 from engines.base import EngineError, EngineRequest
 from engines.registry import create_engine
@@ -27,7 +27,7 @@ def total(steps, key: str) -> int:
     return sum(s.extras.get(key, 0) for s in steps)
 
 
-@pytest.mark.parametrize("arch", [*PLAIN_EXPERT_ARCHS, "demo"])
+@pytest.mark.parametrize("arch", [*ARCHS, "demo"])
 def test_offload_gives_the_same_greedy_tokens_as_moe(arch, checkpoints):
     model = DEMO if arch == "demo" else checkpoints(arch)
     reqs = requests(1109 if arch == "demo" else 257)
@@ -207,11 +207,3 @@ def test_a_slower_link_adds_the_stall_the_engine_reports(prefetch):
     assert 0 < stall <= busy + 0.05 * len(steps)
     assert slow - base == pytest.approx(stall, rel=0.2, abs=0.04)  # the growth is the reported stall
     assert slow - base == pytest.approx(predicted, rel=0.2, abs=0.04)
-
-
-@pytest.mark.parametrize("engine", ["offload", "pagedweight", "static-rtn"])
-def test_engines_with_plain_experts_refuse_gpt_oss(engine, checkpoints):
-    """gpt-oss experts have biases and a clamped SwiGLU that these engines' expert storage and
-    kernels do not compute: a one-line refusal, not wrong tokens."""
-    with pytest.raises(EngineError, match=r"bias-free SwiGLU experts only; gpt_oss.*use engine moe"):
-        create_engine(engine, {"model": str(checkpoints("gpt_oss")), **CPU32}).start()
