@@ -15,10 +15,13 @@ from harness.cli.common import user_errors
 @user_errors
 def demo_train(
     output: Annotated[str, typer.Option(help="Folder to write the trained model to.")] = "demo-model",
+    preset: Annotated[str, typer.Option(help="Which bundled model's recipe: demo (engines/demo_model, Mixtral) or "
+                                             "demo-fine (engines/demo_fine_model, DeepSeek-V3).")] = "demo",
     steps: Annotated[int | None,
-                     typer.Option(help="Curriculum-stage optimizer steps, the lookup-circuit phase included (default "
-                                       "4000; deterministic for a fixed count).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for weights and data (2: the shipped model).")] = 2,
+                     typer.Option(help="Curriculum-stage optimizer steps, the lookup-circuit phase included (default: "
+                                       "the preset's, 4000 for demo; deterministic for a fixed count).")] = None,
+    seed: Annotated[int | None,
+                    typer.Option(help="Seed for weights and data (default 2, the shipped models').")] = None,
     set_: Annotated[list[str] | None,
                     typer.Option("--set",
                                  help="Training option key=value (see harness/demo/train.py TrainConfig).")] = None,
@@ -28,14 +31,18 @@ def demo_train(
                                        "curriculum checkpoint (same settings; one written "
                                        "with --set long_steps=0).")] = None,
 ) -> None:
-    """Train the demo MoE model from scratch on the demo tasks (the shipped model's command:
-    about 47 minutes on 2 CPU cores)."""
+    """Train a demo MoE model from scratch on the demo tasks (the shipped demo model's command:
+    about 47 minutes on 2 CPU cores; --preset demo-fine: see docs/demo_model.md)."""
     from pathlib import Path
 
     from engines.registry import build_config, parse_set_options
-    from harness.demo.train import TrainConfig, train
+    from harness.demo.train import PRESETS, TrainConfig, train
+    from harness.errors import HarnessError
 
-    options = {"seed": seed, **({"steps": steps} if steps is not None else {}), **parse_set_options(set_ or [])}
+    if preset not in PRESETS:
+        raise HarnessError(f"--preset {preset!r} is unknown; use one of {', '.join(PRESETS)}")
+    options = {**PRESETS[preset], **({"seed": seed} if seed is not None else {}),
+               **({"steps": steps} if steps is not None else {}), **parse_set_options(set_ or [])}
     config = build_config(TrainConfig, options, owner="demo train")
     report = train(config, Path(output), log=lambda line: typer.echo(line), start_from=Path(from_) if from_ else None)
     typer.echo(f"wrote {output} (final curriculum level {report['final_level']}, {report['minutes']} min)")

@@ -63,17 +63,37 @@ LEVELS: tuple[tuple[int, int, int, int], ...] = (
 )
 
 
+ARCHS = ("mixtral", "deepseek_v3")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 2  # the shipped model's; see docs/demo_model.md for seeds 0 and 1
     steps: int = 4000
+    arch: str = "mixtral"  # or "deepseek_v3" (MLA, shared expert, grouped sigmoid routing)
     hidden: int = 128
     layers: int = 2
     heads: int = 4
-    kv_heads: int = 2
-    experts: int = 4
+    kv_heads: int = 2  # mixtral only (MLA's keys and values come from one latent per token)
+    experts: int = 4  # routed experts per MoE layer
     top_k: int = 2
     expert_intermediate: int = 64
+    # deepseek_v3 only: dense first layers (first_k_dense_replace) and their MLP width, shared
+    # experts (each expert_intermediate wide), group-limited routing, MLA dimensions (q_lora_rank
+    # 0: a full-rank query projection), the routed output's scale, and the auxiliary-loss-free
+    # balancing rate (e_score_correction_bias moves by this much per step, arXiv 2412.19437 2.1.2).
+    dense_layers: int = 1
+    dense_intermediate: int = 256
+    shared_experts: int = 1
+    n_group: int = 4
+    topk_group: int = 2
+    kv_lora_rank: int = 32
+    q_lora_rank: int = 0
+    qk_nope_dim: int = 16
+    qk_rope_dim: int = 16
+    v_head_dim: int = 32
+    routed_scaling: float = 2.5
+    bias_update_rate: float = 1e-3
     max_position: int = 2048
     lr: float = 1e-3
     warmup: int = 50
@@ -90,13 +110,16 @@ class TrainConfig:
     circuit_until: float = 0.9
     circuit_max_steps: int = 3000
     circuit_sequences: int = 32  # per task per step
+    # > 0: the curriculum stage ends this many steps after the circuit phase does (steps is then
+    # only an upper bound), so its length does not depend on when the lookup forms.
+    curriculum_steps: int = 0
     book_from_level: int = 0  # curriculum level at which closed-book questions join the mix
     questions_per_context: int = 4
     same_entity_share: float = 0.0  # > 0 needs two-token lookups (entity + attribute)
     advance_at: float = 0.9
     eval_every: int = 50
     eval_samples: int = 48
-    aux_loss_coef: float = 0.02
+    aux_loss_coef: float = 0.02  # mixtral: switch load-balancing loss; deepseek_v3: sequence-wise balance loss
     # Long-context stage, after the curriculum (fields named long_* / book_in_context_*).
     long_steps: int = 200
     long_rope_theta: float = 1e4  # unchanged; 1e6 extended the previous model's context
@@ -106,10 +129,31 @@ class TrainConfig:
     long_retrieval_tokens: int = 6144
     book_in_context_tokens: int = 1536  # closed-book questions after 30-700 tokens of unrelated context
 
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise HarnessError(f"demo train option arch={self.arch!r} is unknown; use one of {', '.join(ARCHS)}")
+
     def curriculum_fields(self) -> dict:
         """The settings that determine the curriculum stage's weights (evaluation settings do too:
         the level advances on held-out accuracy at each evaluation)."""
         return {k: v for k, v in asdict(self).items() if not k.startswith(("long_", "book_in_context_"))}
+
+
+# The bundled models' settings over TrainConfig's defaults (`pwbench demo train --preset NAME`).
+PRESETS: dict[str, dict] = {
+    "demo": {},  # engines/demo_model: Mixtral, 2 layers x 4 experts, top-2
+    "demo-fine": {  # engines/demo_fine_model: DeepSeek-V3, fine-grained experts (docs/demo_model.md)
+        "arch": "deepseek_v3", "layers": 3, "dense_layers": 1, "experts": 16, "top_k": 4, "n_group": 4,
+        "topk_group": 2, "shared_experts": 1, "expert_intermediate": 32, "dense_intermediate": 256,
+        "kv_lora_rank": 32, "q_lora_rank": 0, "qk_nope_dim": 16, "qk_rope_dim": 16, "v_head_dim": 32,
+        "aux_loss_coef": 1e-4,
+        # Sized to the ~70 minutes one run could have on a shared 2-core machine (1 thread):
+        # a shorter curriculum, half the recall tokens per step, smaller held-out sets, no
+        # long-context stage (docs/demo_model.md has what that costs).
+        "steps": 1650, "circuit_max_steps": 1200, "curriculum_steps": 450, "retrieval_tokens": 3072,
+        "eval_samples": 32, "long_steps": 0,
+    },
+}
 
 
 def encode(sample: Sample) -> tuple[list[int], list[int]]:
@@ -152,22 +196,39 @@ def fill(make: Callable[[], Sample], budget: int) -> list[tuple[list[int], list[
 
 
 def build_model(cfg: TrainConfig):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
     lang = demo_language()
-    mc = MixtralConfig(
-        vocab_size=len(lang.vocab), hidden_size=cfg.hidden, intermediate_size=cfg.expert_intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        num_local_experts=cfg.experts, num_experts_per_tok=cfg.top_k, max_position_embeddings=cfg.max_position,
-        tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, router_aux_loss_coef=cfg.aux_loss_coef,
-    )
+    common = dict(vocab_size=len(lang.vocab), hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_experts_per_tok=cfg.top_k,
+                  max_position_embeddings=cfg.max_position,
+                  tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if cfg.arch == "deepseek_v3":
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        _check_deepseek(cfg)
+        mc = DeepseekV3Config(
+            **common, num_key_value_heads=cfg.heads, intermediate_size=cfg.dense_intermediate,
+            moe_intermediate_size=cfg.expert_intermediate, n_routed_experts=cfg.experts,
+            n_shared_experts=cfg.shared_experts, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            first_k_dense_replace=cfg.dense_layers, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank or None,
+            qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim,
+            routed_scaling_factor=cfg.routed_scaling, norm_topk_prob=True,
+        )
+        model_cls = DeepseekV3ForCausalLM
+    elif cfg.arch == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        mc = MixtralConfig(**common, intermediate_size=cfg.expert_intermediate, num_key_value_heads=cfg.kv_heads,
+                           num_local_experts=cfg.experts, router_aux_loss_coef=cfg.aux_loss_coef)
+        model_cls = MixtralForCausalLM
+    else:
+        raise HarnessError(f"demo train option arch={cfg.arch!r} is unknown; use one of {', '.join(ARCHS)}")
     torch.manual_seed(cfg.seed)
-    model = MixtralForCausalLM(mc)
+    model = model_cls(mc)
     if cfg.embed_offset:
-        # Mixtral's attention has no biases and RMSNorm no shift, so with RoPE a head can only
-        # attend by relative position (the previous-token head that recall composes with) once
-        # its inputs share a constant direction (a point made in C. Wendler's note on RoPE,
+        # Neither Mixtral's attention nor MLA has biases, and RMSNorm no shift, so with RoPE a head
+        # can only attend by relative position (the previous-token head that recall composes with)
+        # once its inputs share a constant direction (a point made in C. Wendler's note on RoPE,
         # wendlerc.github.io/notes/rope.html). At init they do not. In the trial replica, the
         # lookup formed in ~500 steps with this offset and the skip task, and not in 1,500
         # steps with either alone. Every row gets the same vector, so through the tied output
@@ -178,6 +239,82 @@ def build_model(cfg: TrainConfig):
         with torch.no_grad():
             model.model.embed_tokens.weight += scale * direction / direction.norm()
     return model
+
+
+def _check_deepseek(cfg: TrainConfig) -> None:
+    """Group-limited routing needs equal groups of at least two experts (a group's score is its
+    top two) and enough experts in the chosen groups for top_k."""
+    if cfg.n_group < 1 or cfg.experts % cfg.n_group or cfg.experts // cfg.n_group < 2:
+        raise HarnessError(f"demo train: experts={cfg.experts} must split into n_group={cfg.n_group} equal groups "
+                           f"of at least 2; pick n_group dividing experts")
+    if not 1 <= cfg.topk_group <= cfg.n_group or cfg.topk_group * (cfg.experts // cfg.n_group) < cfg.top_k:
+        raise HarnessError(f"demo train: topk_group={cfg.topk_group} groups of {cfg.experts // cfg.n_group} experts "
+                           f"cannot hold top_k={cfg.top_k}; raise topk_group (at most n_group={cfg.n_group})")
+    if not 0 <= cfg.dense_layers < cfg.layers:
+        raise HarnessError(f"demo train: dense_layers={cfg.dense_layers} must leave a MoE layer among "
+                           f"layers={cfg.layers}")
+
+
+def model_class(arch: str):
+    from transformers import DeepseekV3ForCausalLM, MixtralForCausalLM
+
+    return DeepseekV3ForCausalLM if arch == "deepseek_v3" else MixtralForCausalLM
+
+
+class RouterTap:
+    """Forward hooks on every DeepSeek-V3 router (`mlp.gate`, a DeepseekV3TopkRouter, which returns
+    (router_logits, topk_weights, topk_indices)): in training mode each call's logits and top-k
+    choices are kept for the balance loss, and the step's per-expert token counts for the bias
+    update. transformers' model returns no router outputs for this architecture's training path."""
+
+    def __init__(self, model):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+        self.gates = [m for m in model.modules() if isinstance(m, DeepseekV3TopkRouter)]
+        self.records: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.loads = [torch.zeros(g.e_score_correction_bias.numel()) for g in self.gates]
+        for i, gate in enumerate(self.gates):
+            gate.register_forward_hook(lambda module, _args, out, i=i: self._keep(module, i, out))
+
+    def _keep(self, module, i: int, out) -> None:
+        if module.training:
+            self.records.append((i, out[0], out[2]))
+
+    def take(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        records, self.records = self.records, []
+        return records
+
+
+def router_tap(model) -> RouterTap:
+    if getattr(model, "_pwbench_router_tap", None) is None:
+        model._pwbench_router_tap = RouterTap(model)
+    return model._pwbench_router_tap
+
+
+def sequence_balance_loss(logits: torch.Tensor, chosen: torch.Tensor, attn: torch.Tensor, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (arXiv 2412.19437 eq. 17-19) before its weight:
+    per sequence, sum_i f_i P_i, f_i = E / (K T) * tokens routed to expert i, P_i = mean over the
+    sequence of expert i's normalized sigmoid score; 1 when balanced; averaged over sequences.
+    logits (B*T, E), chosen (B*T, K) expert ids, attn (B, T) with 0 on padding."""
+    b, t = attn.shape
+    e = logits.shape[-1]
+    scores = logits.view(b, t, e).sigmoid()
+    probs = scores / scores.sum(-1, keepdim=True)
+    mask = attn.unsqueeze(-1).to(probs.dtype)  # B T 1
+    tokens = mask.sum(1)  # B 1
+    routed = F.one_hot(chosen.view(b, t, -1), e).sum(2).to(probs.dtype)  # B T E
+    f = e / top_k * (routed * mask).sum(1) / tokens
+    p = (probs * mask).sum(1) / tokens
+    return (f * p).sum(-1).mean()
+
+
+@torch.no_grad()
+def update_router_bias(tap: RouterTap, rate: float) -> None:
+    """Auxiliary-loss-free balancing: after each step, raise the bias of every expert that got
+    fewer tokens than the layer's mean and lower it for those that got more, by `rate`."""
+    for gate, load in zip(tap.gates, tap.loads):
+        gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()
 
 
 def pairs_recall(rng: random.Random, n: int) -> Sample:
@@ -249,16 +386,29 @@ def token_accuracy(model, batch: list[tuple[list[int], list[int]]]) -> float:
 
 def forward_loss(model, batch, aux_coef: float) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(summed cross-entropy over answer tokens, their count, router load-balancing loss)."""
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
     ids, attn, target = collate(batch)
-    out = model.model(input_ids=ids, attention_mask=attn, output_router_logits=True)
+    deepseek = model.config.model_type == "deepseek_v3"
+    if deepseek:
+        tap = router_tap(model)
+        tap.take()
+        out = model.model(input_ids=ids, attention_mask=attn)
+    else:
+        out = model.model(input_ids=ids, attention_mask=attn, output_router_logits=True)
     # Predict token t+1 at position t: the hidden state before each answer token.
     pick = target[:, 1:]
     logits = model.lm_head(out.last_hidden_state[:, :-1][pick])
     ce = F.cross_entropy(logits, ids[:, 1:][pick], reduction="sum")
-    aux = load_balancing_loss_func(out.router_logits, model.config.num_local_experts, model.config.num_experts_per_tok,
-                                   attn)
+    if deepseek:
+        records = tap.take()
+        k, keep = model.config.num_experts_per_tok, attn.reshape(-1).bool()
+        for i, _, chosen in records:  # the step's load per expert, padding excluded
+            tap.loads[i] += torch.bincount(chosen[keep].reshape(-1), minlength=tap.loads[i].numel()).float()
+        aux = sum(sequence_balance_loss(lg, ch, attn, k) for _, lg, ch in records) / max(1, len(records))
+    else:
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        aux = load_balancing_loss_func(out.router_logits, model.config.num_local_experts,
+                                       model.config.num_experts_per_tok, attn)
     return ce, int(pick.sum()), aux_coef * aux
 
 
@@ -309,8 +459,6 @@ def train(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None] = print, s
 
 
 def _load_curriculum(cfg: TrainConfig, folder: Path):
-    from transformers import MixtralForCausalLM
-
     path = Path(folder) / "training.json"
     if not path.is_file():
         raise HarnessError(f"{folder} has no training.json; --from needs a folder written by `pwbench demo train`")
@@ -319,20 +467,31 @@ def _load_curriculum(cfg: TrainConfig, folder: Path):
         config, curve, level = report["config"], report["curve"], report["final_level"]
     except (ValueError, KeyError, TypeError) as exc:
         raise HarnessError(f"{path} is not a `pwbench demo train` report ({exc!r}); train from scratch") from None
-    differ = sorted(k for k, v in cfg.curriculum_fields().items() if config.get(k) != v)
+    defaults = TrainConfig().curriculum_fields()  # a report from before a field existed ran with its default
+    differ = sorted(k for k, v in cfg.curriculum_fields().items() if config.get(k, defaults[k]) != v)
     if differ:
         raise HarnessError(f"{path}: curriculum settings differ from this run's ({', '.join(differ)}); "
                            f"pass the same --set values or train from scratch")
     if any(p.get("stage") == "long_context" for p in curve):
         raise HarnessError(f"{folder} already went through the long-context stage; pass a curriculum "
                            f"checkpoint (a run with --set long_steps=0)")
-    if not curve or curve[-1]["step"] != cfg.steps:
-        raise HarnessError(f"{path}: the curriculum stage did not finish ({cfg.steps} steps); train from scratch")
+    if not curve or curve[-1]["step"] != _curriculum_end(cfg, curve):
+        raise HarnessError(f"{path}: the curriculum stage did not finish ({_curriculum_end(cfg, curve)} steps); "
+                           f"train from scratch")
     try:
-        model = MixtralForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+        model = model_class(cfg.arch).from_pretrained(folder, dtype=torch.float32)
     except (OSError, ValueError) as exc:
         raise HarnessError(f"{folder}: cannot load the curriculum model ({exc}); train from scratch") from None
     return model, curve, level
+
+
+def _curriculum_end(cfg: TrainConfig, curve: list[dict]) -> int:
+    """The step the curriculum stage ends at: `steps`, or with `curriculum_steps` that many after
+    the last circuit-phase point (the phase ends at an evaluation)."""
+    circuit = [p["step"] for p in curve if p.get("phase") == "circuit"]
+    if not cfg.curriculum_steps or (cfg.circuit_max_steps > 0 and not circuit):
+        return cfg.steps
+    return min(cfg.steps, (circuit[-1] if circuit else 0) + cfg.curriculum_steps)
 
 
 def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0: float):
@@ -349,9 +508,12 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
     kv_rng = random.Random(cfg.seed + 30_000)
     kv_eval = [kv_recall_ids(kv_rng, 8) for _ in range(64)]
     level, curve, circuit = 0, [], cfg.circuit_max_steps > 0
-    for step in range(cfg.steps):
+    end = cfg.steps if circuit or not cfg.curriculum_steps else min(cfg.steps, cfg.curriculum_steps)
+    step = -1
+    while step + 1 < end:
+        step += 1
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg.lr, cfg.steps, cfg.warmup, cfg.decay_frac)
+            group["lr"] = lr_at(step, cfg.lr, end, cfg.warmup, cfg.decay_frac)
         # Replay: a quarter of retrieval samples come from easier levels.
         def retrieval() -> Sample:
             lvl = rng.randint(0, level) if rng.random() < 0.25 else level
@@ -367,8 +529,8 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
             }
             if level >= cfg.book_from_level:
                 streams["book"] = fill(lambda: closed_book(rng, 8), cfg.book_tokens)
-        parts = _step(model, opt, streams, cfg.aux_loss_coef)
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        parts = _step(model, opt, streams, cfg)
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == end:
             head = {"step": step + 1, "minutes": round((time.perf_counter() - t0) / 60, 2), "level": level,
                     **({"phase": "circuit"} if circuit else {})}
             point = _measure(model, head, parts, {
@@ -378,6 +540,8 @@ def _curriculum(cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], t0:
             log(json.dumps(point))
             if circuit:
                 circuit = point["kv8_acc"] < cfg.circuit_until and step + 1 < cfg.circuit_max_steps
+                if not circuit and cfg.curriculum_steps:
+                    end = min(cfg.steps, step + 1 + cfg.curriculum_steps)
             elif point["retrieval_acc"] >= cfg.advance_at and level < len(LEVELS) - 1:
                 level += 1
             _save(model, out_dir, cfg, curve, level, t0, final=False)
@@ -401,15 +565,18 @@ def _measure(model, head: dict, parts: dict[str, tuple], sets: dict[str, list[Sa
     return point
 
 
-def _step(model, opt, streams: dict[str, list], aux_coef: float) -> dict[str, tuple]:
-    """One optimizer step on the mean loss over every answer token of every stream."""
-    parts = {name: forward_loss(model, batch, aux_coef) for name, batch in streams.items()}
+def _step(model, opt, streams: dict[str, list], cfg: TrainConfig) -> dict[str, tuple]:
+    """One optimizer step on the mean loss over every answer token of every stream (deepseek_v3:
+    then the routers' bias update from the step's expert loads)."""
+    parts = {name: forward_loss(model, batch, cfg.aux_loss_coef) for name, batch in streams.items()}
     targets = sum(n for _, n, _ in parts.values())
     loss = sum(ce for ce, _, _ in parts.values()) / targets + sum(aux for _, _, aux in parts.values())
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if model.config.model_type == "deepseek_v3":
+        update_router_bias(router_tap(model), cfg.bias_update_rate)
     return parts
 
 
@@ -421,10 +588,8 @@ def book_in_context(rng: random.Random, questions: int, cfg: TrainConfig) -> Sam
 
 
 def set_rope_theta(model, theta: float) -> None:
-    from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
-
     model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": theta}
-    model.model.rotary_emb = MixtralRotaryEmbedding(config=model.config)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # the architecture's own class
 
 
 def _long_context(model, cfg: TrainConfig, out_dir: Path, log: Callable[[str], None], done: list, level: int,
@@ -462,7 +627,7 @@ def _long_context(model, cfg: TrainConfig, out_dir: Path, log: Callable[[str], N
             "book": fill(lambda: closed_book(rng, 8), cfg.book_tokens),
             "book_in_context": fill(lambda: book_in_context(rng, 4, cfg), cfg.book_in_context_tokens),
         }
-        parts = _step(model, opt, streams, cfg.aux_loss_coef)
+        parts = _step(model, opt, streams, cfg)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.long_steps:
             head = {"stage": "long_context", "step": cfg.steps + step + 1,
                     "minutes": round((time.perf_counter() - t0) / 60, 2)}
