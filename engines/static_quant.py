@@ -4,7 +4,9 @@ quantized before serving and kept resident on the device (the static-quantizatio
 Given a quantized folder (GPTQ, AWQ or compressed-tensors) they serve it as stored, refusing
 one quantized with another method; a gpt-oss folder with MXFP4 experts (the released format)
 is served as stored by any of them, its experts kept in MXFP4 on the device. gpt-oss experts
-quantized here keep their biases and the clamped SwiGLU exact. Given a full-precision folder and `--set bits=N` they
+quantized here keep their biases and the clamped SwiGLU exact. A group_size that does not divide
+the expert widths becomes the largest supported one that does, else one group per row (GPTQ's
+-1), and the run's notes say so. Given a full-precision folder and `--set bits=N` they
 quantize it at start with their method into ~/.cache/pwbench/quantized/<method>-<hash of
 model, method, options> ($PWBENCH_CACHE or `cache_dir` move it) and reuse that folder next
 time; the engine always serves what was read back from disk, so a first run and a cached run
@@ -29,6 +31,7 @@ from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
 from engines.quant.hf_format import MXFP4_SCHEME, read_scheme
 from engines.quant.load import QuantizedLoad, load_mxfp4_folder, load_quantized_weights, quantized_backend
+from engines.quant.qweight import PER_ROW, SUPPORTED_GROUP_SIZES
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
 from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, resident_parts
 from engines.runtime.mxfp4 import is_mxfp4
@@ -60,6 +63,7 @@ class StaticQuantEngine(RuntimeEngine):
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         self.device, self.dtype, ledger = device, dtype, TransferLedger(device)
+        self.group_note: str | None = None
         source = open_checkpoint(cfg.model)
         self.check_model(source.config)
         folder, self.quantized_at_start = self._quantized_folder(source)
@@ -75,6 +79,8 @@ class StaticQuantEngine(RuntimeEngine):
     def build(self, cfg: StaticQuantConfig, loaded: Loaded) -> EngineParts:
         s = self.quantized.scheme
         parts = resident_parts(cfg, loaded, loaded.backend)
+        if self.group_note:
+            parts.notes.append(self.group_note)
         # Non-expert layers stored quantized run dequantized at the model dtype.
         parts.info_config = {"quantization": {
             "method": self.method, "format": s.fmt, "bits": s.bits, "group_size": s.group_size, "sym": s.symmetric,
@@ -104,7 +110,9 @@ class StaticQuantEngine(RuntimeEngine):
                 f"engine {self.name} needs a quantized model folder (quantization_config in config.json) or "
                 f"--set bits=N (2, 3, 4 or 8) to quantize the full-precision folder {src.path} at start"
             )
-        options = QuantizeOptions(self.method, cfg.bits, cfg.group_size, cfg.sym, cfg.act_order, cfg.damp_percent)
+        group_size, self.group_note = fit_group_size(cfg.group_size, (src.config.hidden_size,
+                                                                      src.config.moe_intermediate_size))
+        options = QuantizeOptions(self.method, cfg.bits, group_size, cfg.sym, cfg.act_order, cfg.damp_percent)
         fmt = self._cache_format(src, options)
         folder = self._cache_root() / f"{self.method}-{self._cache_key(src, options, fmt)}"
         if (folder / "config.json").is_file():
@@ -127,7 +135,8 @@ class StaticQuantEngine(RuntimeEngine):
         """The method's own format where it can hold these weights, else GPTQ's."""
         fmt = DEFAULT_FORMAT[self.method]
         mc = src.config
-        if fmt == "awq" and (options.bits not in AWQ_BITS or mc.hidden_size % 8 or mc.moe_intermediate_size % 8):
+        if fmt == "awq" and (options.bits not in AWQ_BITS or mc.hidden_size % 8 or mc.moe_intermediate_size % 8
+                             or options.group_size == PER_ROW):
             return "gptq"
         return fmt
 
@@ -156,6 +165,20 @@ class StaticQuantEngine(RuntimeEngine):
                 f"{ckpt.path} holds {method}-quantized weights; engine {self.name} serves {self.method} "
                 f"weights: use --engine static-{method}"
             )
+
+
+def fit_group_size(requested: int, widths: tuple[int, int]) -> tuple[int, str | None]:
+    """The group size for experts whose input widths are `widths` (D, I) and a note when it is not
+    `requested`: the largest supported size dividing both, else one group per row (PER_ROW)."""
+    if requested not in SUPPORTED_GROUP_SIZES:
+        raise EngineError(f"group_size must be one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))}, got {requested}")
+    if all(w % requested == 0 for w in widths):
+        return requested, None
+    what = f"group_size {requested} does not divide the expert widths {widths[0]}/{widths[1]}"
+    fits = [g for g in sorted(SUPPORTED_GROUP_SIZES, reverse=True) if all(w % g == 0 for w in widths)]
+    if fits:
+        return fits[0], f"{what}: experts quantized with group_size {fits[0]}"
+    return PER_ROW, f"{what}, nor does any supported size: experts quantized with one group per row (-1)"
 
 
 class StaticGPTQEngine(StaticQuantEngine):

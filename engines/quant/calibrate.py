@@ -32,6 +32,7 @@ from engines.quant.gptq import gptq_quantize, hessian
 from engines.quant.hf_format import SCALE_DTYPE
 from engines.quant.ops import fused_moe
 from engines.quant.qweight import (
+    PER_ROW,
     SUPPORTED_GROUP_SIZES,
     QuantFormatError,
     QuantizedExperts,
@@ -40,6 +41,7 @@ from engines.quant.qweight import (
     dequantize,
     quantize_experts,
     quantize_rtn,
+    resolve_group,
     stack,
 )
 from engines.runtime.attention import AttentionBatch, PrefillSegment
@@ -71,9 +73,9 @@ class QuantizeOptions:
         if self.method not in METHODS:
             raise QuantFormatError(f"method {self.method!r} is not supported; supported: {', '.join(METHODS)}")
         check_bits(self.bits, "quantize")
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise QuantFormatError(f"quantize: group_size must be one of {SUPPORTED_GROUP_SIZES}, "
-                                   f"got {self.group_size}")
+        if self.group_size not in (*SUPPORTED_GROUP_SIZES, PER_ROW):
+            raise QuantFormatError(f"quantize: group_size must be one of {SUPPORTED_GROUP_SIZES} or {PER_ROW} "
+                                   f"(one group per row), got {self.group_size}")
         if self.act_order and self.method != "gptq":
             raise QuantFormatError(f"act_order applies to method gptq only, not {self.method}")
         if not 0 <= self.damp_percent < 1:
@@ -175,7 +177,9 @@ class LayerQuantizer(StackedBackend):
     def _awq(self, h: Tensor, d: Dispatch, dense: DenseExperts,
              tokens: list[Tensor]) -> tuple[QuantizedExperts, Tensor, float]:
         o = self.options
-        qargs = (o.bits, o.group_size, o.symmetric)
+        inter, hidden = dense.down.shape[-1], dense.down.shape[-2]
+        qargs = (o.bits, resolve_group(o.group_size, hidden), o.symmetric)  # gate_up's inputs: D
+        dargs = (o.bits, resolve_group(o.group_size, inter), o.symmetric)  # down's inputs: I
         hf, down_fp = h.float(), dense.down.float()
         biases = [None if b is None else b.float() for b in (dense.gate_up_bias, dense.down_bias)]
 
@@ -190,18 +194,17 @@ class LayerQuantizer(StackedBackend):
         choice = search_scale(act_scale(hf), block_loss, o.awq_grid)
         s = choice.scale
         gate_up, down = dense.gate_up.float() * s, down_fp.clone()
-        inter = down.shape[-1]
         for e, rows in enumerate(tokens):
             x = hf[rows]
             a = _activation(x, dense.gate_up[e].float(), dense, e)
             if dense.clamp is None:  # a scales with up's rows only without the clamp (see the docstring)
-                c = search_scale(act_scale(a), linear_loss(a, down[e], *qargs), o.awq_grid).scale
+                c = search_scale(act_scale(a), linear_loss(a, down[e], *dargs), o.awq_grid).scale
                 down[e] *= c
                 gate_up[e, inter:] /= c[:, None]  # up's output rows feed down's input channels
                 a = a / c
             gate_up[e] = search_clip(x / s, gate_up[e], *qargs, grid=o.awq_grid)
-            down[e] = search_clip(a, down[e], *qargs, grid=o.awq_grid)
-        q = QuantizedExperts(quantize_rtn(gate_up, *qargs, SCALE_DTYPE), quantize_rtn(down, *qargs, SCALE_DTYPE),
+            down[e] = search_clip(a, down[e], *dargs, grid=o.awq_grid)
+        q = QuantizedExperts(quantize_rtn(gate_up, *qargs, SCALE_DTYPE), quantize_rtn(down, *dargs, SCALE_DTYPE),
                              dense.gate_up_bias, dense.down_bias, dense.clamp)
         return q, s, choice.alpha
 

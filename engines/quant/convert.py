@@ -22,6 +22,7 @@ from engines.quant.qweight import (
     pack,
     pack_bits,
     packed_words,
+    resolve_group,
     unpack,
     unpack_bits,
 )
@@ -92,6 +93,7 @@ def from_gptq(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor | N
     check_bits(bits, name)
     inp = _in_features(qweight.shape[0], bits, f"{name}.qweight")
     check_scheme(bits, group_size, inp, name)
+    group_size = resolve_group(group_size, inp)
     groups = inp // group_size
     expect_tensor(qweight, (inp * bits // 32, out), f"{name}.qweight", (torch.int32,))
     expect_tensor(qzeros, (groups, packed_words(out, bits)), f"{name}.qzeros", (torch.int32,))
@@ -217,6 +219,7 @@ def from_compressed_tensors(weight_packed: Tensor, weight_scale: Tensor, weight_
     expect_tensor(weight_shape, (2,), f"{name}.weight_shape", INT_DTYPES)
     out, inp = (int(v) for v in weight_shape.tolist())
     check_scheme(bits, group_size, inp, name)
+    group_size = resolve_group(group_size, inp)
     groups = inp // group_size
     if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2 or weight_packed.shape[0] != out:
         raise QuantFormatError(f"{name}.weight_packed: expected int32 [{out}, {packed_words(inp, bits)}], "

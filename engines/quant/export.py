@@ -40,6 +40,7 @@ from engines.common.folders import REPORT_FILE
 from engines.quant.calibrate import LayerReport, QuantizedModel, QuantizeOptions, check_model, quantize_model
 from engines.quant.convert import AWQ_BITS
 from engines.quant.hf_format import FORMATS, FolderScheme, quantization_config, rows, write_linear
+from engines.quant.qweight import PER_ROW
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
 from engines.runtime.transfer import TransferLedger
 
@@ -62,6 +63,9 @@ def folder_scheme(options: QuantizeOptions, fmt: str | None) -> FolderScheme:
     if fmt == "awq" and options.bits not in AWQ_BITS:
         raise EngineError(f"AWQ checkpoints hold {'/'.join(map(str, AWQ_BITS))}-bit weights only, got bits "
                           f"{options.bits}; use --format gptq or compressed-tensors")
+    if fmt == "awq" and options.group_size == PER_ROW:
+        raise EngineError("AWQ checkpoints here hold group sizes 32/64/128; one group per row (-1) needs --format gptq "
+                          "or compressed-tensors")
     if fmt == "awq" and options.act_order:
         raise EngineError("AWQ checkpoints have no act-order g_idx; use --format gptq or compressed-tensors")
     # GPTQ zero points: asymmetric layers go out as gptq_v2 (zero as is), symmetric ones as v1

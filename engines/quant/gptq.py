@@ -15,7 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engines.quant.qweight import QuantFormatError, QuantizedWeight, check_scheme, pack, quantize_rtn, unpack
+from engines.quant.qweight import (
+    QuantFormatError,
+    QuantizedWeight,
+    check_scheme,
+    pack,
+    quantize_rtn,
+    resolve_group,
+    unpack,
+)
 
 # Columns updated together before the lazy update of the rest (the reference's 128).
 BLOCK_COLUMNS = 128
@@ -65,6 +73,7 @@ def gptq_quantize(w: Tensor, h: Tensor, bits: int, group_size: int, symmetric: b
     """
     out, inp = w.shape
     check_scheme(bits, group_size, inp, "gptq")
+    group_size = resolve_group(group_size, inp)
     if h.shape != (inp, inp):
         raise QuantFormatError(f"gptq: Hessian must be [{inp}, {inp}] for a [{out}, {inp}] weight, got {list(h.shape)}")
     if not 0 <= damp_percent < 1:

@@ -26,7 +26,7 @@ from engines.quant.convert import (
     to_compressed_tensors,
     to_gptq,
 )
-from engines.quant.qweight import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantFormatError, QuantizedWeight
+from engines.quant.qweight import PER_ROW, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantFormatError, QuantizedWeight
 
 FORMATS = ("gptq", "awq", "compressed-tensors")
 AWQ_VERSIONS = ("gemm",)
@@ -86,8 +86,9 @@ def read_scheme(qc: Mapping[str, Any] | None, source: str) -> FolderScheme:
     where = f"{source}: quantization_config"
     if method == "compressed-tensors":
         return _read_compressed_tensors(qc, where)
-    # AutoGPTQ and AutoAWQ default to group size 128 when the key is absent.
-    group_size = _check_int(_field(qc, "group_size", 128), f"{where}.group_size", SUPPORTED_GROUP_SIZES)
+    # AutoGPTQ and AutoAWQ default to group size 128 when the key is absent; GPTQ's -1 is per row.
+    sizes = SUPPORTED_GROUP_SIZES + ((PER_ROW,) if method == "gptq" else ())
+    group_size = _check_int(_field(qc, "group_size", 128), f"{where}.group_size", sizes)
     if method == "awq":
         bits = _check_int(_field(qc, "bits", 4), f"{where}.bits", AWQ_BITS)
         version = str(_field(qc, "version", "gemm")).lower()
@@ -118,11 +119,13 @@ def _read_compressed_tensors(qc: Mapping[str, Any], where: str) -> FolderScheme:
     fmt = _field(qc, "format", None) or next(iter(groups.values())).get("format")
     if fmt not in CT_FORMATS:
         raise QuantFormatError(f"{where}.format {fmt!r} is not supported; supported: {', '.join(CT_FORMATS)}")
-    if _field(w, "type", "int") != "int" or _field(w, "strategy", "group") != "group":
+    strategy = _field(w, "strategy", "group")
+    if _field(w, "type", "int") != "int" or strategy not in ("group", "channel"):
         raise QuantFormatError(f"{where} weights type {w.get('type')!r} strategy {w.get('strategy')!r} is not "
-                               "supported; supported: type int, strategy group")
+                               "supported; supported: type int, strategy group or channel")
     bits = _check_int(_field(w, "num_bits", None), f"{where} weights.num_bits", SUPPORTED_BITS)
-    group_size = _check_int(_field(w, "group_size", None), f"{where} weights.group_size", SUPPORTED_GROUP_SIZES)
+    group_size = PER_ROW if strategy == "channel" else _check_int(
+        _field(w, "group_size", None), f"{where} weights.group_size", SUPPORTED_GROUP_SIZES)
     return FolderScheme("compressed-tensors", bits, group_size, bool(_field(w, "symmetric", True)),
                         _field(w, "actorder", None) is not None)
 
@@ -213,8 +216,10 @@ def quantization_config(scheme: FolderScheme, expert_modules: list[str], extra: 
             "modules_to_not_convert": ["self_attn", "mlp.gate", "mlp.router", "shared_expert", "lm_head"],
             "dynamic": only_experts_dynamic(expert_modules),
         }
-    weights = {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.symmetric, "strategy": "group",
-               "group_size": scheme.group_size, "actorder": "group" if scheme.act_order else None,
+    per_row = scheme.group_size == PER_ROW
+    weights = {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.symmetric,
+               "strategy": "channel" if per_row else "group", "group_size": None if per_row else scheme.group_size,
+               "actorder": "group" if scheme.act_order else None,
                "dynamic": False, "observer": "minmax", "block_structure": None}
     return {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",

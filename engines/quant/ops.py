@@ -5,7 +5,9 @@ experts (engines/runtime/mxfp4.py's Mxfp4Experts), either with per-expert biases
 Triton (triton_kernels.py) when CUDA is available, the torch references below otherwise; the
 environment variable PWBENCH_KERNELS=torch|triton overrides, and TRITON_INTERPRET=1 lets
 `triton` run on CPU tensors (slowly: tests only). The references are also the kernels' test
-oracle. Inputs are checked once here for both; triton is imported only on its path.
+oracle. Inputs are checked once here for both; triton is imported only on its path. Weights
+quantized one group per row of an odd width (not a multiple of the kernel's K tiles) always take
+the torch path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from torch import Tensor
 
 from engines.base import EngineError
 from engines.quant.configs import interpreting
-from engines.quant.qweight import QuantFormatError, QuantizedExperts, QuantizedWeight, dequantize
+from engines.quant.qweight import (
+    SUPPORTED_GROUP_SIZES,
+    QuantFormatError,
+    QuantizedExperts,
+    QuantizedWeight,
+    dequantize,
+)
 from engines.runtime.experts import Dispatch, grouped_swiglu
 from engines.runtime.mxfp4 import Mxfp4Experts, Mxfp4Weight, mxfp4_moe_reference
 from engines.runtime.weights import DenseExperts
@@ -96,13 +104,18 @@ def _check_device(x: Tensor, qw: QuantizedWeight | Mxfp4Weight, what: str) -> No
         raise QuantFormatError(f"{what}: x is on {x.device} but the weight is on {qw.device}")
 
 
+def _tiles(w: QuantizedWeight | Mxfp4Weight) -> bool:
+    """Whether the Triton kernel takes w: its K steps never cross a group (MXFP4's 32 always fit)."""
+    return isinstance(w, Mxfp4Weight) or w.group_size in SUPPORTED_GROUP_SIZES
+
+
 def dequant_matmul(x: Tensor, qw: QuantizedWeight) -> Tensor:
     """x [T, in] @ dequantize(qw)^T -> [T, out] in x's dtype; qw is one matrix [out, in]."""
     if qw.lead:
         raise QuantFormatError(f"dequant_matmul: expects one matrix, got a stack {list(qw.lead)}")
     _check_x(x, qw.shape[1], "dequant_matmul")
     _check_device(x, qw, "dequant_matmul")
-    if kernel_impl() == "triton":
+    if kernel_impl() == "triton" and _tiles(qw):
         from engines.quant import triton_kernels  # noqa: PLC0415  (Triton only on this path)
 
         return triton_kernels.dequant_matmul(x, qw)
@@ -135,7 +148,7 @@ def fused_moe(x: Tensor, dispatch: Dispatch, experts: QuantizedExperts | Mxfp4Ex
             f"fused_moe: dispatch has {len(dispatch.counts)} expert counts summing to {sum(dispatch.counts)}, "
             f"{n} token indices and {dispatch.weights.numel()} weights; the layer has {experts.num_experts} experts"
         )
-    if kernel_impl() == "triton":
+    if kernel_impl() == "triton" and _tiles(experts.gate_up) and _tiles(experts.down):
         from engines.quant import triton_kernels  # noqa: PLC0415
 
         return triton_kernels.fused_moe(x, dispatch, experts)

@@ -21,6 +21,8 @@ from engines.runtime.weights import DenseExperts
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+# group_size PER_ROW (GPTQ's -1): one group spanning each row, for widths no supported size divides.
+PER_ROW = -1
 # A group whose weights are all equal has max - min = 0; keep its scale finite (as rtn.py does).
 MIN_SCALE = 1e-10
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -94,9 +96,18 @@ def check_bits(bits: int, name: str) -> None:
         raise QuantFormatError(f"{name}: bits must be one of {SUPPORTED_BITS}, got {bits}")
 
 
+def resolve_group(group_size: int, in_features: int) -> int:
+    """The inputs per group of a matrix `in_features` wide (PER_ROW: all of them)."""
+    return in_features if group_size == PER_ROW else group_size
+
+
 def check_scheme(bits: int, group_size: int, in_features: int, name: str) -> None:
-    """Raise QuantFormatError unless (bits, group_size) is supported and divides `in_features`."""
+    """Raise QuantFormatError unless (bits, group_size) is supported and divides `in_features`
+    (a group as wide as the row, or PER_ROW, is always allowed where the codes fill whole words)."""
     check_bits(bits, name)
+    group_size = resolve_group(group_size, in_features)
+    if group_size == in_features and in_features * bits % 32 == 0:
+        return
     if group_size not in SUPPORTED_GROUP_SIZES:
         raise QuantFormatError(f"{name}: group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
     if in_features % group_size:
@@ -242,6 +253,7 @@ def quantize_rtn(w: Tensor, bits: int, group_size: int, symmetric: bool = False,
     agree on every group that holds both signs, which is all but degenerate groups in practice.
     """
     check_scheme(bits, group_size, w.shape[-1], "quantize_rtn")
+    group_size = resolve_group(group_size, w.shape[-1])
     g = w.float().reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1

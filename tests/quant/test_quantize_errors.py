@@ -97,7 +97,7 @@ def test_missing_quantized_tensor_is_named(damaged):
 @pytest.mark.parametrize("change, fragments", [
     ({"quant_method": "bitsandbytes"}, ["'bitsandbytes'", "gptq, awq, compressed-tensors"]),
     ({"bits": 5}, ["bits 5", "2, 3, 4, 8"]),
-    ({"group_size": -1}, ["group_size -1", "32, 64, 128"]),
+    ({"group_size": 16}, ["group_size 16", "32, 64, 128, -1"]),  # -1: GPTQ's one group per row
     ({"checkpoint_format": "marlin"}, ["'marlin'", "gptq, gptq_v2"]),
 ])
 def test_bad_quantization_config(damaged, change, fragments):
