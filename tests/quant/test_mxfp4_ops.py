@@ -15,7 +15,7 @@ import torch
 
 from engines.quant.ops import fused_moe, fused_moe_reference, mxfp4_matmul, mxfp4_matmul_reference
 from engines.quant.qweight import QuantizedExperts, dequantize, quantize_rtn
-from engines.runtime.experts import dispatch, grouped_swiglu, swiglu
+from engines.runtime.experts import Dispatch, dispatch, grouped_swiglu, swiglu
 from engines.runtime.mxfp4 import (
     Mxfp4Expert,
     Mxfp4Experts,
@@ -27,6 +27,21 @@ from engines.runtime.mxfp4 import (
 
 E, I, D, T, A = 3, 32, 64, 6, 2
 CLAMP = (1.5, 1.702)
+# Triton runs compiled on a CUDA device where there is one, else interpreted on CPU (conftest).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def to_device(x, d, experts):
+    """The inputs of one fused_moe call on DEVICE (Dispatch's counts stay on the host)."""
+    d = Dispatch(d.token_index.to(DEVICE), d.weights.to(DEVICE), d.counts)
+    if isinstance(experts, Mxfp4Experts):
+        moved = Mxfp4Experts(experts.gate_up.map_tensors(lambda t: t.to(DEVICE)),
+                             experts.down.map_tensors(lambda t: t.to(DEVICE)), experts.gate_up_bias.to(DEVICE),
+                             experts.down_bias.to(DEVICE), experts.clamp)
+    else:
+        moved = QuantizedExperts(experts.gate_up.to(DEVICE), experts.down.to(DEVICE), experts.gate_up_bias.to(DEVICE),
+                                 experts.down_bias.to(DEVICE), experts.clamp)
+    return x.to(DEVICE), d, moved
 
 
 def e2m1(code: int) -> float:
@@ -125,7 +140,8 @@ def test_mxfp4_matmul(impl, use_kernels):
     w = random_weight(48, D, seed=5)
     x = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
     want = x.double() @ w.dequantize(torch.float64).T
-    assert torch.allclose(mxfp4_matmul(x, w).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got = mxfp4_matmul(x.to(DEVICE), w.map_tensors(lambda t: t.to(DEVICE))).cpu()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert torch.equal(mxfp4_matmul_reference(x, w), x @ w.dequantize(torch.float32).T)
 
 
@@ -136,7 +152,7 @@ def test_fused_moe_mxfp4_biases_and_clamp(impl, use_kernels):
     x, ids, weights, d = random_dispatch(seed=3)
     dense = experts.dequantize(torch.float64)
     want = loop_reference(x, ids, weights, dense.gate_up, dense.down, dense.gate_up_bias, dense.down_bias, CLAMP)
-    got = fused_moe(x, d, experts)
+    got = fused_moe(*to_device(x, d, experts)).cpu()
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
@@ -151,7 +167,7 @@ def test_fused_moe_quantized_with_biases_and_clamp(impl, use_kernels):
     x, ids, weights, d = random_dispatch(seed=5)
     want = loop_reference(x, ids, weights, dequantize(q.gate_up, torch.float64), dequantize(q.down, torch.float64),
                           q.gate_up_bias, q.down_bias, CLAMP)
-    got = fused_moe(x, d, q)
+    got = fused_moe(*to_device(x, d, q)).cpu()
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert torch.equal(fused_moe_reference(x, d, q), fused_moe_reference(x, d, q))  # deterministic
     assert q.nbytes() == q.gate_up.nbytes() + q.down.nbytes() + E * (2 * I + D) * 4
