@@ -1,4 +1,12 @@
-"""Where the bundled demo model lives: engines/demo_model/ (config, safetensors, tokenizer)."""
+"""Where the bundled demo models live, and their names.
+
+    demo        engines/demo_model/       Mixtral, 2 layers x 4 experts, top-2
+    demo-fine   engines/demo_fine_model/  DeepSeek-V3: MLA, 1 shared + 16 routed experts, top-4, grouped routing
+
+Each folder holds config.json, model.safetensors, the tokenizer and training.json
+(docs/demo_model.md). `resolve_model` turns a name into its folder wherever a model folder
+is expected; a path that exists wins over a name.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +15,26 @@ from pathlib import Path
 from engines.base import ModelLoadError
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
+DEMO_FINE_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_fine_model"
+DEMO_MODELS = {"demo": DEMO_MODEL_DIR, "demo-fine": DEMO_FINE_MODEL_DIR}
 
 
-def demo_model_path() -> Path:
-    if not (DEMO_MODEL_DIR / "config.json").is_file():
+def demo_model_path(name: str = "demo") -> Path:
+    """The bundled model `name`'s folder (ModelLoadError when it is not installed)."""
+    if name not in DEMO_MODELS:
+        raise ModelLoadError(f"no bundled demo model is called {name!r}; use one of {', '.join(DEMO_MODELS)}")
+    folder = DEMO_MODELS[name]
+    if not (folder / "config.json").is_file():
+        preset = "" if name == "demo" else f" --preset {name}"
         raise ModelLoadError(
-            f"the bundled demo model is missing from this installation ({DEMO_MODEL_DIR}); "
-            "train one with `pwbench demo train --output DIR` and pass --model DIR"
+            f"the bundled demo model {name!r} is missing from this installation ({folder}); "
+            f"train one with `pwbench demo train{preset} --output DIR` and pass --model DIR"
         )
-    return DEMO_MODEL_DIR
+    return folder
+
+
+def resolve_model(model: str | None) -> str | None:
+    """A bundled model's name -> its folder; a path that exists, or anything else, unchanged."""
+    if model in DEMO_MODELS and not Path(model).expanduser().exists():
+        return str(demo_model_path(model))
+    return model

@@ -51,7 +51,8 @@ def demo_train(
 @demo_app.command("eval")
 @user_errors
 def demo_eval(
-    model: Annotated[str | None, typer.Option(help="Model folder (default: the bundled demo model).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model folder, or a bundled model's name: demo (the default) "
+                                                   "or demo-fine.")] = None,
     engine: Annotated[str, typer.Option(help="Engine name.")] = "moe",
     samples: Annotated[int, typer.Option(help="Examples per recall/copy task.")] = 200,
     expert_bits: Annotated[int | None,
@@ -69,11 +70,11 @@ def demo_eval(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Exact-match accuracy on held-out demo tasks (RAG and chat recall at 512-1024 tokens, closed book, copy)."""
-    from engines.common.demo import demo_model_path
+    from engines.common.demo import demo_model_path, resolve_model
     from engines.registry import parse_set_options
     from harness.demo.eval import EvalSpec, context_curve, evaluate
 
-    folder = model or str(demo_model_path())
+    folder = resolve_model(model) or str(demo_model_path())
     options = parse_set_options(set_ or [])
     say = (lambda m: None) if as_json else (lambda m: typer.echo(m))
     result = evaluate(folder, engine, EvalSpec(samples=samples), options=options, expert_bits=expert_bits, progress=say,

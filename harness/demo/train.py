@@ -615,6 +615,7 @@ def _long_context(model, cfg: TrainConfig, out_dir: Path, log: Callable[[str], N
         return make(rng, rng.randint(fmin, fmax), rng.randint(tmin, tmax), cfg.long_questions_per_context)
 
     curve: list[dict] = []
+    base = done[-1]["step"] if done else cfg.steps  # where the curriculum ended
     for step in range(cfg.long_steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg.long_lr, cfg.long_steps, cfg.warmup, 0.5)
@@ -629,7 +630,7 @@ def _long_context(model, cfg: TrainConfig, out_dir: Path, log: Callable[[str], N
         }
         parts = _step(model, opt, streams, cfg)
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.long_steps:
-            head = {"stage": "long_context", "step": cfg.steps + step + 1,
+            head = {"stage": "long_context", "step": base + step + 1,
                     "minutes": round((time.perf_counter() - t0) / 60, 2)}
             point = _measure(model, head, parts, {
                 "recall_512_1024_acc": recall_eval, "closed_book_acc": book_eval,

@@ -1,7 +1,10 @@
 """`pwbench demo train` on a tiny configuration: the long-context stage's RoPE change against
-transformers' own Mixtral built with the new theta, `--from` (long-context stage on a saved
+transformers' own model built with the new theta, `--from` (long-context stage on a saved
 curriculum checkpoint) against the from-scratch run, weight for weight, and the first phase's
-token-level tasks against targets recomputed from their definitions."""
+token-level tasks against targets recomputed from their definitions. The deepseek_v3
+architecture (the demo-fine preset): the routers' recorded choices against a loop reference
+of group-limited routing applied to transformers' own router logits, the balance loss and the
+bias update against hand-computed numbers, and a few-step run that transformers loads back."""
 
 from __future__ import annotations
 
@@ -12,7 +15,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from harness.demo.train import TrainConfig, build_model, circuit_batch, set_rope_theta, train
+from harness.demo.train import (
+    PRESETS,
+    TrainConfig,
+    _curriculum_end,
+    build_model,
+    circuit_batch,
+    collate,
+    forward_loss,
+    router_tap,
+    sequence_balance_loss,
+    set_rope_theta,
+    train,
+    update_router_bias,
+)
 from harness.errors import HarnessError
 
 TINY = TrainConfig(
@@ -21,16 +37,21 @@ TINY = TrainConfig(
     copy_tokens=128, pairs_tokens=128, retrieval_tokens=256, level0_retrieval_tokens=128, book_tokens=128,
     long_steps=2, long_retrieval_tokens=512, book_in_context_tokens=256, long_rope_theta=1e6,
 )
+# The demo-fine preset's architecture at TINY's size: 1 dense + 2 MoE layers, 8 routed experts
+# in 4 groups (2 chosen), top-4, one shared expert, MLA with a 16-wide KV latent.
+TINY_FINE = replace(TINY, **{**PRESETS["demo-fine"], **{k: getattr(TINY, k) for k in (
+    "steps", "eval_every", "eval_samples", "circuit_max_steps", "retrieval_tokens", "long_steps")},
+    **dict(hidden=32, heads=2, experts=8, expert_intermediate=16, dense_intermediate=32, kv_lora_rank=16,
+           qk_nope_dim=8, qk_rope_dim=8, v_head_dim=8, curriculum_steps=0)})
 
 
-def test_set_rope_theta_matches_a_model_built_with_that_theta():
-    from transformers import MixtralForCausalLM
-
+@pytest.mark.parametrize("tiny", [TINY, TINY_FINE], ids=["mixtral", "deepseek_v3"])
+def test_set_rope_theta_matches_a_model_built_with_that_theta(tiny):
     # No embedding offset: at init it dominates every token's input, so theta would barely move the logits.
-    model = build_model(replace(TINY, embed_offset=0.0)).eval()
+    model = build_model(replace(tiny, embed_offset=0.0)).eval()
     config = model.config.to_dict()
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
-    oracle = MixtralForCausalLM(type(model.config).from_dict(config)).eval()
+    oracle = type(model)(type(model.config).from_dict(config)).eval()
     oracle.load_state_dict(model.state_dict())
     ids = torch.randint(4, model.config.vocab_size, (2, 300))
     with torch.no_grad():
@@ -138,3 +159,120 @@ def test_cli_from_a_bad_folder_is_one_line(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().startswith("error:") and "no training.json" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "out").exists()
+
+
+def test_deepseek_model_has_the_asked_shape():
+    from transformers import DeepseekV3ForCausalLM
+
+    model = build_model(TINY_FINE)
+    assert type(model) is DeepseekV3ForCausalLM
+    c = model.config
+    assert (c.n_routed_experts, c.num_experts_per_tok, c.n_group, c.topk_group, c.n_shared_experts) == (8, 4, 4, 2, 1)
+    assert (c.kv_lora_rank, c.q_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (16, None, 8, 8, 8)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["DeepseekV3MLP", "DeepseekV3MoE",
+                                                                          "DeepseekV3MoE"]
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape == (8, 2 * 16, 32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as the Mixtral demo
+
+
+def _grouped_topk_reference(logits: torch.Tensor, bias: torch.Tensor, groups: int, topk_group: int,
+                            k: int) -> list[set[int]]:
+    """DeepSeek-V3's node-limited routing, one token at a time: score = sigmoid + bias; a group's
+    score is the sum of its two best; keep the best topk_group groups; the top k experts in them."""
+    chosen = []
+    per = logits.shape[-1] // groups
+    for row in logits:
+        score = (row.sigmoid() + bias).tolist()
+        group_score = [sum(sorted(score[g * per:(g + 1) * per])[-2:]) for g in range(groups)]
+        kept = sorted(range(groups), key=lambda g: -group_score[g])[:topk_group]
+        pool = [e for g in kept for e in range(g * per, (g + 1) * per)]
+        chosen.append(set(sorted(pool, key=lambda e: -score[e])[:k]))
+    return chosen
+
+
+def test_router_tap_counts_the_routers_choices_without_padding():
+    import random
+
+    model = build_model(TINY_FINE).train()
+    tap = router_tap(model)
+    with torch.no_grad():  # a bias that changes the choices, so the reference must apply it
+        for gate in tap.gates:
+            gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    batch = circuit_batch(random.Random(5), 3)["kv"]  # three sequences of different lengths: padding
+    forward_loss(model, batch, 1e-4)
+    assert tap.take() == []  # forward_loss consumed the records
+    ids, attn, _ = collate(batch)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn, output_router_logits=True).router_logits
+    keep = attn.reshape(-1).bool()
+    assert len(logits) == len(tap.gates) == 2
+    for layer_logits, gate, load in zip(logits, tap.gates, tap.loads):
+        expected = torch.zeros(8)
+        for experts in _grouped_topk_reference(layer_logits[keep], gate.e_score_correction_bias, 4, 2, 4):
+            expected[list(experts)] += 1
+        assert torch.equal(load, expected)
+        assert load.sum().item() == 4 * int(attn.sum())
+
+
+def test_sequence_balance_loss_matches_hand_computed_values():
+    # One sequence of 2 real tokens + 1 pad, 4 experts, top-2. Sigmoid(0) = 0.5 for every expert
+    # but expert 0 (logit ln 3: sigmoid 0.75), so token scores normalize to (0.75, .5, .5, .5) / 2.25.
+    ln3 = torch.log(torch.tensor(3.0)).item()
+    logits = torch.tensor([[ln3, 0, 0, 0], [ln3, 0, 0, 0], [9.0, 9, 9, 9]])
+    chosen = torch.tensor([[0, 1], [0, 2], [3, 2]])
+    attn = torch.tensor([[1, 1, 0]])
+    # f = E / (K T) * counts = 4 / 4 * (2, 1, 1, 0); P = (1/3, 2/9, 2/9, 2/9)
+    expected = 2 * (1 / 3) + 1 * (2 / 9) + 1 * (2 / 9) + 0
+    assert sequence_balance_loss(logits, chosen, attn, 2).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_bias_update_moves_each_expert_toward_the_mean_load():
+    model = build_model(TINY_FINE)
+    tap = router_tap(model)
+    tap.loads[0].copy_(torch.tensor([5.0, 1, 3, 3, 3, 3, 3, 3]))  # mean 3
+    update_router_bias(tap, 0.01)
+    assert tap.gates[0].e_score_correction_bias.tolist() == pytest.approx([-0.01, 0.01, 0, 0, 0, 0, 0, 0])
+    assert tap.gates[1].e_score_correction_bias.tolist() == [0.0] * 8  # equal loads (zero): no move
+    assert all(load.sum().item() == 0 for load in tap.loads)  # counted afresh each step
+
+
+def test_bad_deepseek_settings_are_one_line_errors():
+    with pytest.raises(HarnessError, match="n_group=3"):
+        build_model(replace(TINY_FINE, n_group=3))
+    with pytest.raises(HarnessError, match="topk_group=1 .*top_k=4"):
+        build_model(replace(TINY_FINE, topk_group=1))
+    with pytest.raises(HarnessError, match="dense_layers=3"):
+        build_model(replace(TINY_FINE, dense_layers=3))
+    with pytest.raises(HarnessError, match="arch='llama'"):
+        replace(TINY_FINE, arch="llama")
+
+
+def test_curriculum_steps_end_the_stage_after_the_circuit():
+    cfg = replace(TINY_FINE, steps=100, curriculum_steps=6, circuit_max_steps=50)
+    assert _curriculum_end(cfg, [{"step": 2, "phase": "circuit"}, {"step": 4, "phase": "circuit"},
+                                 {"step": 6}]) == 10
+    assert _curriculum_end(replace(cfg, curriculum_steps=0), [{"step": 4, "phase": "circuit"}]) == 100
+    assert _curriculum_end(replace(cfg, steps=8), [{"step": 4, "phase": "circuit"}]) == 8  # steps caps it
+
+
+@pytest.mark.slow  # a 4 + 1-step deepseek_v3 run (~20-40 s on 2 shared cores)
+def test_deepseek_run_balances_saves_and_loads(tmp_path):
+    from transformers import DeepseekV3ForCausalLM
+
+    cfg = replace(TINY_FINE, steps=20, circuit_max_steps=2, curriculum_steps=2, long_steps=1)
+    report = train(cfg, tmp_path / "fine", log=lambda _: None)
+    assert [p["step"] for p in report["curve"]] == [2, 4, 5]  # circuit gives up at 2, 2 more, 1 long-context
+    assert [p.get("phase") for p in report["curve"]] == ["circuit", None, None] and report["complete"]
+    saved = load_file(tmp_path / "fine" / "model.safetensors")
+    for layer in (1, 2):  # 5 steps of +-1e-3 per step: the bias moved and was saved
+        bias = saved[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+        assert bias.abs().max().item() > 0 and bias.abs().max().item() <= 5 * cfg.bias_update_rate + 1e-7
+    # DeepSeek-V3's own checkpoint layout (one tensor per expert and projection), which transformers
+    # loads back completely, the routers' biases included.
+    assert saved["model.layers.2.mlp.experts.7.gate_proj.weight"].shape == (16, 32)
+    assert not any(name.startswith("model.layers.0.mlp.experts") for name in saved)  # the dense first layer
+    model, info = DeepseekV3ForCausalLM.from_pretrained(tmp_path / "fine", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert torch.equal(model.model.layers[2].mlp.gate.e_score_correction_bias,
+                       saved["model.layers.2.mlp.gate.e_score_correction_bias"])
+    assert json.loads((tmp_path / "fine" / "training.json").read_text())["config"]["arch"] == "deepseek_v3"
