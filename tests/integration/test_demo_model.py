@@ -1,6 +1,7 @@
-"""The bundled demo model (engines/demo_model): what ships, and the properties the product
-relies on. Oracles: transformers' own Mixtral class and AutoTokenizer for loading and tokens,
-the task scorer for accuracy, lm-eval's own simple_evaluate for the lm-eval path."""
+"""The bundled demo models (engines/demo_model, Mixtral; engines/demo_fine_model, DeepSeek-V3):
+what ships, and the properties the product relies on. Oracles: transformers' own model classes
+and AutoTokenizer for loading, tokens and greedy continuations, the task scorer for accuracy,
+lm-eval's own simple_evaluate for the lm-eval path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from engines.common.demo import DEMO_MODEL_DIR
+from engines.common.demo import DEMO_FINE_MODEL_DIR, DEMO_MODEL_DIR
 from workloads.demo.tasks import chat_recall, rag_recall
 
 pytestmark = pytest.mark.skipif(not (DEMO_MODEL_DIR / "config.json").is_file(),
@@ -199,3 +200,73 @@ def test_default_rag_long_run_reports_accuracy(tmp_path):
     overall = summary["accuracy"]["overall"]
     assert overall["total"] == len(rows) == 6
     assert overall["correct"] == correct
+
+
+# The fine-grained model (demo-fine): DeepSeek-V3 architecture.
+needs_fine = pytest.mark.skipif(not (DEMO_FINE_MODEL_DIR / "config.json").is_file(),
+                                reason="engines/demo_fine_model is not built (pwbench demo train --preset demo-fine)")
+
+
+@needs_fine
+def test_fine_folder_is_small_fine_grained_and_loads_with_transformers():
+    from transformers import DeepseekV3ForCausalLM
+
+    size = sum(f.stat().st_size for f in DEMO_FINE_MODEL_DIR.iterdir() if f.is_file())
+    assert size <= 20 * 2**20, f"demo-fine model is {size / 2**20:.1f} MiB, over the 20 MiB budget"
+    training = json.loads((DEMO_FINE_MODEL_DIR / "training.json").read_text())
+    assert training["curve"] and training["config"]["arch"] == "deepseek_v3"
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the same language as the demo model
+        assert (DEMO_FINE_MODEL_DIR / name).read_bytes() == (DEMO_MODEL_DIR / name).read_bytes()
+    model, info = DeepseekV3ForCausalLM.from_pretrained(DEMO_FINE_MODEL_DIR, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    c = model.config
+    assert c.n_routed_experts >= 16 and c.num_experts_per_tok >= 4 and c.n_shared_experts == 1
+    assert c.n_group > 1 and c.topk_group < c.n_group and c.kv_lora_rank > 0
+    assert c.first_k_dense_replace == 1 and c.num_hidden_layers == 3
+    biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers[1:]]
+    assert all(b.abs().max() > 0 for b in biases)  # the auxiliary-loss-free balancing moved them
+
+
+def test_bundled_names_resolve_and_a_folder_wins(tmp_path, monkeypatch):
+    from engines.base import ModelLoadError
+    from engines.common.demo import demo_model_path, resolve_model
+
+    assert resolve_model("demo") == str(DEMO_MODEL_DIR)
+    assert resolve_model(None) is None and resolve_model("some/folder") == "some/folder"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo-fine").mkdir()  # e.g. `pwbench demo train --preset demo-fine --output demo-fine`
+    assert resolve_model("demo-fine") == "demo-fine"
+    with pytest.raises(ModelLoadError, match="demo, demo-fine"):
+        demo_model_path("demo-coarse")
+
+
+@needs_fine
+def test_fine_moe_engine_continues_like_transformers():
+    """Greedy continuations of demo prompts (closed book, short RAG recall, copy) from the moe
+    engine equal transformers' own DeepseekV3ForCausalLM.generate, token for token."""
+    import random
+
+    import torch
+    from transformers import DeepseekV3ForCausalLM
+
+    from engines.base import EngineRequest
+    from engines.common.demo import resolve_model
+    from engines.moe import MoEEngine, MoEEngineConfig
+    from harness.offline import run_offline
+    from workloads.demo.language import BOS_ID, demo_language
+    from workloads.demo.tasks import closed_book, copy_task
+
+    lang, rng = demo_language(), random.Random(7)
+    prompts = [closed_book(rng, 1).prompt, rag_recall(rng, 6, 150, 1).prompt, chat_recall(rng, 4, 120, 1).prompt,
+               copy_task(rng, 10).prompt]
+    ids = [(BOS_ID, *lang.encode(p)) for p in prompts]
+    oracle = DeepseekV3ForCausalLM.from_pretrained(DEMO_FINE_MODEL_DIR, dtype=torch.float32).eval()
+    expected = []
+    with torch.no_grad():
+        for seq in ids:
+            out = oracle.generate(torch.tensor([seq]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+            expected.append(out[0, len(seq):].tolist())
+    cfg = MoEEngineConfig(model=resolve_model("demo-fine"), device="cpu", dtype="float32")
+    with MoEEngine(cfg) as engine:
+        done = run_offline(engine, [EngineRequest(str(i), seq, 8, ignore_eos=True) for i, seq in enumerate(ids)])
+    assert [list(done[str(i)].output_ids) for i in range(len(ids))] == expected
