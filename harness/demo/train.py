@@ -1,4 +1,14 @@
-"""`pwbench demo train`: train the bundled demo MoE model (Mixtral architecture) from scratch.
+"""`pwbench demo train`: train a bundled demo MoE model from scratch.
+
+Two architectures (`arch`), one recipe, named presets (`PRESETS`, `--preset`): `demo`, the
+Mixtral model in engines/demo_model (the defaults below), and `demo-fine`, a DeepSeek-V3
+model in engines/demo_fine_model (MLA, a dense first layer, one shared and 16 fine-grained
+routed experts, top-4 group-limited sigmoid routing). For DeepSeek-V3 the routers are
+balanced as its paper does (arXiv 2412.19437, 2.1.2): after every step each expert's
+e_score_correction_bias moves by `bias_update_rate` toward the layer's mean load, plus a
+sequence-wise balance loss weighted by `aux_loss_coef`; transformers' model gives no router
+outputs to train on, so forward hooks on the routers (`RouterTap`) record their choices.
+`curriculum_steps` ends the curriculum a fixed number of steps after the circuit phase.
 
 Recipe (what trials on these 2-core CPUs showed; see docs/demo_model.md):
   - First the lookup circuit, on its own (`circuit_batch`): token-level copy, key-value recall
