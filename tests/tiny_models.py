@@ -52,9 +52,17 @@ ARCH_KWARGS: dict[str, dict] = {
     ),
 }
 ARCHS = tuple(ARCH_KWARGS)
-# Architectures whose experts are bias-free SwiGLU: what offload, pagedweight and the static
-# quantization engines run (they refuse gpt-oss).
+# Architectures whose experts are bias-free SwiGLU (every one but gpt-oss).
 PLAIN_EXPERT_ARCHS = tuple(a for a in ARCHS if a != "gpt_oss")
+# Every shape the acceptance grid covers: name -> (transformers architecture, overrides beside
+# ARCH_KWARGS). Kimi K2 is DeepSeek-V3's architecture with more routed experts (384 vs 256),
+# fewer heads (64 vs 128), one expert group and top-8; here 24 experts, 2 heads, top-6.
+ARCH_CASES: dict[str, tuple[str, dict]] = {
+    **{arch: (arch, {}) for arch in ARCHS},
+    "deepseek_v3-no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),
+    "kimi_k2": ("deepseek_v3", {"n_routed_experts": 24, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+                                "num_attention_heads": 2, "num_key_value_heads": 2}),
+}
 VOCAB = 257
 EOS = 2
 # Engine options that match the float32 transformers reference on CPU. Tests that compare

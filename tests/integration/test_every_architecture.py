@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_runs import generate
-from tiny_models import ARCHS, build_hf_model
+from tiny_models import ARCH_CASES, build_hf_model
 
 from engines.base import EngineRequest
 
@@ -31,15 +31,7 @@ PROMPTS = [[5, 9, 14], list(range(20, 43)), [3, 250, 17, 4, 9, 33, 61, 200, 90, 
 NEAR_TIE = 0.05
 ROOMY = 256 << 20  # every weight at full precision and the KV cache several times over
 
-# name -> (transformers architecture, config overrides beside tiny_models.ARCH_KWARGS)
-CASES: dict[str, tuple[str, dict]] = {
-    **{arch: (arch, {}) for arch in ARCHS},
-    "deepseek_v3-no_q_lora": ("deepseek_v3", {"q_lora_rank": None}),
-    # Kimi K2's shape: DeepSeek-V3's architecture with more routed experts (384 vs 256) and fewer
-    # heads (64 vs 128), one expert group, top-8; here 24 experts, 2 heads, top-6.
-    "kimi_k2": ("deepseek_v3", {"n_routed_experts": 24, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
-                                "num_attention_heads": 2, "num_key_value_heads": 2}),
-}
+CASES = ARCH_CASES
 ENGINES: dict[str, dict] = {
     "moe": {},
     "offload": {"budget_bytes": ROOMY},
