@@ -399,12 +399,13 @@ class RequantizeStore(ExpertStore):
         assignments are the rows themselves (token_index = arange, weights 1): its combine then
         returns each row's own output, since 1 * y added to 0 is y exactly. Stacking copies the
         group's (small, packed) parts once per call: the price of one launch for the group.
-        The fused op knows plain SwiGLU over unpadded rows only: experts with biases, a clamp
-        or padded rows run one by one (`forward`)."""
-        if self.bias or self.clamp is not None or self.padded != self.shape:
+        Biases and the clamp go to the fused op as they are; padded rows (a group size that
+        does not divide the widths) run expert by expert (`forward`), the op knowing none."""
+        if self.padded != self.shape:
             return [self.version(bits, p).forward(x) for p, x in zip(parts_list, xs)]
-        experts = QuantizedExperts(*(stack([_record(p, m, bits, self.group_size, self.shape) for p in parts_list])
-                                     for m in MATRICES))
+        weights = (stack([_record(p, m, bits, self.group_size, self.shape) for p in parts_list]) for m in MATRICES)
+        biases = (torch.stack([p[name] for p in parts_list]) if name in self.bias else None for name in BIASES)
+        experts = QuantizedExperts(*weights, *biases, self.clamp)
         x = torch.cat(list(xs))
         n = x.shape[0]
         d = Dispatch(torch.arange(n, device=x.device), torch.ones(n, dtype=x.dtype, device=x.device),

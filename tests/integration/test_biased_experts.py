@@ -21,7 +21,7 @@ from engines.quant.rtn import fake_quantized, rtn_fake_quantize
 from engines.registry import create_engine
 from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.copies import CopyEngine
-from engines.runtime.experts import ResidentBackend, dispatch, route
+from engines.runtime.experts import ResidentBackend, dispatch, route, swiglu
 from engines.runtime.transfer import TransferLedger
 from engines.runtime.weights import DenseExperts
 from harness.calibration import create_calibrated
@@ -200,6 +200,22 @@ def test_a_versions_biases_are_shared_parts_never_copied_by_a_width_change():
             assert store.freed_bytes(b, 0) == store.nbytes(b)
 
 
+@pytest.mark.parametrize("rep", ["bitplanes", "requantize"])
+def test_quantized_biased_experts_group_as_they_run_alone(rep):
+    """group_forward (requantize: the fused op with biases and clamp) = each expert's forward,
+    and both are the SwiGLU of the dequantized weights with the exact biases."""
+    stack = biased_stack(E=3)
+    stores = [make_store(rep, stack.gate_up[e], stack.down[e], (16, 8, 4), 32, gate_up_bias=stack.gate_up_bias[e],
+                         down_bias=stack.down_bias[e], clamp=stack.clamp) for e in range(3)]
+    xs = [torch.randn(n, 64, generator=torch.Generator().manual_seed(n)) for n in (4, 0, 9)]
+    for b in (8, 4):
+        got = stores[0].group_forward([s.parts(b) for s in stores], b, xs)
+        for s, x, y in zip(stores, xs, got):
+            torch.testing.assert_close(y, s.forward(s.parts(b), b, x))
+            torch.testing.assert_close(y, swiglu(x, *s.version(b).weights(torch.float32), s.bias["gate_up_bias"],
+                                                 s.bias["down_bias"], stack.clamp))
+
+
 # --- budgets that force paging and demotion ---------------------------------------------------------
 
 
@@ -362,3 +378,28 @@ def test_moe_with_expert_bits_serves_gpt_oss(tiny):
     got, _, _, _ = generate("moe", folder, expert_bits=8)
     agree = sum(a == b for r in got for a, b in zip(got[r], want[r]))
     assert agree >= 0.75 * NEW * len(REQS)  # 8-bit weights, exact biases: nearly every token
+
+
+# --- quality feedback and sensitivity measure against the biased, clamped master ------------------
+
+
+def test_feedback_and_sensitivity_measure_gpt_oss_experts_against_their_biased_clamped_master(tiny):
+    """Every expert at 8 bits, every quantized row rechecked every step: 8-bit RTN weights with
+    exact biases are a tiny relative error of the real expert; a reference without the biases or
+    the clamp would differ from the served output by O(1)."""
+    folder, _ = tiny("gpt_oss")
+    options = {"bits": "16,8", "floor_bits": 8, "max_expert_error": None, "feedback_every": 1,
+               "feedback_share": 1.0, "block_size": 4, **FAST}
+    probe = create_calibrated("pagedweight", {"model": str(folder), **CPU32, "budget_bytes": ROOMY, **options})
+    probe.start()
+    stores, loaded = probe.paged.backend.stores, probe.loaded
+    sensitivity = probe.paged.sensitivity
+    budget = (loaded.dense_bytes + sum(s.nbytes(8) for s in stores.values()) + stores[(0, 0)].nbytes(16) // 2
+              + 2 * LONGEST * loaded.kv_block_bytes(4))  # every expert at 8 bits, few can go to 16
+    probe.stop()
+    assert all(0 < row[8] < 1e-3 for row in sensitivity.values())
+    got, steps, _, _ = generate("pagedweight", folder, budget_bytes=budget, **options)
+    check_within(steps, budget, got)
+    checked = [s.extras["feedback_error_max"] for s in steps if s.extras.get("feedback_checks")]
+    assert checked and max(checked) < 1e-3
+    assert max(s.extras["mean_bits"] for s in steps) < 16  # quantized experts served every step

@@ -27,7 +27,9 @@ def total(steps, key: str) -> int:
     return sum(s.extras.get(key, 0) for s in steps)
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "demo"])
+# gpt-oss: tests/integration/test_biased_experts.py, on a variant whose routing reaches every
+# expert (the tiny checkpoint's large attention biases send every token to the same two).
+@pytest.mark.parametrize("arch", [*(a for a in ARCHS if a != "gpt_oss"), "demo"])
 def test_offload_gives_the_same_greedy_tokens_as_moe(arch, checkpoints):
     model = DEMO if arch == "demo" else checkpoints(arch)
     reqs = requests(1109 if arch == "demo" else 257)
