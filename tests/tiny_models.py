@@ -97,10 +97,13 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.3)
-        # gpt-oss's biases and sinks start at zero too: random ones make them matter.
+        # gpt-oss's biases and sinks start at zero too: random ones make them matter. The
+        # attention and router biases stay small (0.05): at 0.5 the attention output biases
+        # swamp the residual stream and every token routes to the same two of six experts.
         for name, param in model.named_parameters():
             if arch == "gpt_oss" and name.endswith(("bias", "sinks")):
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+                scale = 0.5 if ".experts." in name or name.endswith("sinks") else 0.05
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
     return model
 
 

@@ -33,12 +33,11 @@ def layer_major(plan: BatchPlan, copies: CopyEngine) -> ExecutorFactory:
     (device, host) or over blocks streamed into a device staging buffer (stream, split)."""
 
     def build(model: MoEModel, kv: PagedKVCache, ledger: TransferLedger) -> Executor:
-        windows = model.config.sliding_windows
         host = plan.kv_placement == "host"
-        attend = HostAttention(kv, copies, windows) if host else None
+        attend = HostAttention(kv, copies) if host else None
         if plan.kv_placement in STREAMED:
             half = plan.staging_bytes // (2 * (kv.block_bytes // model.config.num_layers))
-            attend = StreamAttention(kv, copies, windows, ledger, half, plan.host_share)
+            attend = StreamAttention(kv, copies, ledger, half, plan.host_share)
         return LayerMajorExecutor(model, ledger, plan.micro_batch, attend, host_layout=host)
 
     return build

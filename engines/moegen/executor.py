@@ -97,8 +97,7 @@ def normal_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 class HostAttention:
     """Attention over a host-tier KV cache, computed on the host (see the module docstring)."""
 
-    def __init__(self, kv: KVCache, copies: CopyEngine, windows: tuple[int | None, ...] | None = None) -> None:
-        # `windows` is not read: each call's LayerAttention carries the layer's window.
+    def __init__(self, kv: KVCache, copies: CopyEngine) -> None:
         self.kv, self.copies = kv, copies
         self._sinks: dict[int, Tensor] = {}  # layer -> host copy of its sink logits (CUDA runs)
 
@@ -183,11 +182,10 @@ class StreamAttention:
     Prefill chunks are attended the same way (a chunk starting its sequence copies nothing).
     """
 
-    def __init__(self, kv, copies: CopyEngine, windows: tuple[int | None, ...] | None, ledger: TransferLedger,
+    def __init__(self, kv, copies: CopyEngine, ledger: TransferLedger,
                  half_blocks: int, host_share: float = 0.0) -> None:
         if half_blocks < 1:
             raise ValueError(f"a staging half needs at least one block, got {half_blocks}")
-        # `windows` is not read: each call's LayerAttention carries the layer's window.
         self.kv, self.copies, self.ledger = kv, copies, ledger
         self.half_blocks, self.host_share = half_blocks, host_share
         self.host = HostAttention(kv, copies)

@@ -164,12 +164,6 @@ class RuntimeEngine(Engine):
 
     config_cls: ClassVar[type] = RuntimeConfig
     prompt_logits = True
-    # Engines whose expert storage or kernels know only bias-free SwiGLU experts set this, so a
-    # model with other experts (gpt-oss) is refused at start instead of computed wrongly.
-    plain_experts_only: ClassVar[bool] = False
-    # Engines whose attention path runs grouped-query attention only (no MLA, sinks or scale).
-    gqa_only: ClassVar[bool] = False
-
     def __init__(self, config: Any) -> None:
         self.config = config
         self.copies: CopyEngine | None = None
@@ -191,18 +185,11 @@ class RuntimeEngine(Engine):
         raise NotImplementedError
 
     def check_model(self, mc: ModelConfig) -> None:
-        """Refuse, in one line, a model whose experts or attention this engine cannot compute."""
-        # expert_bits (engines/quant/rtn.py) rounds the weights and keeps biases and clamp exact.
-        if not mc.plain_experts and self.plain_experts_only:
-            raise EngineError(
-                f"engine {self.name} runs bias-free SwiGLU experts only; {mc.architecture}'s experts have biases and "
-                "a clamped SwiGLU: use engine moe, offload, pagedweight, moegen or full for this model"
-            )
-        what = ("multi-head latent attention" if mc.mla is not None else "attention sinks" if mc.attention_sinks
-                else "a non-default softmax scale" if mc.attn_scale is not None else None)
-        if self.gqa_only and what:
-            raise EngineError(f"engine {self.name} runs grouped-query attention only; {mc.architecture} uses {what}: "
-                              "use engine moe or offload for this model")
+        """Refuse, in one line naming the engines that can, a model whose attention or expert kind
+        this recipe's parts cannot compute. Every built-in engine composes with every kind the
+        runtime loads (MLA, sinks, sliding windows; grouped sigmoid routing, shared experts,
+        biased clamped SwiGLU, MXFP4), so none refuses; a plugin recipe may."""
+        return None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:

@@ -37,18 +37,6 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
 
 
-def spread_gpt_oss(seed: int = 0):
-    """tiny_models' gpt-oss with its attention and router biases scaled by 0.1 (the experts'
-    kept): at 0.5 scale the attention output biases swamp the residual stream and every token
-    routes to the same two of six experts, which would leave most expert slots untested."""
-    model = build_hf_model("gpt_oss", seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") and ".experts." not in name:
-                param.mul_(0.1)
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """tiny(arch) -> (folder, request id -> transformers' greedy tokens), built once per module."""
@@ -56,7 +44,7 @@ def tiny(tmp_path_factory):
 
     def get(arch: str):
         if arch not in cache:
-            model = spread_gpt_oss() if arch == "gpt_oss" else build_hf_model(arch)
+            model = build_hf_model(arch)
             folder = save_checkpoint(model, tmp_path_factory.mktemp(arch) / arch)
             with torch.inference_mode():
                 tokens = {r.request_id: model.generate(

@@ -27,7 +27,6 @@ class LayerMajorOffloadConfig(OffloadConfig):
 class LayerMajorOffloadEngine(RuntimeEngine):
     name = "offload-layer-major"
     config_cls = LayerMajorOffloadConfig
-    plain_experts_only = True
 
     def build(self, cfg: LayerMajorOffloadConfig, loaded: Loaded) -> EngineParts:
         parts = offload_parts(cfg, loaded)

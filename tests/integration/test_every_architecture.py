@@ -81,7 +81,7 @@ def agreed_prefix(got: list[int], want: list[int]) -> int:
     return next((n for n, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
 
-@pytest.mark.parametrize(("case", "engine"), _grid())
+@pytest.mark.parametrize(("case", "engine"), list(_grid()))
 def test_greedy_tokens_equal_transformers(case, engine, checkpoints, references, tmp_path, monkeypatch):
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path / "cache"))
     arch, overrides = CASES[case]

@@ -122,11 +122,7 @@ def test_every_placement_attends_as_transformers(name, placement, checkpoints, r
 # gpt-oss's experts are biased and clamped: until engines/moegen/streaming.py's ring holds and
 # applies their biases, engine moegen's tokens for it may differ because of the experts (the
 # test above shows its attention is right in every placement).
-@pytest.mark.parametrize("name", [
-    *(n for n in MODELS if n != "gpt_oss"),
-    pytest.param("gpt_oss", marks=pytest.mark.xfail(
-        strict=False, reason="engines/moegen/streaming.py's ring does not hold gpt-oss's expert biases yet")),
-])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_engine_moegen_gives_transformers_tokens_in_every_placement(name, checkpoints, reference):
     """The real engine: its streaming ring (nothing resident, 2 slots) under device and host KV,
     the plan's residents under stream and split."""
