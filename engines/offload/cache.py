@@ -1,6 +1,8 @@
 """Routed experts in the host tier, a device cache of expert slots per layer: `OffloadBackend`.
 
-Every expert's full-precision master lives in the host tier (pinned on CUDA). Each MoE layer
+Every expert lives in the host tier (pinned on CUDA): at full precision, or, for a gpt-oss
+MXFP4 folder served as stored, its 4-bit blocks, scale bytes and biases (`Mxfp4Experts`: slots,
+copies and bytes are then those, and each expert runs `mxfp4_expert_forward`). Each MoE layer
 has `slots` device buffers, each able to hold one expert; `ExpertCache` maps experts to slots
 and picks victims by policy (`lru`: least recently used; `lfu`: fewest uses, ties to the
 least recent). A layer's forward:
@@ -31,8 +33,7 @@ from torch import Tensor
 
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, combine, segments
-from engines.runtime.host_tier import ExpertSlots, HostTierBackend
-from engines.runtime.weights import DenseExperts
+from engines.runtime.host_tier import HostStack, HostTierBackend, Slots, slots_like
 
 POLICIES = ("lru", "lfu")
 
@@ -86,17 +87,17 @@ class ExpertCache:
 class OffloadBackend(HostTierBackend):
     """Experts in the host tier, `slots` device slots per MoE layer (see the module docstring)."""
 
-    def __init__(self, experts: dict[int, DenseExperts], slots: int, copies: CopyEngine, device: torch.device,
+    def __init__(self, experts: dict[int, HostStack], slots: int, copies: CopyEngine, device: torch.device,
                  policy: str = "lru", predictor: Predictor | None = None) -> None:
         if slots < 1:
             raise ValueError(f"need at least one expert slot per layer, got {slots}")
         super().__init__(experts, copies)
         self.predictor = predictor
-        self.slot_buffers: dict[int, ExpertSlots] = {}
+        self.slot_buffers: dict[int, Slots] = {}
         self.caches: dict[int, ExpertCache] = {}
         for i, w in experts.items():
             k = min(slots, w.num_experts)
-            self.slot_buffers[i] = ExpertSlots.like(w, k, device)
+            self.slot_buffers[i] = slots_like(w, k, device)
             self.caches[i] = ExpertCache(k, policy)
         self._tick = 0
 

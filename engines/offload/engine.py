@@ -5,18 +5,25 @@ Every routed expert lives in the host tier; the device keeps dense weights, `K` 
 per MoE layer and the KV blocks, all inside `--budget`, K sized as SGLang sizes its expert
 cache: clamp((budget - dense - kv_reserve) / (MoE layers x bytes per expert), 1, experts).
 Batching stays model-based. Design and measurements: docs/offload.md.
+
+On a gpt-oss MXFP4 folder the host tier, the slots and the copies hold the experts as stored
+(4-bit blocks, scale bytes, biases; `expert_format`, mxfp4 there by default), so K and the
+budget count MXFP4 expert bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from engines.base import EngineError
 from engines.common.sizes import format_size
 from engines.offload.cache import POLICIES, OffloadBackend, next_layer_router
 from engines.runtime.budget import Claim
+from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.copies import CopyEngine
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.mxfp4_parts import Mxfp4Loaded, load_mxfp4, resolve_expert_format
 from engines.runtime.weights import MoEWeights
 
 # Share of (budget - dense weights) kept for KV blocks when kv_reserve_bytes is not given.
@@ -25,6 +32,14 @@ DEFAULT_KV_RESERVE = 0.2
 
 @dataclass(frozen=True)
 class OffloadConfig(RuntimeConfig):
+    """Engine offload's options. expert_format (as engine moe's): "dense" holds the experts at
+    the model dtype (an MXFP4 folder dequantized at load), "mxfp4" keeps a gpt-oss MXFP4
+    folder's experts as stored in the host tier and the slots. None (the default) is mxfp4 on
+    an MXFP4 folder, else dense: offload is the baseline a team would deploy, and deployments
+    serve gpt-oss in its own format (vLLM runs its MXFP4 experts as stored); the values are the
+    same (dequantization is exact), while every miss copies, and every slot holds, 4.25 bits per
+    weight instead of 16, so the same budget caches about 3.7x the experts."""
+
     policy: str = "lru"  # expert cache eviction: lru or lfu
     prefetch: bool = False  # copy the next layer's predicted experts while this layer computes
     kv_reserve_bytes: int | None = None  # None: 20% of (budget - dense weights)
@@ -32,6 +47,7 @@ class OffloadConfig(RuntimeConfig):
     # CPU only: model the host->device link at this many GB/s (copies take bytes / bandwidth
     # on a background thread); None: copies are plain memcpys. On CUDA the real link is used.
     link_gbps: float | None = None
+    expert_format: str | None = None  # dense | mxfp4; None: mxfp4 on an MXFP4 folder, else dense
 
 
 def expert_slots(cfg: OffloadConfig, num_experts: int, dense: int, per_layer: int, kv_block: int) -> int:
@@ -60,7 +76,10 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
         raise EngineError("engine offload: link_gbps must be > 0 and models the link on the CPU only "
                           "(on CUDA copies take the real link's time)")
     mc, dense, per_expert = loaded.checkpoint.config, loaded.dense_bytes, loaded.bytes_per_expert
-    num_moe = len(loaded.experts)
+    experts = loaded.experts
+    if isinstance(loaded, Mxfp4Loaded):  # served as stored: the slots, copies and claims count MXFP4 bytes
+        experts, per_expert = loaded.packed, loaded.packed_bytes_per_expert
+    num_moe = len(experts)
     block = loaded.kv_block_bytes(cfg.block_size)
     claims = [Claim("dense weights", dense),
               Claim(f"one expert per MoE layer ({num_moe} x {format_size(per_expert)})", num_moe * per_expert),
@@ -72,7 +91,7 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
         routers = {i: layer.mlp.router for i, layer in enumerate(loaded.weights.layers)
                    if isinstance(layer.mlp, MoEWeights)}
         predictor = next_layer_router(routers, mc.top_k)
-    backend = OffloadBackend(loaded.experts, slots, copies, loaded.device, cfg.policy, predictor)
+    backend = OffloadBackend(experts, slots, copies, loaded.device, cfg.policy, predictor)
 
     def stats() -> dict[str, float]:
         layers = backend.layers()
@@ -80,12 +99,21 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
                 **({"link_peak_bytes_per_s": cfg.link_gbps * 1e9} if cfg.link_gbps is not None else {})}
 
     kv = KVPool(on_device=True, weights_beside=dense + backend.device_bytes())
-    return EngineParts(backend, claims, kv, copies=copies, stats=stats)
+    notes = (["routed experts served in MXFP4 as the folder stores them (4-bit blocks, scale bytes, biases): "
+              "host tier, slots and copies"] if isinstance(loaded, Mxfp4Loaded) else [])
+    served = dataclasses.replace(cfg, expert_format="mxfp4" if isinstance(loaded, Mxfp4Loaded) else "dense")
+    return EngineParts(backend, claims, kv, copies=copies, stats=stats, notes=notes, config=served)
 
 
 class OffloadEngine(RuntimeEngine):
     name = "offload"
     config_cls = OffloadConfig
+
+    def load(self, cfg: OffloadConfig) -> Loaded:
+        if cfg.model is not None and resolve_expert_format(cfg.expert_format, open_checkpoint(cfg.model),
+                                                           self.name) == "mxfp4":
+            return load_mxfp4(cfg, self, dequantized=False)
+        return super().load(cfg)
 
     def build(self, cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
         return offload_parts(cfg, loaded)

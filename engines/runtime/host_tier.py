@@ -1,8 +1,10 @@
-"""`HostTierBackend`: full-precision routed experts kept in the host tier (pinned on CUDA) and
-copied to device buffers when used; the base that engine offload's cache and moegen's
-streaming ring share. `ExpertSlots` are those device buffers: k experts of one stack's shape,
-weights and (gpt-oss) biases, computed with the stack's SwiGLU (clamped or not) exactly as
-`grouped_swiglu` computes the resident stack.
+"""`HostTierBackend`: routed experts kept in the host tier (pinned on CUDA) and copied to device
+buffers when used; the base that engine offload's cache and moegen's streaming ring share.
+`ExpertSlots` are those device buffers: k experts of one stack's shape, weights and (gpt-oss)
+biases, computed with the stack's SwiGLU (clamped or not) exactly as `grouped_swiglu` computes
+the resident stack. A host tier of `Mxfp4Experts` (a gpt-oss MXFP4 folder served as stored)
+has `Mxfp4Slots` instead: the 4-bit blocks, scale bytes and biases of k experts, copied as
+stored and computed by `mxfp4_expert_forward` (the same values as the dequantized load).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import Tensor
 
 from engines.runtime.copies import CopyEngine
 from engines.runtime.experts import StackedBackend, swiglu
+from engines.runtime.mxfp4 import Mxfp4Expert, Mxfp4Experts, mxfp4_expert_forward
 from engines.runtime.weights import DenseExperts
 
 
@@ -61,17 +64,66 @@ class ExpertSlots:
                       None if down_bias is None else down_bias[slot], self.clamp)
 
 
+@dataclass
+class Mxfp4Slots:
+    """k device buffers each holding one MXFP4 expert as stored: `parts` maps each of
+    Mxfp4Expert.tensors()'s names (gate_up/down blocks and scales, the biases) to [k, ...]."""
+
+    parts: dict[str, Tensor]
+    clamp: tuple[float, float] | None = None
+
+    @classmethod
+    def like(cls, w: Mxfp4Experts, k: int, device: torch.device) -> Mxfp4Slots:
+        """k zeroed slots shaped as one expert of `w` (its blocks, scales and biases)."""
+        return cls({name: torch.zeros((k, *t.shape), dtype=t.dtype, device=device)
+                    for name, t in w.expert(0).tensors().items()}, w.clamp)
+
+    def __len__(self) -> int:
+        return next(iter(self.parts.values())).shape[0]
+
+    def nbytes(self) -> int:
+        """The buffers' bytes: 4-bit blocks, scale bytes and biases (allocated once)."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    def copies(self, slot: int, host: Mxfp4Experts, expert: int) -> list[tuple[Tensor, Tensor]]:
+        """The (device slot, host) pairs that load `host`'s expert `expert` into `slot`: the
+        stored bytes, nothing dequantized."""
+        src = host.expert(expert).tensors()
+        return [(dst[slot], src[name]) for name, dst in self.parts.items()]
+
+    def run(self, slot: int, x: Tensor) -> Tensor:
+        """The expert in `slot` over its rows x [n, D] -> [n, D]."""
+        expert = Mxfp4Expert.from_tensors({name: t[slot] for name, t in self.parts.items()}, self.clamp)
+        return mxfp4_expert_forward(x, expert)
+
+
+Slots = ExpertSlots | Mxfp4Slots
+HostStack = DenseExperts | Mxfp4Experts
+
+
+def slots_like(w: HostStack, k: int, device: torch.device) -> Slots:
+    """k device slots for experts of the host stack `w` (MXFP4 slots for an MXFP4 stack)."""
+    return Mxfp4Slots.like(w, k, device) if isinstance(w, Mxfp4Experts) else ExpertSlots.like(w, k, device)
+
+
+def host_stack(w: HostStack, copies: CopyEngine) -> HostStack:
+    """`w` moved to the host tier (pinned on CUDA), in the same record type."""
+
+    def host(t: Tensor | None) -> Tensor | None:
+        return None if t is None else copies.host(t)
+
+    if isinstance(w, Mxfp4Experts):
+        return Mxfp4Experts(w.gate_up.map_tensors(copies.host), w.down.map_tensors(copies.host),
+                            host(w.gate_up_bias), host(w.down_bias), w.clamp)
+    return DenseExperts(*(host(t) for t in _each(w)), w.clamp)  # type: ignore[misc]
+
+
 class HostTierBackend(StackedBackend):
-    """Full-precision experts kept in the host tier (`host`: MoE layer -> DenseExperts, biases
-    and clamp included) and copied to device slots when used: what OffloadBackend and moegen's
-    StreamingBackend share."""
+    """Experts kept in the host tier (`host`: MoE layer -> DenseExperts at full precision, or
+    Mxfp4Experts as an MXFP4 folder stores them; biases and clamp included) and copied to
+    device slots when used: what OffloadBackend and moegen's StreamingBackend share."""
 
-    def __init__(self, experts: dict[int, DenseExperts], copies: CopyEngine) -> None:
+    def __init__(self, experts: dict[int, HostStack], copies: CopyEngine) -> None:
         self.copies = copies
-
-        def host(t: Tensor | None) -> Tensor | None:
-            return None if t is None else copies.host(t)
-
-        self.host = {i: DenseExperts(*(host(t) for t in _each(w)), w.clamp)  # type: ignore[misc]
-                     for i, w in experts.items()}
+        self.host = {i: host_stack(w, copies) for i, w in experts.items()}
         super().__init__(self.host)
