@@ -2,7 +2,9 @@
 module-based batching, a recipe of both techniques' parts. The plan (KV placement, micro-batch,
 ring) is moegen's, made for experts at their quality floors; the pages, arbiter and feedback are
 pagedweight's, in what the plan leaves. By default (`floor_bits` 0) an expert the budget cannot
-hold leaves the device and is fetched at its quality floor when routed. Design: docs/full.md.
+hold leaves the device and is fetched at its quality floor when routed. A gpt-oss MXFP4 folder
+is served from its own format, as pagedweight serves it (engines/pagedweight/engine.py).
+Design: docs/full.md.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from engines.moegen.engine import PlanPredictor, layer_major, plan_stats
 from engines.moegen.hardware import model_shape
 from engines.moegen.plan import MoEGenConfig, held_plan, loaded_shape, make_plan, placement_claims, plan_hardware
 from engines.pagedweight.controller import PageBudget, PagedController
-from engines.pagedweight.engine import PagedWeightConfig, paged_claims, paged_experts, paged_stats
+from engines.pagedweight.engine import (
+    PagedWeightConfig,
+    bits_text,
+    paged_claims,
+    paged_experts,
+    paged_load,
+    paged_stats,
+)
 from engines.runtime.budget import DeviceBudget
 from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeEngine
@@ -56,6 +65,9 @@ class FullEngine(RuntimeEngine):
                                               kv_cache_gb=None, kv_blocks=None)
         super().start()
 
+    def load(self, cfg: FullConfig) -> Loaded:
+        return paged_load(self, cfg) or super().load(cfg)
+
     def build(self, cfg: FullConfig, loaded: Loaded) -> EngineParts:
         if cfg.expert_bits is not None:
             raise EngineError("engine full pages its own expert precisions; expert_bits is engine moe's fake "
@@ -63,7 +75,8 @@ class FullEngine(RuntimeEngine):
         mc, dense = loaded.checkpoint.config, loaded.dense_bytes
         # A group size that does not divide the experts' widths is replaced (or rows padded) there, with a note.
         self.paged = paged = paged_experts(cfg, loaded, self.name)
-        notes, cfg = list(paged.notes), dataclasses.replace(cfg, group_size=paged.group_size)
+        notes = list(paged.notes)
+        cfg = dataclasses.replace(cfg, group_size=paged.group_size, bits=bits_text(paged.bit_widths, paged.mxfp4))
         backend, block, per_expert = paged.backend, loaded.kv_block_bytes(cfg.block_size), loaded.bytes_per_expert
         shape, hw = loaded_shape(loaded, per_expert, self.name), plan_hardware(cfg, loaded.device)
 

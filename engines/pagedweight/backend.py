@@ -21,11 +21,13 @@ one call (`store.group_forward`), writes each assignment's output row, and sums 
 routing weights in expert order (`combine`), so a layer held entirely at 16 bits gives
 exactly the resident backend's result. Every few steps the quality feedback recomputes a
 sampled share of quantized rows with the host master and reports relative errors (the
-engine turns them into sensitivity updates and fallbacks).
+engine turns them into sensitivity updates and fallbacks). A width equal to the master (16, or
+an MXFP4 checkpoint's own MXFP4, whose master is its dequantized values) is never sampled.
 
 Each forward also adds, per row of the step's batch, the widths its routed choices ran at (their
-sum, their minimum and how many): the controller turns the step's rows into per-request
-precision (`take_token_bits`). Tensor ops over the dispatch; one small table per layer goes to
+sum, their minimum and how many; in quarter bits, so an MXFP4 checkpoint's own width counts its
+4.25 bits per weight): the controller turns the step's rows into per-request precision
+(`take_token_bits`). Tensor ops over the dispatch; one small table per layer goes to
 the device and the step's rows come back once, both through the ledger (tag `expert_bits`).
 """
 
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from engines.pagedweight.formats import weight_bits
 from engines.pagedweight.importance import Importance, Key
 from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import Dispatch, ExpertBackend, combine, segments
@@ -79,8 +82,9 @@ class FeedbackSample:
 
 class PagedWeightBackend(ExpertBackend):
     def __init__(self, stores: Mapping[Key, object], copies: CopyEngine, device: torch.device,
-                 importance: Importance, feedback_share: float = 0.0, seed: int = 0) -> None:
+                 importance: Importance, feedback_share: float = 0.0, seed: int = 0, mxfp4: bool = False) -> None:
         super().__init__()
+        self.mxfp4 = mxfp4  # the stores are an MXFP4 checkpoint's: width formats.MXFP4 is its own
         self.stores = dict(stores)
         self.copies, self.device, self.importance = copies, device, importance
         self.held: dict[Key, Held] = {}
@@ -232,7 +236,7 @@ class PagedWeightBackend(ExpertBackend):
                 width[e] = bits
         for e in missing:
             width[e] = self._fetch_width((layer, e))
-        self._add_token_bits(x.shape[0], d, width)
+        self._add_token_bits(x.shape[0], d, [round(4 * weight_bits(b, self.mxfp4)) for b in width])
         # Experts off the device: the first fetch_slots copies go out before the resident experts
         # compute, then each fetched one computes while the next copies into the slot it freed.
         inflight = deque((e, *self._fetch((layer, e))) for e in missing[:self.fetch_slots])
@@ -260,7 +264,7 @@ class PagedWeightBackend(ExpertBackend):
 
     def _add_token_bits(self, rows: int, d: Dispatch, width: list[int]) -> None:
         """Add this layer's choices to each batch row's running sum, minimum and count of the
-        widths its experts computed at (`width`: expert -> bits it ran at here)."""
+        widths its experts computed at (`width`: expert -> quarter bits per weight it ran at)."""
         table = self.copies.ledger.tensor([width, d.counts], torch.long, "expert_bits")
         index = d.token_index
         per_choice = torch.repeat_interleave(table[0], table[1], output_size=index.shape[0])
@@ -274,8 +278,8 @@ class PagedWeightBackend(ExpertBackend):
 
     def take_token_bits(self) -> Tensor | None:
         """Per row of the batch since the last call, on the host: [3, rows] int64 = summed
-        widths, lowest width and routed choices over every MoE layer (None: no forward ran);
-        then reset."""
+        widths and lowest width (both in quarter bits per weight) and routed choices over every
+        MoE layer (None: no forward ran); then reset."""
         bits, self._token_bits = self._token_bits, None
         return None if bits is None else self.copies.ledger.to_host(torch.stack(bits), "expert_bits")
 
@@ -287,7 +291,7 @@ class PagedWeightBackend(ExpertBackend):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step_index * 1_009 + layer)
         err_sum = ref_sum = 0.0
         for bits, members in groups.items():
-            if bits >= 16:
+            if bits in self.stores[(layer, members[0][0])].exact_bits:  # the master's own values
                 continue
             for e, _ in members:
                 n = rows[e].stop - rows[e].start

@@ -7,6 +7,10 @@ Per request it keeps the precision that served it (`request_bits`): every (token
 routed expert) choice computed for the request, prompt tokens included, counts once at the
 width that expert computed at in that step; and whether any of those steps was a transition
 step (a bit-width move started in it, or its copies were in flight while it computed).
+
+Widths are reported in bits per weight: on an MXFP4 checkpoint its own width (formats.MXFP4)
+counts 4.25 in `mean_bits`, `request_bits` and the `expert_bits` table, and is named
+`experts_at_mxfp4_bits` in the step extras.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from engines.pagedweight.arbiter import Arbiter, Choice, solve_greedy
 from engines.pagedweight.backend import FeedbackSample, Move, PagedWeightBackend
+from engines.pagedweight.formats import weight_bits, width_name
 from engines.pagedweight.importance import Importance, Key
 from engines.runtime.batch import StepBatch
 from engines.runtime.engine import Controller
@@ -42,6 +47,11 @@ class PagedExperts:
     floors: dict[Key, int]
     group_size: int = 32  # the group size the quantized versions use (may differ from the asked one)
     notes: list[str] = field(default_factory=list)  # for the run's notes (e.g. a group size that did not fit)
+    mxfp4: bool = False  # an MXFP4 checkpoint's stores: width formats.MXFP4 is its own MXFP4
+
+    def weight_bits(self, bits: int) -> float:
+        """Bits per weight of a width as reported (MXFP4's 4.25; 0: not resident)."""
+        return weight_bits(bits, self.mxfp4)
 
     def floor_bytes(self) -> int:
         """Every expert at its floor, plus the on-demand staging slots when a floor is 0."""
@@ -72,14 +82,16 @@ class RequestBits:
     """The widths one request's computed tokens met: summed and lowest over its routed choices."""
 
     choices: int = 0
-    bits_sum: int = 0
-    bits_min: int | None = None
+    bits_sum: int = 0  # quarter bits per weight, summed over the choices
+    bits_min: int | None = None  # quarter bits per weight
     in_transition: bool = False
     steps: int = 0
 
     def row(self, request_id: str) -> dict[str, Any]:
+        low = self.bits_min
         return {"request_id": request_id, "expert_choices": self.choices,
-                "bits_mean": self.bits_sum / self.choices if self.choices else None, "bits_min": self.bits_min,
+                "bits_mean": self.bits_sum / 4 / self.choices if self.choices else None,
+                "bits_min": None if low is None else low // 4 if low % 4 == 0 else low / 4,
                 "in_transition": self.in_transition, "steps": self.steps}
 
 
@@ -117,7 +129,7 @@ class PagedController(Controller):
             imp = p.importance[key]
             # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
             # the expert may leave the device, but not sit on it at a width over the bound).
-            opts = [Choice(b, store.nbytes(b), imp * (0.0 if b == 16 else p.sensitivity[key][b]))
+            opts = [Choice(b, store.nbytes(b), imp * (0.0 if b in store.exact_bits else p.sensitivity[key][b]))
                     for b in p.bit_widths if b >= p.quality[key]]
             if p.floors[key] == 0:
                 opts.append(Choice(0, 0, imp * MISS_COST))
@@ -217,11 +229,12 @@ class PagedController(Controller):
     def _observe(self, fits: bool, moved: int, promotions: int, demotions: int) -> dict[str, float]:
         backend, p = self.backend, self.paged
         bits = {k: backend.bits(k) for k in backend.stores}
-        extras: dict[str, float] = {"engine_step": self.engine_step, "mean_bits": sum(bits.values()) / len(bits),
+        mean = sum(p.weight_bits(b) for b in bits.values()) / len(bits)
+        extras: dict[str, float] = {"engine_step": self.engine_step, "mean_bits": mean,
                                     "promotions": promotions, "demotions": demotions, "move_bytes": moved,
                                     "floors_fit": int(fits)}
         for b in (*p.bit_widths, 0):
-            extras[f"experts_at_{b}_bits"] = sum(v == b for v in bits.values())
+            extras[f"experts_at_{width_name(b, p.mxfp4)}_bits"] = sum(v == b for v in bits.values())
         feedback = backend.take_feedback() if backend.feedback_due else None
         extras.update(feedback_checks=0, fallbacks=0)
         if feedback is not None and feedback.layer_error:
@@ -229,7 +242,7 @@ class PagedController(Controller):
                           feedback_rows=feedback.rows, feedback_s=feedback.seconds, feedback_bytes=feedback.bytes)
             extras["fallbacks"] = self._apply_feedback(feedback)
         if self.engine_step % max(1, self.cfg.matrix_every) == 0:
-            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1], "bits": b,
+            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1], "bits": p.weight_bits(b),
                              "importance": p.importance[k]} for k, b in bits.items()]
         return extras
 

@@ -6,6 +6,11 @@ the host tier (formats.py, `representation` bitplanes or requantize), a backend 
 on the device at one width (backend.py), and a controller (controller.py) whose arbiter
 (arbiter.py) picks the widths every step from routing importance (importance.py) x measured
 sensitivity (sensitivity.py) against the KV demand. Design and measurements: docs/pagedweight.md.
+
+A gpt-oss MXFP4 folder is served from its own format: the widths an expert may hold are the
+checkpoint's MXFP4 (`mxfp4`, 4.25 bits per weight, its master: the checkpoint holds nothing
+finer) and lower ones quantized from its dequantized values (default `bits` "mxfp4,3,2"); 16
+(dequantized MXFP4: more bytes, the same values) and 8 only when `bits` names them.
 """
 
 from __future__ import annotations
@@ -20,16 +25,23 @@ from engines.pagedweight.backend import PagedWeightBackend
 from engines.pagedweight.controller import PageBudget, PagedController, PagedExperts
 from engines.pagedweight.importance import Importance
 from engines.runtime.budget import OFFLOAD_FIX, Claim
+from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.copies import CopyEngine
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.mxfp4 import is_mxfp4
+from engines.runtime.mxfp4_parts import Mxfp4Loaded, load_mxfp4
 
 REPRESENTATIONS = ("bitplanes", "requantize")
+DEFAULT_BITS = "16,8,4,3,2"
+DEFAULT_MXFP4_BITS = "mxfp4,3,2"  # an MXFP4 checkpoint: its own width, then lower ones
 
 
 @dataclass(frozen=True)
 class PagedWeightConfig(RuntimeConfig):
     representation: str = "bitplanes"  # bitplanes | requantize
-    bits: str = "16,8,4,3,2"  # widths an expert may hold on the device (16 = full precision)
+    # Widths an expert may hold on the device (16 = full precision; mxfp4 = an MXFP4 checkpoint's
+    # own). None: 16,8,4,3,2, or mxfp4,3,2 on an MXFP4 checkpoint.
+    bits: str | None = None
     floor_bits: int = 2  # no expert below this (0: experts may leave the device)
     # Quality floors: no expert at a width whose measured relative output error (its
     # sensitivity, squared error over squared output on calibration activations) exceeds this;
@@ -54,17 +66,39 @@ class PagedWeightConfig(RuntimeConfig):
 
 
 
-def parse_bits(text: str, floor: int) -> tuple[int, ...]:
+def parse_bits(text: str | None, floor: int, mxfp4: bool = False) -> tuple[int, ...]:
+    """The widths `text` names, widest first. On an MXFP4 checkpoint (`mxfp4`) "mxfp4" (or 4,
+    the same width) is its own and must be there; elsewhere 16 must be, and mxfp4 is refused."""
+    from engines.pagedweight.formats import MXFP4, MXFP4_NAME  # noqa: PLC0415
+
+    if text is None:
+        text = DEFAULT_MXFP4_BITS if mxfp4 else DEFAULT_BITS
+    words = [w.strip().lower() for w in str(text).split(",") if w.strip()]
+    if MXFP4_NAME in words and not mxfp4:
+        raise EngineError("engine pagedweight: bits names mxfp4, the width of gpt-oss MXFP4 checkpoints only; this "
+                          "model's experts are full precision: use widths among 16,8,4,3,2")
     try:
-        bits = tuple(sorted({int(b) for b in text.split(",") if b.strip()}, reverse=True))
+        bits = tuple(sorted({MXFP4 if w == MXFP4_NAME else int(w) for w in words}, reverse=True))
     except ValueError:
-        raise EngineError(f"engine pagedweight: bits must be comma-separated integers, got {text!r}") from None
+        raise EngineError(f"engine pagedweight: bits must be comma-separated integers{' or mxfp4' if mxfp4 else ''}, "
+                          f"got {text!r}") from None
     bad = [b for b in bits if b not in (16, 8, 4, 3, 2)]
-    if bad or 16 not in bits:
+    if mxfp4 and (bad or MXFP4 not in bits):
+        raise EngineError(f"engine pagedweight: on an MXFP4 checkpoint bits must include mxfp4 (its own width) and be "
+                          f"among 16,8,mxfp4,3,2 (16 and 8 only add bytes to its values), e.g. mxfp4,3,2; "
+                          f"got {text!r}")
+    if bad or 16 not in bits and not mxfp4:
         raise EngineError(f"engine pagedweight: bits must include 16 and be among 16,8,4,3,2; got {text!r}")
     if floor not in (0, *bits):
         raise EngineError(f"engine pagedweight: floor_bits must be 0 or one of {bits}, got {floor}")
     return bits
+
+
+def bits_text(bits: tuple[int, ...], mxfp4: bool) -> str:
+    """The widths as `bits` writes them (mxfp4 by name)."""
+    from engines.pagedweight.formats import width_name  # noqa: PLC0415
+
+    return ",".join(width_name(b, mxfp4) for b in bits)
 
 
 def calibration_prompts(cfg: PagedWeightConfig, name: str) -> int | list[list[int]]:
@@ -82,8 +116,10 @@ def calibration_prompts(cfg: PagedWeightConfig, name: str) -> int | list[list[in
 
 def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExperts:
     """The experts' host-tier stores, their measured sensitivities and quality floors, and the
-    backend over them (nothing on the device yet)."""
-    from engines.pagedweight.formats import fit_group_size, make_store  # noqa: PLC0415
+    backend over them (nothing on the device yet). From an `Mxfp4Loaded` (an MXFP4 checkpoint)
+    the stores hold its experts as stored (formats.Mxfp4Store) and `loaded.experts`, their
+    dequantized values, are the master the calibration and the lower widths start from."""
+    from engines.pagedweight.formats import Mxfp4Store, fit_group_size, make_store  # noqa: PLC0415
     from engines.pagedweight.sensitivity import load_or_measure  # noqa: PLC0415
     from engines.quant.qweight import QuantFormatError  # noqa: PLC0415
 
@@ -92,14 +128,16 @@ def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExp
     if cfg.representation not in REPRESENTATIONS:
         raise EngineError(f"engine {name}: representation must be one of {', '.join(REPRESENTATIONS)}, "
                           f"got {cfg.representation!r}")
-    widths = parse_bits(cfg.bits, cfg.floor_bits)
+    mxfp4 = isinstance(loaded, Mxfp4Loaded)
+    widths = parse_bits(cfg.bits, cfg.floor_bits, mxfp4)
     bound = cfg.max_expert_error
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, (int, float)) or not bound > 0):
         raise EngineError(f"engine {name}: max_expert_error must be a number > 0 (e.g. 0.01) or none, got {bound!r}")
     dense = loaded.experts
     notes: list[str] = []
     group_size = cfg.group_size
-    if any(b < 16 for b in widths):
+    exact = tuple(b for b in widths if b == 16 or mxfp4 and b == 4)  # the master's own values
+    if any(b not in exact for b in widths):
         inputs = {n for w in dense.values() for n in (w.gate_up.shape[-1], w.down.shape[-1])}  # D and I
         try:  # the asked size, else one that fits every expert input width, said in the notes
             group_size, note = fit_group_size(cfg.group_size, sorted(inputs), cfg.representation)
@@ -108,35 +146,45 @@ def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExp
         notes += [note] if note else []
     copies = CopyEngine(loaded.ledger, loaded.device, cfg.link_gbps)
 
-    def store(w, e: int):
+    def store(i: int, e: int):
+        if mxfp4:
+            return Mxfp4Store(loaded.packed[i].expert(e), widths, cfg.representation, group_size, copies.host,
+                              loaded.dtype)
+        w = dense[i]
         biases = [None if b is None else b[e] for b in (w.gate_up_bias, w.down_bias)]
         return make_store(cfg.representation, w.gate_up[e], w.down[e], widths, group_size, copies.host,
                           gate_up_bias=biases[0], down_bias=biases[1], clamp=w.clamp)
 
     try:
-        stores = {(i, e): store(w, e) for i, w in dense.items() for e in range(w.num_experts)}
+        stores = {(i, e): store(i, e) for i, w in dense.items() for e in range(w.num_experts)}
     except QuantFormatError as exc:
         raise EngineError(f"engine {name}: {exc}") from None
     sensitivity = {k: dict(v) for k, v in load_or_measure(
         loaded.checkpoint, dense, loaded.weights, cfg.representation, widths, group_size,
-        prompts=calibration_prompts(cfg, name), device=loaded.device, dtype=loaded.dtype).items()}
+        prompts=calibration_prompts(cfg, name), device=loaded.device, dtype=loaded.dtype, exact=exact).items()}
     importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay)
-    # The lowest width whose measured error is within max_expert_error (16 always is).
-    quality = {key: min(b for b in widths if bound is None or b == 16 or sensitivity[key][b] <= bound)
+    # The lowest width whose measured error is within max_expert_error (the master's always is).
+    quality = {key: min(b for b in widths if bound is None or b in exact or sensitivity[key][b] <= bound)
                for key in stores}
     floors = {key: max(cfg.floor_bits, q) if cfg.floor_bits else 0 for key, q in quality.items()}
-    backend = PagedWeightBackend(stores, copies, loaded.device, importance, cfg.feedback_share, cfg.seed)
+    backend = PagedWeightBackend(stores, copies, loaded.device, importance, cfg.feedback_share, cfg.seed, mxfp4)
     backend.fetch_bits = dict(quality)  # an expert that left the device comes back at its quality floor
     if 0 in floors.values():
         backend.staging_bytes = backend.fetch_slots * backend.staging_slot_bytes()
-    return PagedExperts(backend, widths, sensitivity, importance, quality, floors, group_size, notes)
+    if mxfp4:
+        notes.append(f"routed experts served from the checkpoint's MXFP4 (4.25 bits per weight) as stored; widths "
+                     f"{bits_text(widths, True)}, lower ones quantized from its dequantized values")
+    return PagedExperts(backend, widths, sensitivity, importance, quality, floors, group_size, notes, mxfp4)
 
 
 def floor_claim(cfg: PagedWeightConfig, paged: PagedExperts, fix: str | None = None) -> Claim:
     """The least the pages hold: every expert at its floor, or the on-demand staging slots."""
+    from engines.pagedweight.formats import width_name  # noqa: PLC0415
+
     widths = sorted(set(paged.floors.values()))
     slots = paged.backend.fetch_slots
-    what = (f"every routed expert at its floor ({'/'.join(map(str, widths))} bits: floor_bits {cfg.floor_bits}, "
+    names = "/".join(width_name(b, paged.mxfp4) for b in widths)
+    what = (f"every routed expert at its floor ({names} bits: floor_bits {cfg.floor_bits}, "
             f"max_expert_error {cfg.max_expert_error})" if cfg.floor_bits else
             "a staging slot for one expert fetched on demand at its quality floor" if slots == 1 else
             f"{slots} staging slots for experts fetched on demand at their quality floor (one copies while "
@@ -150,13 +198,25 @@ def paged_claims(cfg: PagedWeightConfig, paged: PagedExperts, dense: int, fix: s
 
 
 def paged_stats(paged: PagedExperts) -> dict[str, float]:
-    return {"bytes_per_expert": max(s.nbytes(16) for s in paged.backend.stores.values())}
+    """bytes_per_expert: the largest expert at its widest offered version (the master's)."""
+    return {"bytes_per_expert": max(s.nbytes(max(s.bits)) for s in paged.backend.stores.values())}
+
+
+def paged_load(engine: RuntimeEngine, cfg: PagedWeightConfig) -> Loaded | None:
+    """An MXFP4 checkpoint's load for pagedweight and full (experts as stored, and their
+    dequantized values for the calibration); None for any other folder (the dense load)."""
+    if cfg.model is None or not is_mxfp4(open_checkpoint(cfg.model).config):
+        return None
+    return load_mxfp4(cfg, engine, dequantized=True)
 
 
 class PagedWeightEngine(RuntimeEngine):
     name = "pagedweight"
     config_cls = PagedWeightConfig
     needs_calibration = True
+
+    def load(self, cfg: PagedWeightConfig) -> Loaded:
+        return paged_load(self, cfg) or super().load(cfg)
 
     def build(self, cfg: PagedWeightConfig, loaded: Loaded) -> EngineParts:
         self.paged = paged = paged_experts(cfg, loaded, self.name)
@@ -169,4 +229,5 @@ class PagedWeightEngine(RuntimeEngine):
         self.controller = PagedController(cfg, paged, room)
         return EngineParts(paged.backend, claims, kv, copies=paged.backend.copies, controllers=[self.controller],
                            stats=lambda: paged_stats(paged), notes=list(paged.notes),
-                           config=dataclasses.replace(cfg, group_size=paged.group_size))
+                           config=dataclasses.replace(cfg, group_size=paged.group_size,
+                                                      bits=bits_text(paged.bit_widths, paged.mxfp4)))

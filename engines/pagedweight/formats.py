@@ -34,6 +34,13 @@ so their rows are padded to a multiple of 8 as well. Compute: `forward` (one exp
 `group_forward` (experts at one width in one call, each row's output kept separate: the caller
 combines with routing weights). Not here: which width an expert gets (arbiter.py), the device
 buffers and copies (backend.py).
+
+MXFP4 checkpoints (gpt-oss as released; `Mxfp4Store`): the top width is the checkpoint's own
+MXFP4 (`MXFP4`, 4.25 bits per weight: 4-bit codes plus one E8M0 scale byte per 32 values),
+parts `{gate_up,down}_{blocks,scales}` as stored; the lower widths are quantized, in either
+representation, from its dequantized values, which are the master (the checkpoint holds no
+more). A 16-bit version is offered only when asked for: dequantized MXFP4 adds bytes, not
+quality. Every store names its exact widths (`exact_bits`: those equal to the master).
 """
 
 from __future__ import annotations
@@ -59,10 +66,17 @@ from engines.quant.qweight import (
     unpack,
 )
 from engines.runtime.experts import Dispatch, swiglu
+from engines.runtime.mxfp4 import Mxfp4Expert, mxfp4_expert_forward
 from engines.runtime.weights import MLPWeights
 
 PAGED_BITS = (16, 8, 4, 3, 2)
 FULL = 16  # the master's "width", whatever dtype the model runs in
+# An MXFP4 checkpoint's own width: its id among the widths is 4 (4-bit codes; it orders between
+# 8 and 3), its name "mxfp4", and it counts 4.25 bits per weight (the scale byte per 32 values).
+MXFP4 = 4
+MXFP4_NAME = "mxfp4"
+MXFP4_WEIGHT_BITS = 4.25
+MXFP4_PARTS = ("gate_up_blocks", "gate_up_scales", "down_blocks", "down_scales")
 REPRESENTATIONS = ("bitplanes", "requantize")
 PLANES = 8  # bit planes of the one stored copy
 MATRICES = ("gate_up", "down")
@@ -258,6 +272,7 @@ class ExpertStore:
     (gate_up_bias [2I], down_bias [D]) and `clamp` are gpt-oss's; None for plain SwiGLU."""
 
     representation: str
+    exact_bits: frozenset[int] = frozenset({FULL})  # widths whose output is the master's exactly
 
     def __init__(self, gate_up: Tensor, down: Tensor, bits: Sequence[int], group_size: int = 32,
                  host: HostFn | None = None, *, gate_up_bias: Tensor | None = None,
@@ -372,8 +387,8 @@ class ExpertStore:
             raise QuantFormatError(f"group_forward: {len(parts_list)} experts but {len(xs)} row blocks")
         if not xs:
             return []
-        if bits == FULL:
-            return [self.version(FULL, p).forward(x) for p, x in zip(parts_list, xs)]
+        if bits in self.exact_bits:
+            return [self.version(bits, p).forward(x) for p, x in zip(parts_list, xs)]
         return self._group(parts_list, bits, xs)
 
     def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
@@ -451,6 +466,97 @@ class BitPlaneStore(ExpertStore):
 
 
 _STORES: dict[str, type[ExpertStore]] = {"bitplanes": BitPlaneStore, "requantize": RequantizeStore}
+
+
+# --- MXFP4 checkpoints ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp4Version(ExpertVersion):
+    """An expert at the checkpoint's own MXFP4 width: its stored blocks and scales (and the
+    exact biases), computed by engines.runtime.mxfp4's torch reference."""
+
+    def _expert(self) -> Mxfp4Expert:
+        return Mxfp4Expert.from_tensors(dict(self.parts), self.clamp)
+
+    def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        e = self._expert()
+        return e.gate_up.dequantize(dtype), e.down.dequantize(dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return mxfp4_expert_forward(x, self._expert())
+
+
+class Mxfp4Store(ExpertStore):
+    """One expert of an MXFP4 checkpoint (see the module docstring): the version at `MXFP4` is
+    the stored parts; the others (3, 2, and 16 or 8 only when asked) come from an inner store
+    of `representation` built on the dequantized weights, their biases the shared ones here.
+    The host tier holds no dequantized master: the reference dequantizes the stored parts."""
+
+    def __init__(self, expert: Mxfp4Expert, bits: Sequence[int], representation: str, group_size: int = 32,
+                 host: HostFn | None = None, dtype: torch.dtype = torch.float32) -> None:
+        widths = tuple(sorted(set(bits), reverse=True))
+        if MXFP4 not in widths or any(b not in PAGED_BITS for b in widths) or len(widths) != len(bits):
+            raise QuantFormatError(f"MXFP4 expert store: bits must be distinct values among {PAGED_BITS} and "
+                                   f"include {MXFP4} (the checkpoint's MXFP4), got {list(bits)}")
+        self.representation = representation
+        self.bits, self.clamp = widths, expert.clamp
+        self.exact_bits = frozenset(b for b in widths if b in (MXFP4, FULL))
+        self._host = host or (lambda t: t.detach().contiguous())
+        stored = {name: self._host(t) for name, t in expert.tensors().items()}
+        self.bias = {name: stored[name] for name in BIASES if name in stored}
+        packed = {name: stored[name] for name in MXFP4_PARTS}
+        gate_up, down = expert.gate_up.dequantize(dtype), expert.down.dequantize(dtype)
+        self.shape = (down.shape[1], down.shape[0])  # (I, D)
+        others = [b for b in widths if b != MXFP4]
+        self.inner = None
+        if others:
+            biases = {name: expert.tensors().get(name) for name in BIASES}
+            self.inner = make_store(representation, gate_up, down, others, group_size, self._host,
+                                    gate_up_bias=biases["gate_up_bias"], down_bias=biases["down_bias"],
+                                    clamp=self.clamp)
+            if FULL not in others:
+                # The inner store's master copy is the dequantized MXFP4: the host tier need not keep it.
+                self.inner.master = MLPWeights(gate_up.new_empty(0), down.new_empty(0))
+        self.group_size = self.inner.group_size if self.inner is not None else group_size
+        self.padded = self.inner.padded if self.inner is not None else self.shape
+        self._parts = {MXFP4: {**packed, **self.bias}}
+        for b in others:
+            assert self.inner is not None
+            self._parts[b] = {**{k: v for k, v in self.inner.parts(b).items() if k not in BIASES}, **self.bias}
+
+    def version(self, bits: int, parts: Parts | None = None) -> ExpertVersion:
+        if bits != MXFP4:
+            return super().version(bits, parts)
+        return Mxfp4Version(self.representation, bits, self.parts(bits) if parts is None else parts, self.shape,
+                            self.group_size, self.clamp)
+
+    def master_expert(self) -> Mxfp4Expert:
+        """The host tier's MXFP4 parts as an Mxfp4Expert (the master, packed)."""
+        return Mxfp4Expert.from_tensors(self._parts[MXFP4], self.clamp)
+
+    def reference(self, x: Tensor) -> Tensor:
+        """The master's output on x [n, D]: the stored MXFP4 dequantized to x's dtype."""
+        return mxfp4_expert_forward(x, self.master_expert())
+
+    def host_bytes(self) -> int:
+        """Each part once: the stored MXFP4, the lower widths' parts, the biases (no dense master)."""
+        return _nbytes({name: t for b in self.bits for name, t in self._parts[b].items()})
+
+    def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
+        assert self.inner is not None
+        return self.inner._group(parts_list, bits, xs)
+
+
+def weight_bits(bits: int, mxfp4: bool) -> float:
+    """Bits per weight of width `bits` as a report counts it: MXFP4's 4.25 on an MXFP4 checkpoint,
+    else the width itself (0: not resident)."""
+    return MXFP4_WEIGHT_BITS if mxfp4 and bits == MXFP4 else bits
+
+
+def width_name(bits: int, mxfp4: bool) -> str:
+    """How a width is named in options and logs: "mxfp4" for an MXFP4 checkpoint's own."""
+    return MXFP4_NAME if mxfp4 and bits == MXFP4 else str(bits)
 
 
 def make_store(representation: str, gate_up: Tensor, down: Tensor, bits: Sequence[int], group_size: int = 32,

@@ -6,7 +6,9 @@ the calibration prompts (one flat prefill through the runtime's own MoEModel wit
 expert backend; every layer computes at full precision, so each expert is measured with the
 rest of the model exact: the additive cost model the arbiter assumes). f is the master, f_b
 the store's version (engines/pagedweight/formats.py), both evaluated in float32 with the
-expert's exact biases and the model's SwiGLU (gpt-oss's clamped one); 16 bits is 0.
+expert's exact biases and the model's SwiGLU (gpt-oss's clamped one); 16 bits is 0. On an
+MXFP4 checkpoint the master is the dequantized MXFP4 (all the checkpoint holds): its own width
+(`exact`: formats.MXFP4) is 0 too, and the lower widths are measured against it.
 At most `max_rows` evenly spaced rows per expert are used (they span every prompt). An expert
 that got no calibration rows gets its layer's mean at each width (listed under "filled").
 
@@ -168,12 +170,14 @@ class Measured:
 
 
 def measure(config: ModelConfig, dense: Mapping[int, DenseExperts], weights: ModelWeights, representation: str,
-            bits: Sequence[int], group_size: int, calibration: Calibration, max_rows: int = MAX_ROWS) -> Measured:
+            bits: Sequence[int], group_size: int, calibration: Calibration, max_rows: int = MAX_ROWS,
+            exact: Sequence[int] = (FULL,)) -> Measured:
     """Run the calibration prompts through the full-precision model and measure every expert's
-    relative output error at each width in `bits` (see the module docstring)."""
+    relative output error at each width in `bits` (see the module docstring); widths in `exact`
+    are the master's own values (error 0)."""
     t0 = time.perf_counter()
     widths = tuple(sorted(set(bits), reverse=True))
-    quantized = [b for b in widths if b < FULL]
+    quantized = [b for b in widths if b not in exact]
     bad = [b for b in widths if b not in PAGED_BITS]
     if bad or not widths:
         raise EngineError(f"sensitivity: bits must be among {PAGED_BITS}, got {list(bits)}")
@@ -193,7 +197,7 @@ def measure(config: ModelConfig, dense: Mapping[int, DenseExperts], weights: Mod
         ref = swiglu(x, w.gate_up[e].float(), w.down[e].float(), *(None if b is None else b.float() for b in biases),
                      w.clamp)
         norm = ref.pow(2).sum().clamp(min=1e-30)
-        out = {b: 0.0 for b in widths if b == FULL}
+        out = {b: 0.0 for b in widths if b in exact}
         for b in quantized:
             y = store.version(b).dense_forward(x)  # type: ignore[union-attr]
             out[b] = float((y - ref).pow(2).sum() / norm)
@@ -233,7 +237,8 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def cache_key(checkpoint: Checkpoint, representation: str, bits: Sequence[int], group_size: int,
-              calibration: Calibration, max_rows: int, device: torch.device, dtype: torch.dtype) -> dict:
+              calibration: Calibration, max_rows: int, device: torch.device, dtype: torch.dtype,
+              exact: Sequence[int] = (FULL,)) -> dict:
     """Everything the table depends on. Weight files are stamped by name, size and mtime (as the
     quantized-folder cache does): hashing gigabytes of safetensors at every start would cost
     more than measuring."""
@@ -244,6 +249,7 @@ def cache_key(checkpoint: Checkpoint, representation: str, bits: Sequence[int], 
         "representation": representation, "group_size": group_size, "bits": sorted(set(bits), reverse=True),
         "calibration": calibration.fingerprint, "max_rows": max_rows, "device": device.type,
         "dtype": dtype_name(dtype),
+        **({"exact": sorted(set(exact), reverse=True)} if tuple(exact) != (FULL,) else {}),
     }
 
 
@@ -286,19 +292,21 @@ def load_or_measure(checkpoint: Checkpoint, dense: Mapping[int, DenseExperts], w
                     representation: str, bits: Sequence[int], group_size: int = 32, *,
                     prompts: int | Sequence[Sequence[int]] = 24, seed: int = 0, prompt_len: int = PROMPT_LEN,
                     max_rows: int = MAX_ROWS, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                    cache_dir: str | Path | None = None) -> Table:
+                    cache_dir: str | Path | None = None, exact: Sequence[int] = (FULL,)) -> Table:
     """{(layer, expert): {bits: relative output error}} for every routed expert and width in
-    `bits` (16: 0.0), read from the cache or measured now and written there. `dense` and
-    `weights` are the full-precision model as loaded (on the device it runs on)."""
+    `bits` (those in `exact`, 16 by default: 0.0), read from the cache or measured now and
+    written there. `dense` and `weights` are the full-precision model as loaded (on the device
+    it runs on; an MXFP4 checkpoint's experts dequantized)."""
     device = device if device is not None else weights.embed.device
     dtype = dtype if dtype is not None else weights.embed.dtype
     calibration = calibration_set(checkpoint, prompts, seed, prompt_len)
-    key = cache_key(checkpoint, representation, bits, group_size, calibration, max_rows, torch.device(device), dtype)
+    key = cache_key(checkpoint, representation, bits, group_size, calibration, max_rows, torch.device(device), dtype,
+                    exact)
     path = cache_file(cache_root(cache_dir), key)
     table = _read(path, key, dense)
     if table is not None:
         return table
-    m = measure(checkpoint.config, dense, weights, representation, bits, group_size, calibration, max_rows)
+    m = measure(checkpoint.config, dense, weights, representation, bits, group_size, calibration, max_rows, exact)
     _write(path, key, calibration, m)
     return m.table
 
