@@ -200,6 +200,26 @@ def test_paged_engines_hold_every_expert_at_mxfp4_and_give_transformers_tokens(n
     assert info.model_stats["bytes_per_expert"] == MXFP4_EXPERT
 
 
+def test_default_engine_full_with_no_budget_serves_an_mxfp4_folder(mxfp4):
+    folder, _, want = mxfp4
+    got, _, info, _ = run("full", folder, calib_prompts=2)
+    assert got == want and info.config["bits"] == "mxfp4,3,2"
+
+
+def test_sixteen_bits_only_when_asked_and_then_the_same_values(mxfp4):
+    """bits naming 16 adds the dequantized MXFP4 as a version: its values are the checkpoint's,
+    and at equal (zero) error the arbiter holds the cheaper MXFP4."""
+    folder, packed, want = mxfp4
+    got, _, info, engine = run("pagedweight", folder, budget_bytes=ROOMY, bits="16,mxfp4,2", **FAST)
+    assert got == want and info.config["bits"] == "16,mxfp4,2"
+    stores = engine.paged.backend.stores
+    assert {engine.paged.backend.bits(k) for k in stores} == {MXFP4}
+    for (layer, e), store in stores.items():
+        assert store.exact_bits == {16, MXFP4} and store.nbytes(16) == DENSE_EXPERT
+        for got_w, ref in zip(store.version(16).weights(torch.float32), checkpoint_weights(packed, layer, e)):
+            assert torch.equal(got_w, ref)
+
+
 def test_paged_served_mxfp4_weights_are_the_checkpoints(mxfp4):
     """What the device holds is the stored bytes: dequantized, transformers' values bit for bit."""
     folder, packed, _ = mxfp4
