@@ -270,3 +270,17 @@ def test_fine_moe_engine_continues_like_transformers():
     with MoEEngine(cfg) as engine:
         done = run_offline(engine, [EngineRequest(str(i), seq, 8, ignore_eos=True) for i, seq in enumerate(ids)])
     assert [list(done[str(i)].output_ids) for i in range(len(ids))] == expected
+
+
+@needs_fine
+def test_fine_model_copies_at_full_precision_and_2bit_experts():
+    """The task the partial demo-fine run learned (docs/demo_model.md: copy 100% at full precision
+    and with 2-bit RTN experts, recall and closed book near 0): 48 held-out copy examples."""
+    from engines.moe import MoEEngine, MoEEngineConfig
+    from harness.demo.eval import EvalSpec, demo_samples, run_samples
+
+    samples = demo_samples("copy", EvalSpec(samples=48))
+    for bits in (None, 2):
+        cfg = MoEEngineConfig(model=str(DEMO_FINE_MODEL_DIR), device="cpu", dtype="float32", expert_bits=bits)
+        with MoEEngine(cfg) as engine:
+            assert run_samples(engine, samples)[0] >= 0.95, bits
