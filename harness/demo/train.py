@@ -142,6 +142,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise HarnessError(f"demo train option arch={self.arch!r} is unknown; use one of {', '.join(ARCHS)}")
+        if self.arch == "deepseek_v3":  # before anything is written
+            _check_deepseek(self)
 
     def curriculum_fields(self) -> dict:
         """The settings that determine the curriculum stage's weights (evaluation settings do too:

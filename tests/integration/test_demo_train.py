@@ -255,7 +255,7 @@ def test_curriculum_steps_end_the_stage_after_the_circuit():
     assert _curriculum_end(replace(cfg, steps=8), [{"step": 4, "phase": "circuit"}]) == 8  # steps caps it
 
 
-@pytest.mark.slow  # a 4 + 1-step deepseek_v3 run (~20-40 s on 2 shared cores)
+@pytest.mark.slow  # a 4 + 1-step deepseek_v3 run (4 s on 2 quiet cores, 20 s shared)
 def test_deepseek_run_balances_saves_and_loads(tmp_path):
     from transformers import DeepseekV3ForCausalLM
 
