@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from engines.common.demo import resolve_model
 from harness.cli.apps import app
 from harness.cli.common import user_errors
 
@@ -28,6 +29,7 @@ def eval_(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Run lm-eval tasks against a pwbench engine, fully offline."""
+    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
     import os
     import tempfile
     from pathlib import Path

@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from engines.common.demo import resolve_model
 from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, user_errors
 from harness.errors import HarnessError
@@ -44,6 +45,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Print the plan (KV placement, batch, micro-batch, expert ring and residents) and its predicted decode step."""
+    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
     from engines.common.demo import demo_model_path
     from engines.common.peaks import cpu_model
     from engines.common.sizes import format_size, parse_size

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from engines.common.demo import resolve_model
 from harness.cli.common import user_errors
 
 
@@ -61,6 +62,7 @@ def quantize(
                                     help="Print the report summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Quantize a model's routed experts (RTN, GPTQ or AWQ, calibrated on a workload) into a Hugging Face folder."""
+    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from engines.common.folders import REPORT_FILE

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from engines.common.demo import resolve_model
 from engines.common.folders import engine_for_folder
 from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, engine_for, user_errors
@@ -25,7 +26,7 @@ def run(
                       typer.Option(help="Engine name (see `pwbench ls engines`). Default: with --workload rag_long, "
                                         "the PoC suite (every suite engine under one --budget, then the HTML report); "
                                         "otherwise full, or static-<method> for a quantized folder.")] = None,
-    model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model folder, or bundled: demo (default), demo-fine.")] = None,
     requests: Annotated[int | None, typer.Option(help="At most this many requests.")] = None,
     duration: Annotated[float | None, typer.Option(help="Admit requests only during this many seconds.")] = None,
     rate: Annotated[float | None,
@@ -97,6 +98,7 @@ def run(
                        typer.Option("--json", help="Print the summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Replay a workload against an engine and write a result folder (run.json + parquet files)."""
+    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
     from harness.cli.run_session import run_command
 
     options = dict(locals())

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from engines.common.demo import resolve_model
 from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 
@@ -21,7 +22,7 @@ def serve(
     engine: Annotated[str | None,
                       typer.Option(help="Engine name (see `pwbench ls engines`; default: full, or static-<method> "
                                         "for a quantized folder).")] = None,
-    model: Annotated[str | None, typer.Option(help="Local model folder (default: the bundled demo model).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model folder, or bundled: demo (default), demo-fine.")] = None,
     host: Annotated[str,
                     typer.Option(help="Address to listen on (loopback by default; 0.0.0.0 exposes it).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port (0: any free port, printed).")] = 8000,
@@ -39,6 +40,7 @@ def serve(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
 ) -> None:
     """Serve an engine over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
     from harness.serve.run import serve_engine
 
     if max_queue < 1:

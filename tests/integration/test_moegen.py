@@ -32,8 +32,9 @@ SMALL_HOST_KV = {"host_kv_gb": 0.01}
 # Every architecture but gpt-oss and DeepSeek-V3: tests/integration/test_layer_major_attention.py
 # runs those (and GLM-4.5) in every placement against transformers (gpt-oss's experts are biased
 # and clamped); DeepSeek-V3's ten cases here take ~20 s, so they run with the slow tests.
-@pytest.mark.parametrize("arch", [*(a for a in ARCHS if a not in ("gpt_oss", "deepseek_v3")),
-                                  pytest.param("deepseek_v3", marks=pytest.mark.slow), "demo"])
+# The tiny architectures are slow here and covered in the default run by
+# test_every_architecture.py (moegen on DeepSeek-V3 and gpt-oss) and test_layer_major_attention.py.
+@pytest.mark.parametrize("arch", [*(pytest.param(a, marks=pytest.mark.slow) for a in ARCHS), "demo"])
 def test_moegen_gives_the_same_greedy_tokens_as_moe(arch, checkpoints):
     model = DEMO if arch == "demo" else checkpoints(arch)
     reqs = requests(1109 if arch == "demo" else 257)
