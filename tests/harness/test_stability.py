@@ -74,7 +74,8 @@ def test_dummy_answers_do_not_move_with_load_and_flips_are_counted_against_the_r
     engine.stop()
 
 
-@pytest.mark.parametrize("name,options", [("moe", {}), ("pagedweight", {"budget_bytes": 1_900_000})])
+@pytest.mark.parametrize("name,options", [("moe", {}), pytest.param("pagedweight", {"budget_bytes": 1_900_000},
+                                                                   marks=pytest.mark.slow)])
 def test_probes_at_three_loads_match_a_recount_from_the_raw_outputs(name, options, tmp_path, monkeypatch):
     """Demo closed-book questions (scored) and random-token prompts with 16-token outputs, on
     moe (the reference's own engine, float32 on the CPU) and pagedweight under a budget the

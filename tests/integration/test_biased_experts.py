@@ -253,8 +253,9 @@ def test_pagedweight_below_full_precision_keeps_its_budget_and_serves_every_requ
     assert min(s.extras["mean_bits"] for s in steps) < 16  # demoted or paged out: not vacuous
 
 
-def test_moegen_and_full_stream_gpt_oss_within_a_tight_budget(tiny):
-    folder, want = tiny("gpt_oss")
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_moegen_and_full_stream_within_a_tight_budget(arch, tiny):
+    folder, want = tiny(arch)
     lowest, block = minimum_budget("moegen", folder, resident_experts=0, expert_slots=1, block_size=4)
     budget = lowest + 2 * LONGEST * block
     got, steps, _, _ = generate("moegen", folder, budget_bytes=budget, block_size=4)

@@ -118,6 +118,7 @@ def test_recall_looks_the_entity_up(moe, make):
     assert run_samples(moe, samples)[0] >= 0.90
 
 
+@pytest.mark.slow  # bfloat16 on a CPU (~17 s); kept under the README's ~12 min; CI's slow step runs it
 def test_demo_eval_cli_in_bfloat16_and_bad_options(tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "harness.cli", "demo", "eval", *args],
@@ -152,6 +153,7 @@ def test_moe_and_hf_give_the_same_answers_on_long_recall(moe):
             assert [r["output"] for r in moe_rows] == [r["output"] for r in hf_rows]
 
 
+@pytest.mark.slow  # lm-eval over 200 demo prompts (~30 s); kept under the README's ~12 min; CI's slow step runs it
 def test_lm_eval_accuracy_equals_pwbench_scorer(moe, tmp_path):
     """`pwbench eval` through lm-eval, offline, scores the bundled model like pwbench does."""
     from harness.demo.eval import EvalSpec, demo_samples, run_samples

@@ -172,6 +172,7 @@ def test_with_the_link_model_experts_that_left_are_fetched_through_two_slots():
     assert all(s.device_weight_bytes <= budget for s in steps)
 
 
+@pytest.mark.slow  # kept under the README's ~12 min; CI's slow step runs it
 def test_full_runs_a_budget_pagedweight_refuses():
     budget = DEMO_DENSE + int(0.06 * DEMO_EXPERTS) + 20_000  # below every expert at its 4-bit floor + KV
     with pytest.raises(EngineError, match="too small for engine pagedweight"):

@@ -110,7 +110,8 @@ ATTENTION = {"device": type(None), "host": HostAttention, "stream": StreamAttent
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("name", MODELS)
+# the real engine test below runs every model in every placement; here DeepSeek-V3 in the default run
+@pytest.mark.parametrize("name", [n if n == "deepseek_v3" else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
 def test_every_placement_attends_as_transformers(name, placement, checkpoints, reference):
     engine = ResidentLayerMajor(MoEGenConfig(model=str(folder(checkpoints, name)), **OPTIONS, **PLACEMENTS[placement]))
     got = tokens(engine)

@@ -31,8 +31,8 @@ def generate(name: str, model, reqs, **options):
     return outputs, steps, engine
 
 
-@pytest.mark.parametrize("model", ["demo", "mixtral"])
-@pytest.mark.parametrize("representation", ["bitplanes", "requantize"])
+@pytest.mark.parametrize(("model", "representation"), [("demo", "bitplanes"), ("mixtral", "requantize"),
+    *(pytest.param(m, r, marks=pytest.mark.slow) for m, r in (("demo", "requantize"), ("mixtral", "bitplanes")))])
 def test_a_budget_for_everything_at_16_bits_gives_moes_tokens(model, representation, checkpoints, tmp_path,
                                                               monkeypatch):
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
@@ -84,6 +84,7 @@ def test_rag_long_under_shrinking_budgets(tmp_path, monkeypatch):
     assert means == sorted(means, reverse=True) and means[0] > means[-1], means
 
 
+@pytest.mark.slow  # kept under the README's ~12 min; CI's slow step runs it
 def test_same_seed_same_bits_bytes_and_tokens(tmp_path, monkeypatch):
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
     reqs = requests(1109, n=8, new=16, seed=5)
@@ -254,7 +255,7 @@ def test_kv_demand_counts_only_queued_requests_that_could_be_admitted(tmp_path, 
         engine.stop()
 
 
-@pytest.mark.parametrize("bound", [0.01, 0.05, None])
+@pytest.mark.parametrize("bound", [0.01, *(pytest.param(b, marks=pytest.mark.slow) for b in (0.05, None))])
 def test_quality_floors_keep_every_expert_within_max_expert_error(bound, tmp_path, monkeypatch):
     """An expert's floor is the lowest width whose measured sensitivity is within
     max_expert_error (None: floor_bits); a budget far too small for the KV demand never pushes

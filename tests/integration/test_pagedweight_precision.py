@@ -128,7 +128,8 @@ def ledger_deltas(name: str, arrivals, **options) -> tuple[list, list[int]]:
     # feedback pinning experts up: its moves start after the step's compute and count in that step
     ("pagedweight", {"budget_bytes": 1_600_000, "feedback_every": 4, "feedback_threshold": 0.001}),
     # experts that left the device are fetched on demand under the same tag (not moves: their own column)
-    ("full", {"budget_bytes": DEMO_DENSE + int(0.15 * DEMO_EXPERTS), "kv_placement": "host", "host_kv_gb": 0.01}),
+    pytest.param("full", {"budget_bytes": DEMO_DENSE + int(0.15 * DEMO_EXPERTS), "kv_placement": "host",
+                          "host_kv_gb": 0.01}, marks=pytest.mark.slow),
 ])
 def test_each_steps_move_bytes_are_the_expert_page_bytes_the_ledger_counted(name, options):
     outs, counted = ledger_deltas(name, staggered(), **options)
@@ -153,6 +154,7 @@ def moves(**options) -> int:
     return sum(o.extras["promotions"] + o.extras["demotions"] for o in outs)
 
 
+@pytest.mark.slow  # ~11 s; kept under the README's ~12 min; CI's slow step runs it
 def test_residence_hysteresis_and_transition_budget_reach_the_arbiter():
     """Each setting changed alone (from PagedWeightConfig's defaults: hysteresis 0.02, 8 steps of
     residence, no transition byte budget) changes the moves of the same seeded traffic; the

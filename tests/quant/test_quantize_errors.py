@@ -59,6 +59,7 @@ def test_quantize_option_errors(args, fragments, checkpoints, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # kept under the README's ~12 min; CI's slow step runs it
 def test_quantize_refuses_an_existing_output_and_a_quantized_input(gptq_folder, checkpoints):
     assert "already exists" in pwbench_error("quantize", "--model", str(checkpoints("mixtral")), "--method", "rtn",
                                              "--group-size", "32", "--output", str(gptq_folder))
@@ -66,6 +67,7 @@ def test_quantize_refuses_an_existing_output_and_a_quantized_input(gptq_folder, 
                                                 "--group-size", "32", "--output", str(gptq_folder.parent / "x"))
 
 
+@pytest.mark.slow  # kept under the README's ~12 min; CI's slow step runs it
 def test_a_quantized_folder_needs_no_engine_flag(gptq_folder):
     """`pwbench generate --model GPTQ_DIR` picks static-gptq, says so in one line, and generates
     what `--engine static-gptq` generates."""

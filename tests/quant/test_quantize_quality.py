@@ -98,7 +98,8 @@ def layer_error(folder, held_out) -> float:
     return num / den
 
 
-@pytest.mark.parametrize("bits", [4, pytest.param(3, marks=pytest.mark.slow)])  # 3 bits: another ~15 s
+@pytest.mark.slow  # GPTQ and AWQ calibrations (~30 s at 4 bits); CI's slow step runs it
+@pytest.mark.parametrize("bits", [4, 3])
 def test_gptq_and_awq_beat_rtn_on_held_out_prompts(model_dir, held_out, bits, tmp_path, record_property):
     cfg = open_checkpoint(model_dir).config
     group_size = max(g for g in SUPPORTED_GROUP_SIZES if cfg.hidden_size % g == 0

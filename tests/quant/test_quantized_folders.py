@@ -124,7 +124,8 @@ def greedy(engine_name: str, options: dict, prompts, n: int = 10):
 PROMPTS = [[5, 9, 14, 200, 37, 88, 3, 41], [100, 101, 102], list(range(20, 60))]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c in ("gptq", "compressed-tensors") else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in CASES])  # the other cases: CI's slow step
 def test_quantized_folder_generates_like_its_dequantized_copy(case, checkpoints, tmp_path):
     src = checkpoints("mixtral")
     method, fmt, flags = CASES[case]
@@ -257,6 +258,7 @@ def test_transformers_loads_our_folder_where_its_backend_is_installed(checkpoint
     assert tokens["r0"] == want
 
 
+@pytest.mark.slow  # kept under the README's ~12 min; CI's slow step runs it
 def test_older_gptq_names_and_quantized_attention_load(checkpoints, tmp_path):
     """An AutoGPTQ-era Mixtral folder: `block_sparse_moe.experts.N.{w1,w3,w2}`, symmetric v1
     (what pwbench writes for --sym) and a quantized q_proj. It must serve exactly what the

@@ -24,6 +24,7 @@ BIG = ModelTarget(vocab_size=32000, max_model_len=10**6, special_ids=(0, 1, 2))
 BLOCK = 512
 
 
+@pytest.mark.slow  # ~10 s; kept under the README's ~12 min; CI's slow step runs it
 def test_mooncake_replay_repeats_prefix_tokens_like_the_raw_hash_ids(real_trace):
     """Share of prompt tokens inside 512-token blocks whose tokens appeared before, in arrival order."""
     path = real_trace("mooncake/conversation_trace.jsonl")
