@@ -66,7 +66,7 @@ class FullEngine(RuntimeEngine):
         super().start()
 
     def load(self, cfg: FullConfig) -> Loaded:
-        return paged_load(self, cfg) or super().load(cfg)
+        return paged_load(self, cfg)
 
     def build(self, cfg: FullConfig, loaded: Loaded) -> EngineParts:
         if cfg.expert_bits is not None:

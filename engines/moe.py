@@ -10,14 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.base import EngineError
-from engines.common.device import resolve_device, resolve_dtype
-from engines.runtime.checkpoint import load_mxfp4_weights, open_checkpoint
-from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, resident_parts
+from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, load_dense, resident_parts
 from engines.runtime.experts import ResidentBackend
-from engines.runtime.mxfp4 import is_mxfp4
-from engines.runtime.transfer import TransferLedger
-
-EXPERT_FORMATS = ("dense", "mxfp4")
+from engines.runtime.mxfp4_parts import load_mxfp4, resolve_expert_format
 
 
 @dataclass(frozen=True)
@@ -38,24 +33,16 @@ class MoEEngine(RuntimeEngine):
     float32_reference = True
 
     def load(self, cfg: MoEEngineConfig) -> Loaded:
-        if cfg.expert_format not in EXPERT_FORMATS:
-            raise EngineError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}, got {cfg.expert_format!r}")
-        if cfg.expert_format == "dense":
-            return super().load(cfg)
+        opened = self.open(cfg)
+        if resolve_expert_format(cfg.expert_format, opened.checkpoint, self.name) == "dense":
+            return load_dense(opened)
         from engines.quant.load import quantized_backend  # noqa: PLC0415  (quantized kernels only when asked)
 
         if cfg.expert_bits is not None:
             raise EngineError("expert_bits fake-quantizes dense experts; drop it with expert_format=mxfp4")
-        device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
-        ledger = TransferLedger(device)
-        checkpoint = open_checkpoint(cfg.model)
-        if not is_mxfp4(checkpoint.config):
-            raise EngineError(f"expert_format=mxfp4 serves gpt-oss folders with MXFP4 experts; {checkpoint.path} "
-                              "has none: use expert_format=dense")
-        self.check_model(checkpoint.config)
-        weights, experts = load_mxfp4_weights(checkpoint, device, dtype, ledger)
-        return Loaded(checkpoint, weights, device, dtype, ledger, backend=quantized_backend(experts))
+        loaded = load_mxfp4(opened, dequantized=False)
+        loaded.backend = quantized_backend(loaded.packed)
+        return loaded
 
     def build(self, cfg: MoEEngineConfig, loaded: Loaded) -> EngineParts:
         if loaded.backend is not None:

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from engines.base import EngineError
 from engines.common import folders
-from engines.common.device import dtype_name, resolve_device, resolve_dtype
+from engines.common.device import dtype_name
 from engines.quant.calibrate import QuantizeOptions, random_prompts
 from engines.quant.convert import AWQ_BITS
 from engines.quant.export import DEFAULT_FORMAT, REPORT_SCHEMA, quantize_folder
@@ -35,7 +35,6 @@ from engines.quant.qweight import PER_ROW, SUPPORTED_GROUP_SIZES
 from engines.runtime.checkpoint import Checkpoint, open_checkpoint
 from engines.runtime.engine import EngineParts, Loaded, RuntimeConfig, RuntimeEngine, resident_parts
 from engines.runtime.mxfp4 import is_mxfp4
-from engines.runtime.transfer import TransferLedger
 
 
 @dataclass(frozen=True)
@@ -60,12 +59,9 @@ class StaticQuantEngine(RuntimeEngine):
 
     def load(self, cfg: StaticQuantConfig) -> Loaded:
         """The quantized folder (given, or quantized now from a full-precision one and cached)."""
-        device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
-        self.device, self.dtype, ledger = device, dtype, TransferLedger(device)
+        source, device, dtype, ledger = self.open(cfg)
+        self.device, self.dtype = device, dtype
         self.group_note: str | None = None
-        source = open_checkpoint(cfg.model)
-        self.check_model(source.config)
         folder, self.quantized_at_start = self._quantized_folder(source)
         checkpoint = open_checkpoint(folder)
         if is_mxfp4(checkpoint.config):

@@ -20,9 +20,8 @@ from engines.base import EngineError
 from engines.common.sizes import format_size
 from engines.offload.cache import POLICIES, OffloadBackend, next_layer_router
 from engines.runtime.budget import Claim
-from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.copies import CopyEngine
-from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine, load_dense
 from engines.runtime.mxfp4_parts import Mxfp4Loaded, load_mxfp4, resolve_expert_format
 from engines.runtime.weights import MoEWeights
 
@@ -110,10 +109,10 @@ class OffloadEngine(RuntimeEngine):
     config_cls = OffloadConfig
 
     def load(self, cfg: OffloadConfig) -> Loaded:
-        if cfg.model is not None and resolve_expert_format(cfg.expert_format, open_checkpoint(cfg.model),
-                                                           self.name) == "mxfp4":
-            return load_mxfp4(cfg, self, dequantized=False)
-        return super().load(cfg)
+        opened = self.open(cfg)
+        if resolve_expert_format(cfg.expert_format, opened.checkpoint, self.name) == "mxfp4":
+            return load_mxfp4(opened, dequantized=False)
+        return load_dense(opened)
 
     def build(self, cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
         return offload_parts(cfg, loaded)

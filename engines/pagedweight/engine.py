@@ -25,9 +25,8 @@ from engines.pagedweight.backend import PagedWeightBackend
 from engines.pagedweight.controller import PageBudget, PagedController, PagedExperts
 from engines.pagedweight.importance import Importance
 from engines.runtime.budget import OFFLOAD_FIX, Claim
-from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.copies import CopyEngine
-from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine
+from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine, load_dense
 from engines.runtime.mxfp4 import is_mxfp4
 from engines.runtime.mxfp4_parts import Mxfp4Loaded, load_mxfp4
 
@@ -202,12 +201,11 @@ def paged_stats(paged: PagedExperts) -> dict[str, float]:
     return {"bytes_per_expert": max(s.nbytes(max(s.bits)) for s in paged.backend.stores.values())}
 
 
-def paged_load(engine: RuntimeEngine, cfg: PagedWeightConfig) -> Loaded | None:
-    """An MXFP4 checkpoint's load for pagedweight and full (experts as stored, and their
-    dequantized values for the calibration); None for any other folder (the dense load)."""
-    if cfg.model is None or not is_mxfp4(open_checkpoint(cfg.model).config):
-        return None
-    return load_mxfp4(cfg, engine, dequantized=True)
+def paged_load(engine: RuntimeEngine, cfg: PagedWeightConfig) -> Loaded:
+    """pagedweight's and full's load: an MXFP4 checkpoint's experts as stored and their
+    dequantized values (for the calibration and the lower widths); any other folder dense."""
+    opened = engine.open(cfg)
+    return load_mxfp4(opened, dequantized=True) if is_mxfp4(opened.checkpoint.config) else load_dense(opened)
 
 
 class PagedWeightEngine(RuntimeEngine):
@@ -216,7 +214,7 @@ class PagedWeightEngine(RuntimeEngine):
     needs_calibration = True
 
     def load(self, cfg: PagedWeightConfig) -> Loaded:
-        return paged_load(self, cfg) or super().load(cfg)
+        return paged_load(self, cfg)
 
     def build(self, cfg: PagedWeightConfig, loaded: Loaded) -> EngineParts:
         self.paged = paged = paged_experts(cfg, loaded, self.name)

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -96,6 +96,21 @@ class Loaded:
         return PagedKVCache.model_block_bytes(self.checkpoint.config, block_size, self.dtype)
 
 
+class Opened(NamedTuple):
+    """A model folder opened and checked by an engine, and where its weights will live."""
+
+    checkpoint: Checkpoint
+    device: torch.device
+    dtype: torch.dtype
+    ledger: TransferLedger
+
+
+def load_dense(opened: Opened) -> Loaded:
+    """The opened folder's weights at full precision (the default `load`)."""
+    weights, experts = load_weights(opened.checkpoint, opened.device, opened.dtype, opened.ledger)
+    return Loaded(opened.checkpoint, weights, opened.device, opened.dtype, opened.ledger, experts)
+
+
 @dataclass(frozen=True)
 class KVPool:
     """Where the KV blocks live. On the device they share `--budget` and leave room for
@@ -171,15 +186,17 @@ class RuntimeEngine(Engine):
         self._started = False
 
     # -- the recipe's hooks ----------------------------------------------------------------------
-    def load(self, cfg: Any) -> Loaded:
-        """Open the folder and load its weights at full precision."""
+    def open(self, cfg: Any) -> Opened:
+        """Open cfg.model, check it (`check_model`), and resolve the device, dtype and ledger:
+        what every recipe's `load` starts from, whatever it then reads."""
         device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, device)
-        ledger = TransferLedger(device)
         checkpoint = open_checkpoint(cfg.model)
         self.check_model(checkpoint.config)
-        weights, experts = load_weights(checkpoint, device, dtype, ledger)
-        return Loaded(checkpoint, weights, device, dtype, ledger, experts)
+        return Opened(checkpoint, device, resolve_dtype(cfg.dtype, device), TransferLedger(device))
+
+    def load(self, cfg: Any) -> Loaded:
+        """Open the folder and load its weights at full precision."""
+        return load_dense(self.open(cfg))
 
     def build(self, cfg: Any, loaded: Loaded) -> EngineParts:
         raise NotImplementedError

@@ -8,14 +8,11 @@ the values the dense load gives. The format itself and its compute are engines/r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from engines.base import EngineError
-from engines.common.device import resolve_device, resolve_dtype
-from engines.runtime.checkpoint import Checkpoint, load_mxfp4_weights, open_checkpoint
-from engines.runtime.engine import Loaded
+from engines.runtime.checkpoint import Checkpoint, load_mxfp4_weights
+from engines.runtime.engine import Loaded, Opened
 from engines.runtime.mxfp4 import Mxfp4Experts, is_mxfp4
-from engines.runtime.transfer import TransferLedger
 
 EXPERT_FORMATS = ("dense", "mxfp4")
 
@@ -45,15 +42,11 @@ def resolve_expert_format(value: str | None, checkpoint: Checkpoint, engine: str
     return value
 
 
-def load_mxfp4(cfg: Any, engine: Any, dequantized: bool) -> Mxfp4Loaded:
-    """Open cfg.model (an MXFP4 gpt-oss folder), check it with `engine.check_model`, and load
-    its dense weights and packed experts; with `dequantized`, also each layer's experts at the
-    model dtype (Mxfp4Experts.dequantize: the dense load's values, bit for bit)."""
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    ledger = TransferLedger(device)
-    checkpoint = open_checkpoint(cfg.model)
-    engine.check_model(checkpoint.config)
+def load_mxfp4(opened: Opened, dequantized: bool) -> Mxfp4Loaded:
+    """An opened MXFP4 gpt-oss folder's dense weights and packed experts; with `dequantized`,
+    also each layer's experts at the model dtype (Mxfp4Experts.dequantize: the dense load's
+    values, bit for bit)."""
+    checkpoint, device, dtype, ledger = opened
     weights, packed = load_mxfp4_weights(checkpoint, device, dtype, ledger)
     dense = {i: w.dequantize(dtype) for i, w in packed.items()} if dequantized else {}
     return Mxfp4Loaded(checkpoint, weights, device, dtype, ledger, dense, packed=packed)
