@@ -75,10 +75,18 @@ class Runner:
         clock: Callable[[], float] = time.perf_counter,
         on_step: Callable[[RunRecords], None] | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        on_record: Callable[[RequestRecord], None] | None = None,
+        keep_records: bool = True,
     ) -> None:
+        """`on_record` sees each request's record once, when it is final (finished, failed,
+        rejected, or cut by the run's end), e.g. to append it to disk as the run goes; with
+        `keep_records=False` final records are then dropped, so `run()` returns only the
+        unfinished ones and memory stays bounded however many requests the run sends."""
         if closed_loop and not concurrency:
             raise ValueError("a closed-loop run needs concurrency >= 1")
         self.engine, self.clock, self.on_step, self.sleep = engine, clock, on_step, sleep
+        self.on_record, self.keep_records = on_record, keep_records
+        self._finished_count = 0
         self.limits, self.closed_loop, self.concurrency = limits, closed_loop, concurrency
         self.requests = list(requests)[: limits.requests] if limits.requests else list(requests)
         self._stop = False
@@ -137,8 +145,19 @@ class Runner:
             result.status = "interrupted"
         for rid in list(self._in_flight):
             self._records[rid].error = "interrupted" if result.status == "interrupted" else "not finished"
+            self._final(rid)
         result.requests += list(self._records.values())
         return result
+
+    def _final(self, rid: str) -> None:
+        """The record of `rid` will not change again."""
+        rec = self._records[rid]
+        if rec.finish_s is not None:
+            self._finished_count += 1
+        if self.on_record is not None:
+            self.on_record(rec)
+        if not self.keep_records:
+            del self._records[rid]
 
     # -- arrivals ----------------------------------------------------------------------------
     def _setup_arrivals(self) -> None:
@@ -211,6 +230,7 @@ class Runner:
         except EngineError as exc:  # this request cannot be served; the run goes on
             rec.error, rec.finish_s, rec.rejected = str(exc), None, True
             self._on_finish(rec.request_id, now)
+            self._final(rec.request_id)
             return
         self._in_flight.add(rec.request_id)
 
@@ -238,6 +258,7 @@ class Runner:
                 rec.error = o.error
                 self._in_flight.discard(o.request_id)
                 self._on_finish(o.request_id, end)
+                self._final(o.request_id)
             elif o.finished:
                 # A request whose engine timed its tokens (remote) ends when its last token
                 # arrived, not when the step that reported the end returned.
@@ -246,9 +267,10 @@ class Runner:
                 rec.finish_reason = o.finish_reason
                 self._in_flight.discard(o.request_id)
                 self._on_finish(o.request_id, end)
+                self._final(o.request_id)
         result.steps.append({"t_s": start, "duration_s": end - start, **step_row(out)})
         if self.on_step:
             self.on_step(result)
 
     def completed(self) -> int:
-        return sum(1 for r in getattr(self, "_records", {}).values() if r.finish_s is not None)
+        return self._finished_count
