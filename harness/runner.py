@@ -1,8 +1,9 @@
 """The run loop: one loop drives any engine through the Engine protocol and records raw
 observations (timestamps and counts), nothing derived.
 
-Open loop: a request is sent when its arrival time has come. Closed loop: N users each take
-a session and send its next turn `think_time_s` after the previous answer. Offline batches,
+Open loop: a request is sent when its arrival time has come (a dependent later turn also
+waits for its session's previous answer). Closed loop: N users each take a session and send
+its next turn `think_time_s` after the previous answer. Offline batches,
 rate runs and trace replays are the same loop. Every timestamp is seconds since the run's
 start on one monotonic clock (the telemetry sampler uses the same one). `stop()` (the CLI
 calls it on Ctrl-C) stops admitting and stepping; what finished is kept.
@@ -164,9 +165,9 @@ class Runner:
         self._ready: list[tuple[float, int, str]] = []  # (due time, order, request id) heap
         self._order = itertools.count()
         self._turns: dict[str, deque[Request]] = {}  # closed loop: sent turn -> its session's rest
+        self._after: dict[str, Request] = {}  # open loop: request id -> its session's next, dependent turn
         if not self.closed_loop:
-            for r in self.requests:
-                heapq.heappush(self._ready, (r.arrival_s or 0.0, next(self._order), r.request_id))
+            self._setup_open_loop()
             return
         sessions: dict[str, deque[Request]] = {}
         for r in self.requests:
@@ -174,6 +175,19 @@ class Runner:
         self._sessions = deque(sessions.values())
         for _ in range(min(self.concurrency or 1, len(self._sessions))):
             self._next_session(0.0)
+
+    def _setup_open_loop(self) -> None:
+        """Each request is due at its arrival time, except a dependent later turn (after_previous_s
+        set): it waits for the same session's previous turn in the run to finish (_on_finish)."""
+        previous: dict[str, str] = {}  # session id -> its latest turn so far, in send order
+        for r in self.requests:
+            prev = previous.get(r.session_id) if r.session_id is not None else None
+            if prev is not None and r.after_previous_s is not None:
+                self._after[prev] = r
+            else:
+                heapq.heappush(self._ready, (r.arrival_s or 0.0, next(self._order), r.request_id))
+            if r.session_id is not None:
+                previous[r.session_id] = r.request_id
 
     def _next_session(self, now: float) -> None:
         if self._sessions:
@@ -184,6 +198,10 @@ class Runner:
 
     def _on_finish(self, rid: str, now: float) -> None:
         if not self.closed_loop:
+            nxt = self._after.pop(rid, None)
+            if nxt is not None:  # the later of its trace time and the answer plus the think time
+                due = max(nxt.arrival_s or 0.0, now + (nxt.after_previous_s or 0.0))
+                heapq.heappush(self._ready, (due, next(self._order), nxt.request_id))
             return
         turns = self._turns.pop(rid, deque())
         if turns:

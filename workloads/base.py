@@ -48,6 +48,10 @@ class Request:
     # block per system-prompt chunk, passage, history chunk, question); empty = every block is
     # `block_tokens` long (the last one may be cut by the prompt's end).
     block_lengths: tuple[int, ...] = ()
+    # Open loop, a later turn of a session: sent no earlier than the session's previous turn's
+    # finish plus this many seconds (the think time after its answer), nor before arrival_s.
+    # None: sent at arrival_s whatever the previous turn does (--turns independent, turn 0).
+    after_previous_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,6 +35,12 @@ class RequestSkeleton:
     # What each block is ("sys_prompt", "passage", "history", "web_search", "question",
     # "system", "turn"); a task synthesizer uses it to know where passages and questions are.
     block_kinds: tuple[str, ...] = ()
+    # The think time after the previous turn's answer, when known (a generator's draw, or a
+    # trace's gap from the previous request's end to this one's start); None = unknown.
+    think_after_s: float | None = None
+    # Open loop: the wait after the previous turn's finish (Request.after_previous_s); set by
+    # apply_arrivals for dependent turns, None otherwise.
+    after_previous_s: float | None = None
 
     def spans(self) -> list[int]:
         return block_spans(self.blocks, self.block_lengths, self.block_tokens, self.input_tokens)
@@ -137,4 +143,5 @@ def to_request(skeleton: RequestSkeleton, prompt: Prompt, request_id: str) -> Re
         ignore_eos=True,
         task=prompt.task,
         block_lengths=skeleton.block_lengths,
+        after_previous_s=skeleton.after_previous_s,
     )
