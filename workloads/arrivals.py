@@ -79,15 +79,23 @@ def session_times(start: float, session: list[RequestSkeleton], time_scale: floa
     return times
 
 
+TURNS = ("dependent", "independent")
+
+
 def apply_arrivals(
-    sessions: list[list[RequestSkeleton]], arrival: str, time_scale: float, starts=None
+    sessions: list[list[RequestSkeleton]], arrival: str, time_scale: float, starts=None, turns: str = "dependent"
 ) -> list[RequestSkeleton]:
     """Set arrival and think times and number the requests in send order.
 
     trace: the skeletons' own trace times, replayed; poisson/gamma: session k starts at
     starts[k] and each later turn follows its think gap; open loop comes back sorted by
     arrival, closed loop and offline in session order (a session's turns together).
+    Open loop with `turns` dependent: a session's later turn also waits for the previous
+    turn's answer plus its think time after the answer (`think_after_s`, 0 when unknown),
+    times `time_scale` (Request.after_previous_s; the runner holds it back).
     """
+    if turns not in TURNS:
+        raise WorkloadError(f"turns={turns!r} is not valid; use one of {', '.join(TURNS)}")
     flat = [s for session in sessions for s in session]
     if arrival == "trace":
         untimed = sum(s.arrival_s is None for s in flat)
@@ -114,5 +122,8 @@ def apply_arrivals(
     else:  # offline: everything at t=0, nothing waits
         flat = [dataclasses.replace(s, arrival_s=0.0, think_time_s=0.0) for s in flat]
     if arrival in ("trace", "poisson", "gamma"):
+        if turns == "dependent":
+            flat = [dataclasses.replace(s, after_previous_s=(s.think_after_s or 0.0) * time_scale)
+                    if s.turn > 0 and s.session_id is not None else s for s in flat]
         flat.sort(key=lambda s: s.arrival_s)  # stable: session order breaks ties
     return [dataclasses.replace(s, index=i) for i, s in enumerate(flat)]

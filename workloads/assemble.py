@@ -128,7 +128,11 @@ def make_plan(spec, target, shape: Shape) -> TrafficPlan:
     else:
         sessions = _take(stream, requests=limit)
         starts = open_loop_times(session_rate, burstiness, spec.seed, n=len(sessions)) if open_loop else None
-    skeletons = apply_arrivals(sessions, arrival, spec.time_scale, starts)
+    skeletons = apply_arrivals(sessions, arrival, spec.time_scale, starts, spec.turns or "dependent")
+    if arrival in ("trace", "poisson", "gamma") and any(s.after_previous_s is not None for s in skeletons):
+        notes.append("dependent turns: a session's later turn is sent at the later of its arrival time and the "
+                     "previous turn's finish plus its think time after the answer (--turns independent: at its "
+                     "arrival time)")
     planned = skeletons
     if arrival in ("trace", "poisson", "gamma") and spec.duration_s is not None:
         skeletons = [s for s in skeletons if s.arrival_s < spec.duration_s]

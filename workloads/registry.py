@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from workloads.arrivals import ARRIVALS
+from workloads.arrivals import ARRIVALS, TURNS
 from workloads.base import WorkloadError
 
 if TYPE_CHECKING:
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from workloads.synth import PromptSynthesizer
 
 TRACE_PREFIX = "trace:"
+SESSION_REUSE = ("infer", "none")
 
 # name -> (lazy "module:function" returning the workload's Shape, one-line description)
 _WORKLOADS: dict[str, tuple[str, str]] = {
@@ -93,6 +94,12 @@ class WorkloadSpec:
     # (the --map text; workloads/traces/generic.py)
     trace_map: str | None = None
     skip_bad_lines: bool = False  # trace:PATH: skip malformed lines, reported in notes
+    # trace:PATH with session ids and no block ids: "infer" (default) makes a turn whose input
+    # holds the previous turn's input + output begin with that prompt and answer; "none" = fresh tokens
+    session_reuse: str | None = None
+    # open loop: "dependent" (default) sends a session's later turn only after the previous
+    # answer (plus its think time); "independent" sends every turn at its own arrival time
+    turns: str | None = None
 
     def __post_init__(self) -> None:
         is_trace = isinstance(self.name, str) and self.name.startswith(TRACE_PREFIX)
@@ -115,6 +122,9 @@ class WorkloadSpec:
                "use one of " + ", ".join(ARRIVALS))
         _check(self.direct_share is None or (_number(self.direct_share) and 0 <= self.direct_share < 1),
                "direct_share", self.direct_share, "use a share in [0, 1), e.g. 0.5")
+        _check(self.session_reuse in (None, *SESSION_REUSE), "session_reuse", self.session_reuse,
+               "use one of " + ", ".join(SESSION_REUSE))
+        _check(self.turns in (None, *TURNS), "turns", self.turns, "use one of " + ", ".join(TURNS))
         _only(self, "rag_long", "context", "direct_share")
         _only(self, "offline_batch", "input_tokens", "output_tokens", "input_range", "output_range")
         if not is_trace:
@@ -123,6 +133,8 @@ class WorkloadSpec:
             _check(self.trace_format is None, "trace_format", self.trace_format, "it needs a trace:PATH workload")
             _check(not self.skip_bad_lines, "skip_bad_lines", self.skip_bad_lines, "it needs a trace:PATH workload")
             _check(self.trace_map is None, "trace_map", self.trace_map, "it needs a trace:PATH workload")
+            _check(self.session_reuse is None, "session_reuse", self.session_reuse,
+                   "it needs a trace:PATH workload (named workloads build their own prefix reuse)")
         if self.trace_map is not None:  # a bad map fails here, before an engine loads
             from workloads.traces.generic import parse_map
 

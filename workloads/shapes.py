@@ -7,6 +7,7 @@ every length. No tokens here: content is synth.py's job.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -188,6 +189,7 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
             passages = [(passage_ids[i], passage_len[i], "passage") for i in chosen]
             parts[3:3] = passages  # prompt order: system prompt, passages, history, web, question
             output = draw(RAG_OUTPUT_Q)
+            think = float(sample_quantiles(g, RAG_THINK_Q, 1, 1.0, 0)[0]) if turn else 0.0
             session.append(
                 RequestSkeleton(
                     index=-1,
@@ -195,7 +197,8 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
                     output_tokens=output,
                     session_id=f"rag_long-s{number}",
                     turn=turn,
-                    think_time_s=float(sample_quantiles(g, RAG_THINK_Q, 1, 1.0, 0)[0]) if turn else 0.0,
+                    think_time_s=think,
+                    think_after_s=think if turn else None,
                     blocks=tuple(b for b, _, _ in parts),
                     block_lengths=tuple(n for _, n, _ in parts),
                     block_tokens=sys_tokens,
@@ -240,6 +243,7 @@ def _chat_sessions(spec) -> Iterator[list[RequestSkeleton]]:
                     session_id=f"long_chat-s{number}",
                     turn=turn,
                     think_time_s=think,
+                    think_after_s=think if turn else None,
                     blocks=tuple(stream[:count]),
                     block_tokens=block,
                     block_kinds=("system",) * len(shared) + ("history",) * (count - len(shared)),
@@ -284,37 +288,80 @@ def _singles(spec, draw: Callable) -> Iterator[list[RequestSkeleton]]:
 
 
 def trace_shape(spec) -> Shape:
-    """Rows keep lengths, sessions and blocks; think time = gap to the session's previous row."""
+    """Rows keep lengths, sessions and blocks; think time = gap to the session's previous row.
+    Session-relative arrival columns are placed (workloads/sessions.py); sessions without block
+    ids get their turns' reuse inferred unless spec.session_reuse is "none"."""
+    from workloads.sessions import infer_reuse, links_of, session_clock, session_starts
+
     path = spec.name.partition(":")[2]
     trace = read_trace(path, spec.trace_format, spec.skip_bad_lines, spec.trace_map)
     if not trace.has_arrivals and spec.arrival in (None, "trace"):
         raise WorkloadError(
             f"{trace.path} ({trace.format}) has no arrival times; choose --arrival poisson, gamma, closed or offline"
         )
-    sessions = group_sessions(trace, spec.scale)
-    notes = list(trace.dropped)
+    notes = [*trace.provenance, *trace.dropped]
     if trace.bad_lines:
-        notes.append(f"{len(trace.bad_lines)} malformed lines skipped (first: {trace.bad_lines[0]})")
-    return Shape(
-        lambda hint: iter(sessions), len(trace.rows) / len(sessions), "trace", finite=True, notes=tuple(notes)
-    )
+        shown = "; ".join(trace.bad_lines[:MAX_BAD_LINES_NOTED])
+        notes.append(f"{len(trace.bad_lines)} malformed lines skipped (--skip-bad-lines; first "
+                     f"{min(len(trace.bad_lines), MAX_BAD_LINES_NOTED)}: {shown})")
+    groups = session_rows(trace)
+    clock = session_clock(groups)
+    starts = None
+    if clock.relative:
+        starts, how = session_starts(groups, clock, spec.seed)
+        notes.append(clock.note(how))
+    sessions = group_sessions(groups, trace.block_tokens, spec.scale, starts)
+    with_ids = [s for s in sessions if s[0].session_id is not None]
+    if with_ids and not any(r.blocks for r in trace.rows):
+        if spec.session_reuse == "none":
+            notes.append("session reuse not inferred (--session-reuse none): every turn's prompt is fresh tokens, "
+                         "0% prefix reuse between turns")
+        else:
+            inferred, reuse = infer_reuse(with_ids, links_of([g for g in groups if g[0].session_id is not None]))
+            replaced = iter(inferred)
+            sessions = [next(replaced) if s[0].session_id is not None else s for s in sessions]
+            notes.append(reuse.note())
+    return Shape(lambda hint: iter(sessions), len(trace.rows) / len(sessions), "trace", finite=True,
+                 notes=tuple(notes))
 
 
-def group_sessions(trace: Trace, scale: float) -> list[list[RequestSkeleton]]:
-    """Rows grouped by session id, sessions in order of their first request, turns in order."""
-    groups: dict[str, list[RequestSkeleton]] = {}
-    singles = 0
-    for row in trace.rows:
-        key = row.session_id if row.session_id is not None else f"\0{singles}"
-        singles += row.session_id is None
-        session = groups.setdefault(key, [])
-        previous = session[-1].arrival_s if session else None
-        think = row.arrival_s - previous if previous is not None and row.arrival_s is not None else 0.0
-        session.append(scaled(row, trace.block_tokens, scale, len(session), think))
+MAX_BAD_LINES_NOTED = 3  # malformed lines quoted in the run's notes; the count covers the rest
+
+
+def session_rows(trace: Trace) -> list[list[TraceRow]]:
+    """Rows grouped by session id, sessions in order of their first request, turns in order;
+    a row without a session id is a group of its own."""
+    groups: dict[str, list[TraceRow]] = {}
+    for number, row in enumerate(trace.rows):
+        groups.setdefault(row.session_id if row.session_id is not None else f"\0{number}", []).append(row)
     return list(groups.values())
 
 
-def scaled(row: TraceRow, block_tokens: int, scale: float, turn: int, think: float) -> RequestSkeleton:
+def group_sessions(groups: list[list[TraceRow]], block_tokens: int, scale: float,
+                   starts: list[float] | None = None) -> list[list[RequestSkeleton]]:
+    """Skeletons of each group; `starts` (session-relative traces) is added to each group's times.
+    think_time_s is the gap to the previous row's arrival; think_after_s the gap from the previous
+    row's end, when the trace has end times."""
+    sessions = []
+    for k, rows in enumerate(groups):
+        offset = starts[k] if starts is not None else 0.0
+        session, previous = [], None
+        for row in rows:
+            think = think_after = None
+            if previous is not None and row.arrival_s is not None and previous.arrival_s is not None:
+                think = row.arrival_s - previous.arrival_s
+                if previous.end_s is not None:
+                    think_after = max(0.0, row.arrival_s - previous.end_s)
+            if offset and row.arrival_s is not None:
+                row = dataclasses.replace(row, arrival_s=row.arrival_s + offset)
+            session.append(scaled(row, block_tokens, scale, len(session), think or 0.0, think_after))
+            previous = rows[len(session) - 1]
+        sessions.append(session)
+    return sessions
+
+
+def scaled(row: TraceRow, block_tokens: int, scale: float, turn: int, think: float,
+           think_after: float | None = None) -> RequestSkeleton:
     inp = max(1, round(row.input_tokens * scale))
     blocks, lengths, kinds = row.blocks, row.block_lengths, row.block_kinds
     if lengths and scale != 1.0:  # components keep their ids; one shrunk to nothing is dropped
@@ -335,6 +382,7 @@ def scaled(row: TraceRow, block_tokens: int, scale: float, turn: int, think: flo
         session_id=row.session_id,
         turn=turn,
         think_time_s=think,
+        think_after_s=think_after,
         blocks=blocks,
         block_lengths=lengths,
         block_tokens=block_tokens,

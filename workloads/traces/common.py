@@ -40,6 +40,10 @@ class TraceRow:
     blocks: tuple[int, ...] = ()
     block_lengths: tuple[int, ...] = ()
     block_kinds: tuple[str, ...] = ()  # e.g. "sys_prompt", "passage", "question"; () = unknown
+    # When its session started (for traces whose arrival_s counts from the session's start),
+    # and when the request ended (same clock as arrival_s: the think time before the next turn)
+    session_start_s: float | None = None
+    end_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class Trace:
     has_sessions: bool = False
     bad_lines: tuple[str, ...] = ()  # "PATH:LINE: what" for each malformed line skipped
     dropped: tuple[str, ...] = ()  # rows left out on purpose, e.g. "3 failed requests (...)"
+    # Where the rows came from, when not straight from this file: a converted file's header
+    # (source, --map, lines skipped at conversion), for the run's notes
+    provenance: tuple[str, ...] = ()
+    columns: str | None = None  # the --map text the file was read with (generic JSONL/CSV)
 
     @property
     def has_arrivals(self) -> bool:

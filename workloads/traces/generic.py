@@ -11,7 +11,11 @@
   same replay. Without arrival_s the trace has no times and a replay needs an arrival process;
 - session_id (optional): requests with one id form a session (turns in arrival order);
 - blocks (optional): the prompt's prefix block ids in prompt order (JSONL: a list of integers;
-  CSV: integers separated by spaces, ';' or '|'), every block `block_tokens` long (default 512).
+  CSV: integers separated by spaces, ';' or '|'), every block `block_tokens` long (default 512);
+- end_s (optional): when the request ended, on arrival_s's clock: the gap to the session's next
+  request is the think time a dependent replay waits after the answer;
+- session_start_s (optional): when the session started, for traces whose arrival_s counts from
+  each session's start (workloads/sessions.py detects those and adds the two).
 Options in the same map: `time_unit=s|ms|us|ns`, `block_tokens=N`.
 JSONL keys may be dotted paths into nested objects (`usage.prompt_tokens`). CSV columns are
 matched exactly, else case-insensitively. Extra keys and columns are ignored.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,7 @@ GENERIC_FORMATS = {
     "csv": "any CSV trace with a header: name its columns with --map "
            "arrival_s=COL,input_tokens=COL,output_tokens=COL[,session_id=COL]",
 }
-FIELDS = ("arrival_s", "input_tokens", "output_tokens", "session_id", "blocks")
+FIELDS = ("arrival_s", "input_tokens", "output_tokens", "session_id", "blocks", "end_s", "session_start_s")
 REQUIRED = ("input_tokens", "output_tokens")
 TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
 MAP_EXAMPLE = "arrival_s=COLUMN,input_tokens=COLUMN,output_tokens=COLUMN[,session_id=COLUMN][,time_unit=ms]"
@@ -165,6 +169,8 @@ class _Row:
     output_tokens: int
     session_id: str | None
     blocks: tuple[int, ...]
+    end: tuple[str, int | float] | None = None
+    session_start: tuple[str, int | float] | None = None
 
 
 def _lookup(obj: dict[str, Any], key: str) -> Any:
@@ -211,7 +217,9 @@ def _parse(mapping: ColumnMap, number: int, get) -> _Row:
                 f"{label('blocks')} has {len(blocks)} blocks but {label('input_tokens')} {inp} fills only {need} "
                 f"blocks of {mapping.block_tokens} tokens (set block_tokens=N in --map)"
             )
-    return _Row(number, time, inp, out, session, blocks)
+    end = raw_time(get(names["end_s"]), label("end_s")) if "end_s" in names else None
+    start = raw_time(get(names["session_start_s"]), label("session_start_s")) if "session_start_s" in names else None
+    return _Row(number, time, inp, out, session, blocks, end, start)
 
 
 def read_generic(path: Path, fmt: str, mapping: ColumnMap, skip_bad_lines: bool = False) -> Trace:
@@ -224,8 +232,19 @@ def read_generic(path: Path, fmt: str, mapping: ColumnMap, skip_bad_lines: bool 
         rows = _read_csv(path, lines, log, mapping)
     else:
         raise WorkloadError(f"format {fmt!r} has fixed columns; --map applies to --format jsonl or csv")
-    return finish(path, fmt, _rebase(path, rows, mapping), log,
-                  has_sessions=mapping.get("session_id") is not None, block_tokens=mapping.block_tokens)
+    trace = finish(path, fmt, _rebase(path, rows, mapping), log,
+                   has_sessions=mapping.get("session_id") is not None, block_tokens=mapping.block_tokens)
+    return replace(trace, columns=format_map(mapping))
+
+
+def format_map(mapping: ColumnMap) -> str:
+    """The --map text that parses back to `mapping` (recorded with the run and in converted files)."""
+    parts = [f"{f}={c}" for f, c in mapping.columns]
+    if mapping.time_unit != "s":
+        parts.append(f"time_unit={mapping.time_unit}")
+    if mapping.block_tokens != BLOCK_TOKENS:
+        parts.append(f"block_tokens={mapping.block_tokens}")
+    return ",".join(parts)
 
 
 def _check_columns(path: Path, number: int, mapping: ColumnMap, present: list[str], has, what: str) -> None:
@@ -282,8 +301,18 @@ def _rebase(path: Path, rows: list[_Row], mapping: ColumnMap) -> list[TraceRow]:
     divisor = 1_000_000_000 if kinds == {"datetime"} else TIME_UNITS[mapping.time_unit]
     times = [r.time[1] for r in rows if r.time is not None]
     origin = min(times) if times else 0
+    starts = [r.session_start[1] for r in rows if r.session_start is not None]
+    start_origin = min(starts) if starts else 0
+    for name, kind_of in (("end_s", lambda r: r.end), ("session_start_s", lambda r: r.session_start)):
+        other = next((r for r in rows if kind_of(r) is not None and kinds and kind_of(r)[0] not in kinds), None)
+        if other is not None:
+            raise WorkloadError(f"{path}:{other.line}: {mapping.get(name)} ({name}) is a {kind_of(other)[0]} but "
+                                f"arrival_s is a {next(iter(kinds))}; use one kind of time for the whole file")
     out = []
     for r in rows:
         arrival = None if r.time is None else (r.time[1] - origin) / divisor
-        out.append(TraceRow(r.line, arrival, r.input_tokens, r.output_tokens, r.session_id, r.blocks))
+        end = None if r.end is None else max(0.0, (r.end[1] - origin) / divisor)
+        start = None if r.session_start is None else (r.session_start[1] - start_origin) / divisor
+        out.append(TraceRow(r.line, arrival, r.input_tokens, r.output_tokens, r.session_id, r.blocks,
+                            session_start_s=start, end_s=end))
     return out

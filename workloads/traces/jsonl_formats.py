@@ -11,6 +11,7 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -173,11 +174,30 @@ def read_pwbench(path: Path, skip_bad_lines: bool = False) -> Trace:
             raise LineError(f"block_lengths add up to {sum(lengths)}, more than input_tokens {inp}")
         if not lengths:
             check_uniform_blocks(ids, inp, block_tokens, "blocks", "input_tokens")
-        return TraceRow(number, arrival, inp, out, as_session(obj.get("session_id")), ids, lengths, tuple(kinds))
+        times = {key: None if obj.get(key) is None else as_seconds(obj[key], key)
+                 for key in ("session_start_s", "end_s")}
+        return TraceRow(number, arrival, inp, out, as_session(obj.get("session_id")), ids, lengths, tuple(kinds),
+                        **times)
 
     rows = parse_rows(lines, log, parse)
     has_sessions = bool(header.get("has_sessions", False))
-    return finish(path, "pwbench", rows, log, has_sessions=has_sessions, block_tokens=block_tokens)
+    trace = finish(path, "pwbench", rows, log, has_sessions=has_sessions, block_tokens=block_tokens)
+    return replace(trace, provenance=_provenance(header))
+
+
+def _provenance(header: dict[str, Any]) -> tuple[str, ...]:
+    """What a converted file's header says about its source (written by write_pwbench)."""
+    source = header.get("source")
+    if not isinstance(source, str):
+        return ()
+    said = f"converted from {source} ({header.get('source_format', '?')})"
+    if isinstance(header.get("map"), str):
+        said += f" with --map {header['map']}"
+    skipped = header.get("skipped_lines")
+    if isinstance(skipped, int) and skipped:
+        first = header.get("first_skipped")
+        said += f"; {skipped} malformed lines skipped at conversion" + (f" (first: {first})" if first else "")
+    return (said,)
 
 
 def as_list(value: Any, name: str) -> list[Any]:
@@ -197,6 +217,9 @@ def row_to_json(row: TraceRow) -> dict[str, Any]:
     for key, value in (("blocks", row.blocks), ("block_lengths", row.block_lengths), ("block_kinds", row.block_kinds)):
         if value:
             obj[key] = list(value)
+    for key, value in (("session_start_s", row.session_start_s), ("end_s", row.end_s)):
+        if value is not None:
+            obj[key] = value
     return obj
 
 
@@ -210,6 +233,13 @@ def write_pwbench(trace: Trace, output: Path | str) -> Path:
         "block_tokens": trace.block_tokens,
         "has_sessions": trace.has_sessions,
     }
+    if trace.columns is not None:
+        header["map"] = trace.columns
+    if trace.bad_lines:
+        header["skipped_lines"] = len(trace.bad_lines)
+        header["first_skipped"] = trace.bad_lines[0]
+    if trace.provenance:  # a converted file converted again keeps what the first header said
+        header["converted_from"] = list(trace.provenance)
     try:
         handle = tempfile.NamedTemporaryFile(
             "w", encoding="utf-8", dir=output.parent, prefix=f".{output.name}.", suffix=".tmp", delete=False
