@@ -21,6 +21,15 @@ STREAM_SESSION_STARTS = 4  # seed stream of the Poisson session starts (arrivals
 INFERRED_BLOCK_IDS = 1 << 42  # block ids of inferred turns and answers (a trace without block ids has none)
 
 
+def session_rows(rows: Sequence[TraceRow]) -> list[list[TraceRow]]:
+    """Rows grouped by session id, sessions in order of their first request, turns in order;
+    a row without a session id is a group of its own."""
+    groups: dict[str, list[TraceRow]] = {}
+    for number, row in enumerate(rows):
+        groups.setdefault(row.session_id if row.session_id is not None else f"\0{number}", []).append(row)
+    return list(groups.values())
+
+
 def extends(previous: TraceRow | RequestSkeleton, row: TraceRow | RequestSkeleton) -> bool:
     """Whether `row`'s prompt can hold the previous turn's prompt and answer (the inference's rule)."""
     return _input(row) >= _input(previous) + _output(previous)

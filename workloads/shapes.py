@@ -49,7 +49,7 @@ from workloads.fitted import (
     sample_quantiles,
 )
 from workloads.synth import RequestSkeleton
-from workloads.traces.common import BLOCK_TOKENS, Trace, TraceRow
+from workloads.traces.common import BLOCK_TOKENS, TraceRow
 from workloads.traces.formats import read_trace
 
 DEFAULT_RATE = 1.0  # requests per second; a CPU demo model serves well under one 3k prompt a second
@@ -291,7 +291,7 @@ def trace_shape(spec) -> Shape:
     """Rows keep lengths, sessions and blocks; think time = gap to the session's previous row.
     Session-relative arrival columns are placed (workloads/sessions.py); sessions without block
     ids get their turns' reuse inferred unless spec.session_reuse is "none"."""
-    from workloads.sessions import infer_reuse, links_of, session_clock, session_starts
+    from workloads.sessions import infer_reuse, links_of, session_clock, session_rows, session_starts
 
     path = spec.name.partition(":")[2]
     trace = read_trace(path, spec.trace_format, spec.skip_bad_lines, spec.trace_map)
@@ -304,7 +304,7 @@ def trace_shape(spec) -> Shape:
         shown = "; ".join(trace.bad_lines[:MAX_BAD_LINES_NOTED])
         notes.append(f"{len(trace.bad_lines)} malformed lines skipped (--skip-bad-lines; first "
                      f"{min(len(trace.bad_lines), MAX_BAD_LINES_NOTED)}: {shown})")
-    groups = session_rows(trace)
+    groups = session_rows(trace.rows)
     clock = session_clock(groups)
     starts = None
     if clock.relative:
@@ -326,15 +326,6 @@ def trace_shape(spec) -> Shape:
 
 
 MAX_BAD_LINES_NOTED = 3  # malformed lines quoted in the run's notes; the count covers the rest
-
-
-def session_rows(trace: Trace) -> list[list[TraceRow]]:
-    """Rows grouped by session id, sessions in order of their first request, turns in order;
-    a row without a session id is a group of its own."""
-    groups: dict[str, list[TraceRow]] = {}
-    for number, row in enumerate(trace.rows):
-        groups.setdefault(row.session_id if row.session_id is not None else f"\0{number}", []).append(row)
-    return list(groups.values())
 
 
 def group_sessions(groups: list[list[TraceRow]], block_tokens: int, scale: float,

@@ -58,6 +58,17 @@ def run(
                                            "FIELD=COLUMN pairs, e.g. arrival_s=start_time_s,input_tokens=input_tokens,"
                                            "output_tokens=output_tokens,session_id=session_id[,time_unit=ms]; "
                                            "times may be absolute or relative.")] = None,
+    skip_bad_lines: Annotated[bool,
+                              typer.Option("--skip-bad-lines",
+                                           help="trace:PATH: skip malformed lines; their count, the first reasons "
+                                                "and the --map are recorded in run.json.")] = False,
+    session_reuse: Annotated[str | None,
+                             typer.Option(help="trace:PATH with session ids and no block ids: infer (default) makes "
+                                               "a turn whose input holds the previous turn's input + output begin "
+                                               "with that prompt and answer; none: fresh tokens.")] = None,
+    turns: Annotated[str | None,
+                     typer.Option(help="Open loop: dependent (default) sends a session's next turn after the previous "
+                                       "answer plus its think time; independent: at its own arrival time.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the workload and sampling.")] = 0,
     output: Annotated[str | None, typer.Option(help="Result folder (default: results/<run_id>).")] = None,
     slo: Annotated[str | None,
@@ -102,6 +113,7 @@ def run(
     from harness.cli.run_session import run_command
 
     options = dict(locals())
+    _check_passed_on(options)
     if engine is None and workload == "rag_long" and engine_for_folder(model)[1] is None:  # not a quantized folder
         from harness.cli.run_session import suite_command
 
@@ -109,6 +121,23 @@ def run(
     options["engine"] = engine_for(engine, model)
     code = run_command(options)
     raise typer.Exit(code)
+
+
+def _check_passed_on(options: dict) -> None:
+    """--skip-bad-lines, --session-reuse and --turns reach the WorkloadSpec through
+    run_session.to_run_args; a flag it drops is an error, never silently ignored."""
+    flags = {"skip_bad_lines": False, "session_reuse": None, "turns": None}
+    given = {k: options[k] for k, default in flags.items() if options[k] != default}
+    if not given:
+        return
+    from harness.cli.run_session import to_run_args
+    from harness.errors import HarnessError
+
+    spec = to_run_args({**options, "engine": options["engine"] or "dummy"}).workload
+    dropped = [k for k, v in given.items() if getattr(spec, k) != v]
+    if dropped:
+        raise HarnessError(f"--{dropped[0].replace('_', '-')} is not passed to the workload by this build "
+                           "(harness/cli/run_session.py to_run_args); leave it out")
 
 
 @app.command("show")

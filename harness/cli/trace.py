@@ -58,10 +58,11 @@ def _number(value: float | None, unit: str = "") -> str:
 
 @trace_app.command("formats")
 def formats() -> None:
-    """List the trace formats pwbench reads, one per line."""
+    """List the trace formats pwbench reads, one per line; jsonl and csv (your own layout) need --map."""
     from workloads.traces.formats import list_formats
+    from workloads.traces.generic import GENERIC_FORMATS
 
-    print_columns(list_formats())
+    print_columns([*list_formats(), *((f"{name} --map", text) for name, text in GENERIC_FORMATS.items())])
 
 
 @trace_app.command("info")
@@ -85,6 +86,7 @@ def info(
         return
     rows = [
         ("format", summary.format),
+        *(("source", said) for said in summary.provenance),
         ("requests", f"{summary.requests:,}"),
         ("duration", _number(summary.duration_s, " s") if summary.duration_s is not None else "- (no arrival times)"),
     ]
@@ -101,6 +103,15 @@ def info(
             f"{summary.prefix_blocks:,} references, {summary.prefix_repeat_share:.1%} repeat an earlier id "
             f"({summary.repeated_token_share:.1%} of prompt tokens)",
         ))
+    if summary.later_turns is not None:
+        rows.append((
+            "session reuse",
+            f"inferred: {summary.extending_turns:,} of {summary.later_turns:,} later turns hold the previous "
+            f"turn's prompt + answer ({summary.inferred_reuse_share:.1%} of prompt tokens; no block ids in the trace)",
+        ))
+    if summary.session_relative:
+        rows.append(("session clock", "relative: every session starts at 0 (the arrival column counts from each "
+                                      "session's start); a replay places the sessions and says how"))
     if summary.bad_lines_skipped:
         rows.append(("skipped", f"{summary.bad_lines_skipped:,} malformed lines"))
     print_columns(rows)

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from workloads.sessions import reuse_of, session_clock, session_rows
 from workloads.traces.common import Trace, block_spans
+
+FIRST_SKIPPED = 3  # malformed lines quoted by trace info --json (the count covers them all)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,15 @@ class TraceInfo:
     repeated_token_share: float | None  # share of prompt tokens inside such repeated blocks
     bad_lines_skipped: int
     dropped: tuple[str, ...]
+    # Sessions without block ids (workloads/sessions.py): later turns, those whose input holds
+    # the previous turn's input + output, and the share of prompt tokens a replay then reuses.
+    # None when the trace has no sessions or has block ids of its own.
+    later_turns: int | None = None
+    extending_turns: int | None = None
+    inferred_reuse_share: float | None = None
+    session_relative: bool | None = None  # every session starts at the first instant (None: no sessions)
+    first_skipped: tuple[str, ...] = ()  # the first malformed lines skipped, as "PATH:LINE: what"
+    provenance: tuple[str, ...] = ()  # a converted file's header: its source, --map and lines skipped
 
     def as_dict(self) -> dict[str, Any]:
         """Flat JSON-ready dict: input_tokens_mean, input_tokens_p50, ..., output_tokens_max."""
@@ -44,6 +56,8 @@ class TraceInfo:
             for stat, value in out.pop(key).items():
                 out[f"{key}_{stat}"] = value
         out["dropped"] = list(self.dropped)
+        out["first_skipped"] = list(self.first_skipped)
+        out["provenance"] = list(self.provenance)
         return out
 
 
@@ -81,6 +95,9 @@ def summarize(trace: Trace) -> TraceInfo:
     rows = trace.rows
     arrivals = [r.arrival_s for r in rows if r.arrival_s is not None]
     refs, repeats, tokens, repeated_tokens = repeated_blocks(trace)
+    groups = session_rows(rows)
+    sessions = trace.has_sessions and any(r.session_id is not None for r in rows)
+    reuse = reuse_of([g for g in groups if g[0].session_id is not None]) if sessions and not refs else None
     return TraceInfo(
         path=trace.path,
         format=trace.format,
@@ -94,4 +111,10 @@ def summarize(trace: Trace) -> TraceInfo:
         repeated_token_share=repeated_tokens / tokens if refs else None,
         bad_lines_skipped=len(trace.bad_lines),
         dropped=trace.dropped,
+        later_turns=reuse.later_turns if reuse else None,
+        extending_turns=reuse.extending if reuse else None,
+        inferred_reuse_share=reuse.share if reuse else None,
+        session_relative=session_clock(groups).relative if sessions else None,
+        first_skipped=trace.bad_lines[:FIRST_SKIPPED],
+        provenance=trace.provenance,
     )
