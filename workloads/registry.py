@@ -38,6 +38,11 @@ _WORKLOADS: dict[str, tuple[str, str]] = {
         "workloads.shapes:offline_batch_shape",
         "all requests at t=0 (MoE-Gen's offline setup): 512 in / 256 out, or an input length range",
     ),
+    "agentic": (
+        "workloads.agentic:agentic_shape",
+        "coding-agent sessions shaped like TraceLab's Claude Code/Codex traces: a shared 19k-token system prompt, "
+        "each call extends the previous one by its answer and a tool output, short answers, tool times, closed loop",
+    ),
     "burst": (
         "workloads.shapes:burst_shape",
         "bursty gamma arrivals and lengths shaped like Azure 2023 code traffic: long prompts, tiny answers",
@@ -71,7 +76,7 @@ class ModelTarget:
 class WorkloadSpec:
     """Every workload option; None = the workload's default (see README "Workloads and traces")."""
 
-    name: str  # rag_long | long_chat | offline_batch | burst | trace:PATH
+    name: str  # rag_long | long_chat | agentic | offline_batch | burst | trace:PATH
     seed: int = 0
     requests: int | None = None  # at most this many requests (default 100; a trace: all)
     duration_s: float | None = None  # only requests arriving before this (open loop)
@@ -184,11 +189,12 @@ def build_workload(
     """The requests of `spec` for `target`; content from `synthesizer` (default: hash blocks)."""
     from workloads.assemble import assemble
 
-    return assemble(spec, target, workload_shape(spec), synthesizer)
+    return assemble(spec, target, workload_shape(spec, target), synthesizer)
 
 
-def workload_shape(spec: WorkloadSpec):
-    """The workload's shape step (workloads.assemble.Shape), its module imported on demand."""
+def workload_shape(spec: WorkloadSpec, target: ModelTarget | None = None):
+    """The workload's shape step (workloads.assemble.Shape), its module imported on demand; a
+    shape may size itself to `target` (agentic fits its context to max_model_len)."""
     key = "trace:PATH" if spec.name.startswith(TRACE_PREFIX) else spec.name
     module_name, _, attr = _WORKLOADS[key][0].partition(":")
-    return getattr(importlib.import_module(module_name), attr)(spec)
+    return getattr(importlib.import_module(module_name), attr)(spec, target)

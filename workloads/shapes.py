@@ -61,7 +61,7 @@ STREAM_DIRECT = 3  # rag_long's direct questions (--direct-share): their own ran
 DIRECT_BLOCK_IDS = 1 << 40  # ... and their own block ids
 
 
-def rag_long_shape(spec) -> Shape:
+def rag_long_shape(spec, target=None) -> Shape:
     return Shape(lambda hint: _rag_sessions(spec, hint), _rag_mean_turns(spec.direct_share), "poisson", DEFAULT_RATE)
 
 
@@ -209,7 +209,7 @@ def _rag_sessions(spec, hint: int) -> Iterator[list[RequestSkeleton]]:
         yield session
 
 
-def long_chat_shape(spec) -> Shape:
+def long_chat_shape(spec, target=None) -> Shape:
     return Shape(lambda hint: _chat_sessions(spec), pmf_mean(CHAT_TURNS_PMF), "closed")
 
 
@@ -252,7 +252,7 @@ def _chat_sessions(spec) -> Iterator[list[RequestSkeleton]]:
         yield session
 
 
-def offline_batch_shape(spec) -> Shape:
+def offline_batch_shape(spec, target=None) -> Shape:
     def lengths(g, n: int, fixed: int | None, span: tuple[int, int] | None, default: int):
         import numpy as np
 
@@ -271,7 +271,7 @@ def offline_batch_shape(spec) -> Shape:
     return Shape(lambda hint: _singles(spec, draw), 1.0, "offline")
 
 
-def burst_shape(spec) -> Shape:
+def burst_shape(spec, target=None) -> Shape:
     def draw(g, n: int):
         return sample_quantiles(g, BURST_INPUT_Q, n, spec.scale), sample_quantiles(g, BURST_OUTPUT_Q, n, spec.scale)
 
@@ -287,7 +287,7 @@ def _singles(spec, draw: Callable) -> Iterator[list[RequestSkeleton]]:
             yield [RequestSkeleton(index=-1, input_tokens=inp, output_tokens=out)]
 
 
-def trace_shape(spec) -> Shape:
+def trace_shape(spec, target=None) -> Shape:
     """Rows keep lengths, sessions and blocks; think time = gap to the session's previous row.
     Session-relative arrival columns are placed (workloads/sessions.py); sessions without block
     ids get their turns' reuse inferred unless spec.session_reuse is "none"."""
