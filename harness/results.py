@@ -6,8 +6,11 @@
                      steps.parquet      one row per engine step
                      telemetry.parquet  the sampler series
                      <name>.parquet     tables the engine adds (Engine.tables(), e.g. expert_bits)
-Everything is written into a hidden sibling folder first and renamed into place at the end,
-run.json last, so a crash never leaves a folder that looks complete.
+A run streams into a hidden sibling, `.<name>.partial-<pid>/` (partial.json says
+"incomplete"; requests.jsonl gets each request's row once it is final, steps.jsonl the steps):
+a crash or SIGKILL leaves that folder with every finished request. At the end the parquet
+files are built from the streams, run.json is written last and the folder renamed into place,
+so a folder with run.json is complete and nothing else ever looks it. docs/results.md.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +35,212 @@ def new_run_id(workload: str, engine: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{slug}-{engine}"
 
 
-def check_output(target: Path) -> None:
+# Disk a run needs, for the free-space check before anything loads: the requests' stream
+# and their parquet rows side by side at the end (rag_long on the dummy engine: ~9 KB of JSONL
+# and ~1 KB of parquet a request with ~290 output tokens), plus steps and telemetry.
+BYTES_PER_REQUEST = 24 * 1024
+BYTES_PER_RUN = 8 * 2**20
+ASSUMED_REQUESTS = 1000  # a run bounded only by --duration
+
+
+def estimate_bytes(requests: int | None) -> int:
+    return BYTES_PER_RUN + BYTES_PER_REQUEST * (requests or ASSUMED_REQUESTS)
+
+
+def check_output(target: Path, need_bytes: int = 0, renamed: bool = True) -> None:
+    """Fail in one line, before anything loads, when `target` cannot become a result folder:
+    it exists and is not an empty folder, it lies under a file, its parent cannot be created or
+    written (a temp file is created there to find out), it is a mount point (`renamed`: the
+    finished folder is renamed onto it), or its disk has less than `need_bytes` free. Creates
+    the parent folders."""
+    target = Path(target)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise HarnessError(f"output folder {target} already exists and is not empty; choose another --output")
+    if renamed and target.is_dir() and os.path.ismount(target):
+        raise HarnessError(f"output folder {target} is a mount point, and a run's folder is renamed into place at "
+                           f"the end; give a folder inside it, e.g. --output {target / 'run1'}")
+    existing = next(p for p in (target, *target.parents) if p.exists() or p == p.parent)
+    if existing != target and not existing.is_dir():
+        raise HarnessError(f"output folder {target} lies under {existing}, which is a file; choose another --output")
+    parent = target.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=parent, prefix=".pwbench-write-test-"):
+            pass
+    except OSError as exc:
+        raise HarnessError(f"output folder {target}: cannot write in {parent} ({exc.strerror or exc}); choose a "
+                           f"writable --output") from None
+    free = shutil.disk_usage(parent).free
+    if free < need_bytes:
+        raise HarnessError(f"output folder {target}: {parent} has {free / 2**20:,.0f} MiB free, this run needs about "
+                           f"{need_bytes / 2**20:,.0f} MiB; free some space or choose another --output")
+
+
+PARTIAL_MARKER = "partial.json"
+REQUESTS_STREAM = "requests.jsonl"
+STEPS_STREAM = "steps.jsonl"
+
+
+def partial_folder(target: Path) -> Path:
+    """The hidden sibling a run into `target` streams into: `.<name>.partial-<pid>`."""
+    return target.parent / f".{target.name}.partial-{os.getpid()}"
+
+
+class PartialRun:
+    """A run's measured rows, appended to disk as the run goes (one JSON line each, flushed as
+    each request's record becomes final), then turned into the result folder by `finish`.
+
+    `open` checks the output (check_output) and creates the partial folder with partial.json
+    (status incomplete); `add_request` / `add_steps` append; `requests_table` reads the stream
+    back as an Arrow table; `finish` writes the folder; `abandon` (any exception before that)
+    removes the partial folder when it holds no request, else keeps it and says where."""
+
+    def __init__(self, target: Path, folder: Path) -> None:
+        self.target, self.folder = target, folder
+        self.requests = 0  # rows appended
+        self._requests = open(folder / REQUESTS_STREAM, "a", encoding="utf-8")
+        self._steps = open(folder / STEPS_STREAM, "a", encoding="utf-8")
+        self._closed = False
+
+    @classmethod
+    def open(cls, target: Path, need_bytes: int = 0) -> PartialRun:
+        target = Path(target)
+        check_output(target, need_bytes)
+        folder = partial_folder(target)
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            folder.mkdir()
+            _write_marker(folder, target, None)
+        except OSError as exc:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise HarnessError(f"output folder {target}: cannot write {folder} ({exc.strerror or exc}); choose a "
+                               f"writable --output") from None
+        return cls(target, folder)
+
+    def add_request(self, row: dict[str, Any]) -> None:
+        """One request's final row, on disk (flushed to the OS, so a SIGKILL keeps it) on return."""
+        self._steps.flush()  # the steps so far first: a row never outlives the steps it ran in
+        self._requests.write(json.dumps(row, separators=(",", ":"), default=_plain) + "\n")
+        self._requests.flush()
+        self.requests += 1
+
+    def add_steps(self, steps: list[dict[str, Any]]) -> None:
+        """Step rows, buffered (flushed with the next request row)."""
+        for step in steps:
+            self._steps.write(json.dumps(step, separators=(",", ":"), default=_plain) + "\n")
+
+    def _close_streams(self) -> None:
+        self._requests.close()
+        self._steps.close()
+
+    def requests_table(self):
+        """The streamed request rows as a pyarrow Table (column types inferred, rows in the
+        order they became final)."""
+        self._requests.flush()
+        return read_stream(self.folder / REQUESTS_STREAM)
+
+    def finish(self, run: dict[str, Any], requests, steps: list[dict], telemetry: list[dict],
+               tables: dict[str, list[dict]] | None = None) -> Path:
+        """Write the result files into the partial folder (`requests`: a pyarrow Table), run.json
+        last, drop the streams and the marker, and rename the folder into place. A failure keeps
+        the partial folder with its streams and raises a HarnessError saying where."""
+        self._close_streams()
+        self._closed = True
+        try:
+            _write_files(self.folder, run, requests, steps, telemetry, tables or {})
+        except OSError as exc:
+            (self.folder / "run.json").unlink(missing_ok=True)
+            raise HarnessError(f"could not write the result files into {self.folder} ({exc.strerror or exc}); the "
+                               f"{self.requests} measured requests are kept there in {REQUESTS_STREAM} "
+                               f"(partial.json: incomplete)") from None
+        for name in (REQUESTS_STREAM, STEPS_STREAM, PARTIAL_MARKER):
+            (self.folder / name).unlink(missing_ok=True)
+        try:
+            if self.target.exists():
+                self.target.rmdir()  # empty (check_output made sure)
+            self.folder.rename(self.target)
+        except OSError as exc:
+            raise HarnessError(f"could not move the result folder {self.folder} to {self.target} "
+                               f"({exc.strerror or exc}); it is complete: move it yourself") from None
+        return self.target
+
+    def abandon(self, why: str) -> Path | None:
+        """The run ended by an exception: keep the partial folder (marked incomplete, with `why`)
+        when it holds a request and return it, else remove it."""
+        if self._closed:
+            return None  # finish() failed and has said where the rows are
+        self._closed = True
+        self._close_streams()
+        if self.requests == 0:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return None
+        try:
+            _write_marker(self.folder, self.target, why)
+        except OSError:
+            pass  # the marker written at the start still says incomplete
+        return self.folder
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what json cannot write itself: numpy scalars as Python numbers."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _write_marker(folder: Path, target: Path, error: str | None) -> None:
+    marker = {"status": "incomplete", "schema_version": SCHEMA_VERSION, "target": str(target), "pid": os.getpid(),
+              "started_at_unix": time.time(), "requests": REQUESTS_STREAM, "steps": STEPS_STREAM, "error": error,
+              "note": "a run that did not finish writing its result folder: every request row it measured is "
+                      "in requests.jsonl (one JSON object a line); pwbench show/report/compare/gate read only "
+                      "complete folders (run.json)"}
+    (folder / PARTIAL_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+
+
+STREAM_BATCH = 2048  # rows parsed at a time when a stream is read back
+
+
+def read_stream(path: Path):
+    """A JSONL stream as a pyarrow Table; a line cut short by a crash (the last) is left out.
+    Each batch's types are inferred and unified (a column null so far takes the later type)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    batches, rows = [], []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            if not line.endswith("\n"):
+                break  # cut short by a kill while it was written
+            rows.append(json.loads(line))
+            if len(rows) == STREAM_BATCH:
+                batches.append(pa.Table.from_pylist(rows))
+                rows = []
+    if rows or not batches:
+        batches.append(pa.Table.from_pylist(rows))
+    return pa.concat_tables(batches, promote_options="permissive") if len(batches) > 1 else batches[0]
+
+
+def read_partial(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An incomplete run's partial.json and its request rows (recovery, tests)."""
+    folder = Path(folder)
+    marker = json.loads((folder / PARTIAL_MARKER).read_text())
+    return marker, read_stream(folder / REQUESTS_STREAM).to_pylist()
+
+
+def rows_of(table, batch: int = STREAM_BATCH):
+    """Rows of a pyarrow Table as dicts, re-iterable, a batch at a time (never all at once)."""
+    return _Rows(table, batch)
+
+
+class _Rows:
+    def __init__(self, table, batch: int) -> None:
+        self.table, self.batch = table, batch
+
+    def __iter__(self):
+        for part in self.table.to_batches(max_chunksize=self.batch):
+            yield from part.to_pylist()
+
+    def __len__(self) -> int:
+        return self.table.num_rows
 
 
 _TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,40}")
@@ -46,18 +253,13 @@ def write_run(target: Path, run: dict[str, Any], requests: list[dict], steps: li
     import pandas as pd  # noqa: PLC0415
 
     tables = tables or {}
-    bad = [n for n in tables if not _TABLE_NAME.fullmatch(n) or n in _OWN_TABLES]
-    if bad:
-        raise HarnessError(f"engine table names {bad} are not allowed (lowercase identifiers, not {_OWN_TABLES})")
+    _check_tables(tables)
     check_output(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.partial-{os.getpid()}"
+    tmp = partial_folder(target)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        for name, rows in (("requests", requests), ("steps", steps), ("telemetry", telemetry), *tables.items()):
-            pd.DataFrame(rows).to_parquet(tmp / f"{name}.parquet", index=False)
-        (tmp / "run.json").write_text(json.dumps(_clean(run), indent=1) + "\n")
+        _write_files(tmp, run, pd.DataFrame(requests), steps, telemetry, tables)
         if target.exists():
             target.rmdir()  # empty (check_output made sure)
         tmp.rename(target)
@@ -65,6 +267,30 @@ def write_run(target: Path, run: dict[str, Any], requests: list[dict], steps: li
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _check_tables(tables: dict[str, list[dict]]) -> None:
+    bad = [n for n in tables if not _TABLE_NAME.fullmatch(n) or n in _OWN_TABLES]
+    if bad:
+        raise HarnessError(f"engine table names {bad} are not allowed (lowercase identifiers, not {_OWN_TABLES})")
+
+
+def _write_files(folder: Path, run: dict[str, Any], requests, steps: list[dict], telemetry: list[dict],
+                 tables: dict[str, list[dict]]) -> None:
+    """requests (a DataFrame or a pyarrow Table), steps, telemetry and the engine's tables as
+    parquet, then run.json."""
+    import pandas as pd  # noqa: PLC0415
+
+    _check_tables(tables)
+    if isinstance(requests, pd.DataFrame):
+        requests.to_parquet(folder / "requests.parquet", index=False)
+    else:
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        pq.write_table(requests, folder / "requests.parquet")
+    for name, rows in (("steps", steps), ("telemetry", telemetry), *tables.items()):
+        pd.DataFrame(rows).to_parquet(folder / f"{name}.parquet", index=False)
+    (folder / "run.json").write_text(json.dumps(_clean(run), indent=1) + "\n")
 
 
 def _clean(value: Any) -> Any:
@@ -84,6 +310,10 @@ def read_run(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / "run.json"
     if not path.is_file():
+        if (folder / PARTIAL_MARKER).is_file():
+            raise HarnessError(f"{folder} is an incomplete run (killed or failed before its result folder was "
+                               f"written): its measured requests are in {folder / REQUESTS_STREAM}; it has no "
+                               f"summary, and pwbench tools read complete folders only (with run.json)")
         raise HarnessError(f"{folder} is not a complete pwbench result folder (no run.json)")
     try:
         run = json.loads(path.read_text())

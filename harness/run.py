@@ -23,8 +23,8 @@ from harness.demo_model import DEMO_DEFAULTS, DEMO_TASK_STYLES, demo_synthesizer
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
 from harness.precision import transition_summary
-from harness.results import SCHEMA_VERSION, check_output, new_run_id, write_run
-from harness.runner import RunLimits, Runner, RunRecords
+from harness.results import REQUESTS_STREAM, SCHEMA_VERSION, PartialRun, estimate_bytes, new_run_id, rows_of
+from harness.runner import RequestRecord, RunLimits, Runner, RunRecords
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload
 
 
@@ -116,10 +116,12 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
     """Run and write the result folder; returns (folder, run.json). `make_runner` lets the CLI
     keep a handle to each runner (for Ctrl-C: the measured run's, then each capacity point's)
     before it runs; `on_start` is called once warm-up is done, just before the measured run's
-    clock starts; `say` gets a progress line per capacity point and stability load."""
-    from harness.hw import peaks_for  # noqa: PLC0415
-    from harness.telemetry import TelemetrySampler  # noqa: PLC0415
+    clock starts; `say` gets a progress line per capacity point and stability load.
 
+    The output folder is checked before the engine loads; each request's row is appended to
+    the partial folder once it is final (harness/results.py: PartialRun), so what was measured
+    survives a crash; a run ended by an exception keeps that folder when it holds a request and
+    says where on stderr."""
     cls = engine_class(args.engine)  # an unknown engine name fails before anything else
     model = args.model
     if model is None and cls.needs_model:
@@ -128,15 +130,44 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         model = str(demo_model_path())
     run_id = new_run_id(args.workload.name, args.engine)
     folder = Path(args.output) if args.output else Path(args.results_dir) / run_id
-    check_output(folder)
+    stream = PartialRun.open(folder, estimate_bytes(args.workload.requests))
+    try:
+        return _execute(args, model, stream, make_runner, on_step, on_start, say)
+    except BaseException as exc:
+        kept = stream.abandon(f"{type(exc).__name__}: {exc}")
+        if kept is not None:
+            print(f"run: stopped by {type(exc).__name__}; the {stream.requests} measured requests are kept in "
+                  f"{kept / REQUESTS_STREAM} (incomplete)", file=sys.stderr)
+        raise
+
+
+def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: Callable[[Runner], None],
+             on_step: Callable[[RunRecords], None] | None, on_start: Callable[[], None] | None,
+             say: Callable[[str], None]) -> tuple[Path, dict[str, Any]]:
+    from harness.hw import peaks_for  # noqa: PLC0415
+    from harness.telemetry import TelemetrySampler  # noqa: PLC0415
+
+    folder = stream.target
     engine = create_calibrated(args.engine, {"model": model, **args.engine_options})
     engine.start()
     try:
         info = engine.info()
         demo = uses_demo_language(model, info)
         spec, workload = build(args, info, demo)
+        make_row = _row_maker(model)
+        written = 0  # steps appended to the stream so far
+
+        def stepped(records: RunRecords) -> None:
+            nonlocal written
+            stream.add_steps(records.steps[written:])
+            written = len(records.steps)
+            if on_step is not None:
+                on_step(records)
+
+        # Final records go to disk and are dropped: memory stays bounded however long the run.
         runner = Runner(engine, workload.requests, workload.closed_loop, workload.concurrency,
-                        RunLimits(spec.requests, spec.duration_s), on_step=on_step)
+                        RunLimits(spec.requests, spec.duration_s), on_step=stepped,
+                        on_record=lambda record: stream.add_request(make_row(record)), keep_records=False)
         make_runner(runner)
         runner.warmup(warmup_requests(args, info, demo))
         sampler = TelemetrySampler(runner.now, args.telemetry_hz)
@@ -150,11 +181,12 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
             records = runner.run(on_start=started)
         finally:
             sampler.stop()
+        stream.add_steps(records.steps[written:])
         tables = dict(engine.tables())
         notes = list(engine.notes())
-        requests = _request_rows(records, model)
-        _join_request_bits(requests, tables.get("request_bits"))
-        fidelity = _fidelity(args, model, info, runner.requests, requests)
+        table = _join_request_bits(stream.requests_table(), tables.get("request_bits"))
+        table, fidelity = _fidelity(args, model, info, runner.requests, table)
+        requests = rows_of(table)  # read a batch at a time by every summary below
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
         peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
@@ -167,8 +199,8 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
             summary["transitions"] = transitions
         extra: dict[str, Any] = {}
         if records.status == "complete" and args.capacity is not None:
-            extra["capacity"] = _capacity(args, engine, info, demo, workload, runner.requests, records, make_runner,
-                                          say)
+            extra["capacity"] = _capacity(args, engine, info, demo, workload, runner.requests, records,
+                                          _served(table), make_runner, say)
         if records.status == "complete" and args.stability_probes:
             rate = (extra.get("capacity") or {}).get("requests_per_s")
             extra["stability"] = _stability(args, engine, model, info, runner.requests, rate, say)
@@ -200,7 +232,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         **({"fidelity_skipped": fidelity["skipped"]} if "skipped" in fidelity else {}),
         **extra,
     }
-    write_run(folder, run, requests, records.steps, sampler.samples, tables)
+    stream.finish(run, table, records.steps, sampler.samples, tables)
     return folder, run
 
 
@@ -210,7 +242,8 @@ def _cpu_name() -> str:
     return cpu_model()
 
 
-def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]]:
+def _row_maker(model: str | None) -> Callable[[RequestRecord], dict[str, Any]]:
+    """record -> its requests.parquet row (output_text: a task's answer up to the first EOS)."""
     from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(model) if model else None
@@ -218,22 +251,35 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
     if tokenizer is not None:
         eos = {tokenizer.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<|im_end|>")
                if tokenizer.token_to_id(t) is not None}
-    rows = []
-    for r in records.requests:
-        # Shallow: asdict() deep-copies every token-time list (most of the cost of 10k requests).
-        row = {f.name: getattr(r, f.name) for f in fields(r)}
-        row["output_tokens"] = r.output_tokens
-        if tokenizer is not None and r.task is not None:
-            ids = r.output_ids
-            row["output_text"] = tokenizer.decode(cut_at_eos(ids, eos))
-        else:
-            row["output_text"] = None
-        rows.append(row)
-    return rows
+
+    def row(r: RequestRecord) -> dict[str, Any]:
+        # Shallow: asdict() deep-copies every token-time list.
+        out = {f.name: getattr(r, f.name) for f in fields(r)}
+        out["output_tokens"] = r.output_tokens
+        use = tokenizer is not None and r.task is not None
+        out["output_text"] = tokenizer.decode(cut_at_eos(r.output_ids, eos)) if use else None
+        return out
+
+    return row
+
+
+def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]]:
+    row = _row_maker(model)
+    return [row(r) for r in records.requests]
+
+
+def _served(table) -> int:
+    """Requests that finished without an error."""
+    if table.num_rows == 0:
+        return 0
+    import pyarrow.compute as pc  # noqa: PLC0415
+
+    return pc.sum(pc.and_(table["finish_s"].is_valid(), table["error"].is_null())).as_py() or 0
 
 
 def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workload, requests: list,
-              records: RunRecords, make_runner: Callable[[Runner], None], say: Callable[[str], None]) -> dict[str, Any]:
+              records: RunRecords, served: int, make_runner: Callable[[Runner], None],
+              say: Callable[[str], None]) -> dict[str, Any]:
     """The highest rate meeting the SLO (harness/capacity.py) on the same started engine, at most
     n / the TTFT target (n requests a point: beyond that rate they all arrive within one TTFT
     target, and every higher rate is the same burst). Points
@@ -253,7 +299,6 @@ def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workl
         settings = replace(settings, max_rate=len(requests) / (args.slo["ttft_ms"] / 1e3))
     if settings.start_rate is None:
         busy = sum(s["duration_s"] for s in records.steps)
-        served = sum(1 for r in records.requests if r.finish_s is not None and r.error is None)
         estimate = served / busy / 2 if busy > 0 and served else None
         start = max(filter(None, (estimate, workload_rate(requests))), default=None)
         settings = replace(settings, start_rate=start)
@@ -296,32 +341,52 @@ def _stability(args: RunArgs, engine: Engine, model: str | None, info: EngineInf
     return result.to_dict()
 
 
-def _join_request_bits(rows: list[dict[str, Any]], bits: list[dict[str, Any]] | None) -> None:
+def _join_request_bits(table, bits: list[dict[str, Any]] | None):
     """An engine that changes bit widths (its `request_bits` table): each request's token-weighted
     mean and minimum expert bits and whether a transition happened during it, as columns."""
-    if bits is None:
-        return
+    if bits is None or table.num_columns == 0:
+        return table
+    import pyarrow as pa  # noqa: PLC0415
+
     by_id = {b["request_id"]: b for b in bits}
-    for row in rows:
-        b = by_id.get(row["request_id"], {})
-        row.update(bits_mean=b.get("bits_mean"), bits_min=b.get("bits_min"), in_transition=b.get("in_transition"))
+    found = [by_id.get(rid, {}) for rid in table["request_id"].to_pylist()]
+    for name in ("bits_mean", "bits_min", "in_transition"):
+        table = table.append_column(name, pa.array([b.get(name) for b in found]))
+    return table
 
 
-def _fidelity(args: RunArgs, model: str | None, info: EngineInfo, sent: list,
-              rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-request fidelity columns added to `rows` in place; the summary (harness/fidelity.py).
-    Any engine whose model is a local folder the reference can load: in-process engines, and
+def _fidelity(args: RunArgs, model: str | None, info: EngineInfo, sent: list, table) -> tuple[Any, dict[str, Any]]:
+    """`table` with the per-request fidelity columns; the summary (harness/fidelity.py). Any
+    engine whose model is a local folder the reference can load: in-process engines, and
     engine openai given `--model DIR` (the served model's own folder)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    from harness.fidelity import COLUMNS  # noqa: PLC0415
+
+    skipped = None
+    if not args.quality:
+        skipped = "--no-quality"
+    elif model is None or not (Path(model) / "config.json").is_file():  # engine openai: a served model's name
+        skipped = "no local model folder to run the float32 reference on (give --model DIR)"
+    if skipped is not None:
+        for name in COLUMNS if table.num_columns else ():
+            table = table.append_column(name, pa.nulls(table.num_rows))
+        return table, {"skipped": skipped}
+    # The float32 reference replays every served request, so these rows fit in memory too.
+    rows = table.to_pylist()
+    fidelity = _fidelity_rows(args, model, info, sent, rows)
+    return (pa.Table.from_pylist(rows) if rows else table), fidelity
+
+
+def _fidelity_rows(args: RunArgs, model: str, info: EngineInfo, sent: list,
+                   rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-request fidelity columns added to `rows` in place; the summary."""
     from engines.base import EngineError, EngineRequest  # noqa: PLC0415
     from engines.common.tokenizer import load_tokenizer  # noqa: PLC0415
     from harness.fidelity import COLUMNS, fidelity_summary, reference_outputs, request_columns  # noqa: PLC0415
 
     for row in rows:
         row.update(dict.fromkeys(COLUMNS))
-    if not args.quality:
-        return {"skipped": "--no-quality"}
-    if model is None or not (Path(model) / "config.json").is_file():  # engine openai: a served model's name
-        return {"skipped": "no local model folder to run the float32 reference on (give --model DIR)"}
     served = {r["request_id"] for r in rows if not r.get("error") and r.get("finish_s") is not None}
     asked = [EngineRequest(r.request_id, tuple(r.prompt_ids), r.max_new_tokens, ignore_eos=r.ignore_eos)
              for r in sent if r.request_id in served]
