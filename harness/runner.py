@@ -242,8 +242,9 @@ class Runner:
     def _send(self, rec: RequestRecord, req: Request, now: float) -> None:
         rec.sent_s = now
         try:
-            # tuple(): a deferred prompt (workloads.prompts) is synthesized here, when it is sent.
-            self.engine.add_request(EngineRequest(rec.request_id, tuple(req.prompt_ids), req.max_new_tokens,
+            # The compact prompt as it is (workloads.prompts: int32, or synthesized when the engine
+            # reads it): a queue of thousands of requests holds no tuples of ints.
+            self.engine.add_request(EngineRequest(rec.request_id, req.prompt_ids, req.max_new_tokens,
                                                   ignore_eos=req.ignore_eos))
         except EngineError as exc:  # this request cannot be served; the run goes on
             rec.error, rec.finish_s, rec.rejected = str(exc), None, True
