@@ -2,7 +2,8 @@
 
 The engine starts before the port is bound, so a bad model or option is one `error:` line
 and nothing listens. The socket is bound here (a port in use is a one-line error too) and
-handed to uvicorn; one line on stdout says where the server listens once it does.
+handed to uvicorn; one line on stdout says where the server listens once it does. Limits,
+restarts, health states and shutdown: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def serve(
                                            "get 429 with Retry-After.")] = 256,
     served_model_name: Annotated[str | None,
                                  typer.Option(help="Model name in the API (default: the folder's name).")] = None,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body; larger ones get 413.")] = 2 * 2**20,
+    max_restarts: Annotated[int,
+                            typer.Option(help="Engine restarts after failures; one more failure exits with "
+                                              "code 3 (for an orchestrator to restart the process).")] = 3,
+    drain_timeout_s: Annotated[float,
+                               typer.Option(help="On SIGTERM/Ctrl-C: seconds requests in flight may take to "
+                                                 "finish before they are ended (finish_reason abort).")] = 30.0,
+    keep_alive_s: Annotated[float, typer.Option(help="Idle keep-alive connections are closed after this.")] = 75.0,
     dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 | float16.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
@@ -41,12 +50,17 @@ def serve(
 ) -> None:
     """Serve an engine over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
+    from harness.errors import HarnessError
+    from harness.serve.app import ServeOptions
     from harness.serve.run import serve_engine
 
-    if max_queue < 1:
-        from harness.errors import HarnessError
-
-        raise HarnessError(f"--max-queue must be >= 1, got {max_queue}")
+    for flag, value, low in (("--max-queue", max_queue, 1), ("--max-body-bytes", max_body_bytes, 1024),
+                             ("--max-restarts", max_restarts, 0), ("--drain-timeout-s", drain_timeout_s, 0),
+                             ("--keep-alive-s", keep_alive_s, 1)):
+        if not value >= low:  # also refuses nan
+            raise HarnessError(f"{flag} must be >= {low}, got {value}")
     options = {"device": device, "dtype": dtype, "budget_bytes": budget}
-    serve_engine(engine_for(engine, model), model, host, port, api_key, max_queue, served_model_name,
-                 options, set_ or [])
+    served = ServeOptions(served_model_name or "", api_key, max_queue, max_body_bytes=max_body_bytes,
+                          max_restarts=max_restarts)
+    serve_engine(engine_for(engine, model), model, host, port, served, options, set_ or [],
+                 drain_timeout_s=drain_timeout_s, keep_alive_s=keep_alive_s)

@@ -3,7 +3,9 @@
 Counters follow the engine's StepOutput: tokens, requests by outcome, bytes and transfers
 across host<->device, steps, preemptions; gauges give the last step's running / waiting
 requests, the requests the server holds (its queue), KV memory in use and, for engines
-that change expert precision, the mean bits and the experts at each width.
+that change expert precision, the mean bits and the experts at each width. The server's own
+counters: requests refused before the engine saw them (by HTTP status), requests that failed
+after admission, engine restarts, and whether the engine is up.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ class ServerMetrics:
                                   registry=r)
         self.mean_bits = Gauge("pwbench_expert_mean_bits", "Mean bit width of resident experts", registry=r)
         self.experts_at = Gauge("pwbench_experts_at_bits", "Resident experts at each bit width", ["bits"], registry=r)
+        self.rejected = Counter("pwbench_rejected_requests", "Requests refused before the engine ran them, by HTTP "
+                                "status (400 bad field, 401 key, 404 route/model, 413 body, 429 queue, 503 "
+                                "unavailable)", ["status"], registry=r)
+        self.failed = Counter("pwbench_failed_requests", "Requests that failed after admission (engine failure, "
+                              "internal error)", registry=r)
+        self.restarts = Counter("pwbench_engine_restarts", "Engine restarts after a failure", registry=r)
+        self.engine_up = Gauge("pwbench_engine_up", "1 while the engine serves, 0 while it restarts, has failed or "
+                               "the server drains", registry=r)
+        self.engine_up.set(1)
         block = info.config.get("block_size") if info.config else None
         per_token = info.model_stats.get("kv_bytes_per_token") if info.model_stats else None
         self._block_bytes = block * per_token if block and per_token else None
@@ -68,6 +79,13 @@ class ServerMetrics:
         for key, value in extras.items():
             if key.startswith("experts_at_") and key.endswith("_bits"):
                 self.experts_at.labels(key[len("experts_at_"):-len("_bits")]).set(value)
+
+    def count_error(self, status: int) -> None:
+        """An error answer: a 5xx other than 503 is a failure, anything else a refusal."""
+        if status >= 500 and status != 503:
+            self.failed.inc()
+        else:
+            self.rejected.labels(str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,27 +4,36 @@ Only the fields pwbench can honour are read; unknown fields are ignored, as Open
 servers do. A field of the wrong type or out of range raises ApiError (HTTP 400 with an
 OpenAI-style error body naming the field). `return_token_ids` (vLLM's extension) adds the
 prompt's and each chunk's token ids, which is how engine `openai` gets exact ids back.
+Numbers are checked in the precision the engine uses them (docs/serving.md#what-is-validated).
 Nothing here touches the engine or the network.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from engines.runtime.sampling import MIN_TEMPERATURE, SEED_RANGE
 
 
 class ApiError(Exception):
     """An HTTP error with an OpenAI-style JSON body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def render(self) -> bytes:
+        # ASCII escapes: a message quoting the client's text (a lone surrogate) still encodes.
+        return json.dumps(self.body()).encode()
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ApiError(400,
                        f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:  # the C parser's guard, about 1000 levels: far deeper than any request
+        raise ApiError(400, "request body is nested too deeply (arrays/objects inside each other)") from None
+    except ValueError as exc:  # an integer literal over Python's 4300 digits
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
@@ -74,20 +87,25 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(400, f"{key} must be a number, got {type(value).__name__}", key)
+    if not math.isfinite(value):  # NaN, Infinity and 1e999 parse as floats
+        raise ApiError(400, f"{key} must be a finite number, got {value}", key)
     if value > hi or value < lo or (lo_open and value == lo):
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
         raise ApiError(400, f"{key} must be in {bound}, got {value}", key)
     return float(value)
 
 
-def _integer(body: dict, key: str, default: int | None, lo: int) -> int | None:
+def _integer(body: dict, key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"{key} must be an integer, got {type(value).__name__}", key)
+        shown = value if isinstance(value, float) and not math.isfinite(value) else type(value).__name__
+        raise ApiError(400, f"{key} must be an integer, got {shown}", key)
     if value < lo:
         raise ApiError(400, f"{key} must be >= {lo}, got {value}", key)
+    if hi is not None and value > hi:
+        raise ApiError(400, f"{key} must be <= {hi}, got {value}", key)
     return value
 
 
@@ -134,6 +152,11 @@ def _prompt_ids(body: dict, tokenizer: Any, limits: Limits) -> tuple[int, ...]:
 
 
 def _encode(text: str, tokenizer: Any, param: str) -> list[int]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate escape such as "\ud800"
+        raise ApiError(400, f"{param} has an unpaired surrogate (\\u{ord(text[exc.start]):04x}) at character "
+                       f"{exc.start}: not valid Unicode", param) from None
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer.json: send the prompt as a list of token ids", param)
     ids = tokenizer.encode(text).ids
@@ -150,7 +173,8 @@ def _chat_ids(body: dict, tokenizer: Any) -> tuple[int, ...]:
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # content parts: only text parts are read
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "".join(texts) if all(isinstance(t, str) for t in texts) else None
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise ApiError(400, f"messages[{i}] must be an object with a string role and string content", "messages")
         parts.append(content)
@@ -179,13 +203,16 @@ def parse_request(body: dict[str, Any], chat: bool, tokenizer: Any, limits: Limi
         raise ApiError(400, f"min_tokens must be 0 or equal to {key} (fixed-length outputs), got {min_tokens}",
                        "min_tokens")
     top_k = _integer(body, "top_k", 0, -1)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if temperature < MIN_TEMPERATURE:  # 1e-45 or 1e-300 would round to 0 in float32: the limit is greedy
+        temperature = 0.0
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     return GenParams(
         chat=chat, prompt_ids=ids, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
-        top_k=max(top_k, 0), seed=_integer(body, "seed", None, 0),
+        temperature=temperature, top_p=_number(body, "top_p", 1.0, 0.0, 1.0, True),
+        top_k=top_k if 0 < top_k < limits.vocab_size else 0, seed=_integer(body, "seed", None, 0, SEED_RANGE[1]),
         ignore_eos=_flag(body, "ignore_eos") or min_tokens == max_tokens, stream=_flag(body, "stream"),
         include_usage=_flag(options, "include_usage"), return_token_ids=_flag(body, "return_token_ids"),
     )
