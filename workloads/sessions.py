@@ -93,33 +93,47 @@ def session_starts(groups: Sequence[Sequence[TraceRow]], clock: SessionClock, se
 class InferredReuse:
     later_turns: int  # turns after a session's first
     extending: int  # of those, turns whose input holds the previous turn's input + output
-    reused_tokens: int  # prompt tokens that repeat the previous turn's prompt and answer
+    # Prompt tokens that repeat the previous turn's prompt: what an engine's prefix cache can
+    # serve in a replay (up to its block rounding)
+    prompt_tokens_reused: int
+    # Prompt tokens that repeat the previous turn's answer: synthesized, so they repeat in every
+    # later turn of the session, but the engine's own answer differs and computes them once
+    answer_tokens: int
     prompt_tokens: int  # all prompt tokens
 
     @property
     def share(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        """Share of prompt tokens a replay's prefix cache can serve (the previous prompts)."""
+        return self.prompt_tokens_reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def answer_share(self) -> float:
+        return self.answer_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def note(self) -> str:
         return (f"session reuse inferred (the trace has session ids and no block ids): {self.extending} of "
-                f"{self.later_turns} later turns hold the previous turn's prompt + answer and begin with them "
-                f"({self.share:.1%} of prompt tokens; the answer's tokens are synthesized, not the engine's); "
-                "--session-reuse none gives every turn fresh tokens")
+                f"{self.later_turns} later turns hold the previous turn's prompt + answer and begin with them; "
+                f"{self.share:.1%} of prompt tokens repeat the previous prompt (a prefix cache can serve these), "
+                f"{self.answer_share:.1%} are the previous answer (synthesized tokens, not the engine's own answer, "
+                "so computed again); --session-reuse none gives every turn fresh tokens")
 
 
-def reuse_of(sessions: Sequence[Sequence[TraceRow | RequestSkeleton]]) -> InferredReuse:
-    """What `infer_reuse` would infer, from lengths alone (for `trace info`)."""
-    later = extending = reused = total = 0
-    for session in sessions:
-        for previous, turn in zip([None, *session[:-1]], session):
+def reuse_of(sessions: Sequence[Sequence[TraceRow | RequestSkeleton]],
+             links: Sequence[Sequence[bool]] | None = None) -> InferredReuse:
+    """What `infer_reuse` infers, from lengths alone (`trace info` reads it from the rows)."""
+    later = extending = reused = answers = total = 0
+    for k, session in enumerate(sessions):
+        for j, turn in enumerate(session):
             total += _input(turn)
-            if previous is None:
+            if j == 0:
                 continue
             later += 1
-            if extends(previous, turn):
+            previous = session[j - 1]
+            if links[k][j] if links is not None else extends(previous, turn):
                 extending += 1
-                reused += _input(previous) + _output(previous)
-    return InferredReuse(later, extending, reused, total)
+                reused += _input(previous)
+                answers += _output(previous)
+    return InferredReuse(later, extending, reused, answers, total)
 
 
 def infer_reuse(sessions: list[list[RequestSkeleton]], links: Sequence[Sequence[bool]] | None = None,
@@ -155,7 +169,7 @@ def infer_reuse(sessions: list[list[RequestSkeleton]], links: Sequence[Sequence[
             turns.append(s)
             previous = s
         out.append(turns)
-    return out, reuse_of(out)
+    return out, reuse_of(out, links)
 
 
 def links_of(groups: Sequence[Sequence[TraceRow]]) -> list[list[bool]]:

@@ -106,8 +106,9 @@ def info(
     if summary.later_turns is not None:
         rows.append((
             "session reuse",
-            f"inferred: {summary.extending_turns:,} of {summary.later_turns:,} later turns hold the previous "
-            f"turn's prompt + answer ({summary.inferred_reuse_share:.1%} of prompt tokens; no block ids in the trace)",
+            f"inferred (no block ids): {summary.extending_turns:,} of {summary.later_turns:,} later turns hold the "
+            f"previous turn's prompt + answer; {summary.inferred_reuse_share:.1%} of prompt tokens repeat the "
+            f"previous prompt, {summary.inferred_answer_share:.1%} its answer",
         ))
     if summary.session_relative:
         rows.append(("session clock", "relative: every session starts at 0 (the arrival column counts from each "

@@ -40,11 +40,13 @@ class TraceInfo:
     bad_lines_skipped: int
     dropped: tuple[str, ...]
     # Sessions without block ids (workloads/sessions.py): later turns, those whose input holds
-    # the previous turn's input + output, and the share of prompt tokens a replay then reuses.
+    # the previous turn's input + output, the share of prompt tokens that repeat the previous
+    # prompt (what a replay's prefix cache can serve) and the share that repeat its answer.
     # None when the trace has no sessions or has block ids of its own.
     later_turns: int | None = None
     extending_turns: int | None = None
     inferred_reuse_share: float | None = None
+    inferred_answer_share: float | None = None
     session_relative: bool | None = None  # every session starts at the first instant (None: no sessions)
     first_skipped: tuple[str, ...] = ()  # the first malformed lines skipped, as "PATH:LINE: what"
     provenance: tuple[str, ...] = ()  # a converted file's header: its source, --map and lines skipped
@@ -114,6 +116,7 @@ def summarize(trace: Trace) -> TraceInfo:
         later_turns=reuse.later_turns if reuse else None,
         extending_turns=reuse.extending if reuse else None,
         inferred_reuse_share=reuse.share if reuse else None,
+        inferred_answer_share=reuse.answer_share if reuse else None,
         session_relative=session_clock(groups).relative if sessions else None,
         first_skipped=trace.bad_lines[:FIRST_SKIPPED],
         provenance=trace.provenance,
