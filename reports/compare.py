@@ -1,26 +1,41 @@
 """`pwbench compare` and the suite's terminal summary: the executive table (reports.roi), one
 row per arm (repeats of one configuration, medians with [95% intervals]), as a rich table or as
 Markdown, with the recommendation (a winner only beyond noise, else the tie; never between two
-runs of one configuration), its rule, and the runs that cannot be compared."""
+runs of one configuration), its rule, and the runs left out of it: unfinished (interrupted,
+failed) or not comparable."""
 
 from __future__ import annotations
 
 import sys
 
 from reports import roi, verdict
-from reports.runs import Run, incomparable
+from reports.runs import Run, left_out, unfinished_runs
+
+
+def _mark(rows: list[dict], cells: list[list[str]], runs: list[Run]) -> None:
+    """Tag the first cell of each arm holding an unfinished run, so the table says it too."""
+    gone = unfinished_runs(runs)
+    for row, cell in zip(rows, cells):
+        if row["run"].text in gone or any(f in gone for f in row["runs"].text.split(", ")):
+            cell[0] += " (unfinished)"
+
+
+def _left_out_lines(runs: list[Run], flagged: dict[str, str]) -> list[str]:
+    gone = unfinished_runs(runs)
+    return [f"{'unfinished' if k in gone else 'not comparable'}: {k}: {v}" for k, v in flagged.items()]
 
 
 def markdown(runs: list[Run], prices: roi.Prices) -> str:
-    flagged = incomparable(runs)
+    flagged = left_out(runs)
     rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows)
+    _mark(rows, cells, runs)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     _, sentence = verdict.recommend(rows, prices, set(flagged))
     lines += [""] + [f"- {t}" for t in verdict.technique_sentences(rows, prices, set(flagged))]
     lines += ["", f"**Recommendation:** {sentence}", "", verdict.RULE]
-    lines += [f"- not comparable: {k}: {v}" for k, v in flagged.items()]
+    lines += [f"- {line}" for line in _left_out_lines(runs, flagged)]
     return "\n".join(lines)
 
 
@@ -34,9 +49,10 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
     if as_markdown:
         console.print(markdown(runs, prices), markup=False, highlight=False, soft_wrap=True)
         return
-    flagged = incomparable(runs)
+    flagged = left_out(runs)
     rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows, roi.COMPACT if compact else None)
+    _mark(rows, cells, runs)
     table = Table(*[Column(h, no_wrap=i == 0) for i, h in enumerate(header)])
     for row in cells:
         table.add_row(*(escape(c) for c in row))
@@ -45,5 +61,5 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
         console.print(t, markup=False)
     _, sentence = verdict.recommend(rows, prices, set(flagged))
     console.print(f"recommendation: {sentence}", markup=False)
-    for k, v in flagged.items():
-        console.print(f"not comparable: {k}: {v}", markup=False, style="yellow")
+    for line in _left_out_lines(runs, flagged):
+        console.print(line, markup=False, style="yellow")

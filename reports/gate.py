@@ -8,8 +8,11 @@
   relative standard error of the difference of the medians' samples); it is not judged
   with fewer than `--repeat` samples a side, and a p99 not with fewer than
   `min_p99_samples` requests a run.
-A side is result folders (several = repeats) or a baseline JSON (BASELINE_SCHEMA). Verdicts
-go to the terminal, JUnit XML and Markdown. Exit: 0 pass, 1 regression, 2 unusable input.
+A side is result folders (several = repeats) or a baseline JSON (BASELINE_SCHEMA). Every
+folder is checked first (reports/check.py: run.json types, requests/steps tables); an unfinished
+run (interrupted, failed) is not judgeable: one failing `run_status` verdict says why; the sides
+must be runs of one workload, seed and model (`identity`) unless the caller allows otherwise.
+Verdicts go to the terminal, JUnit XML and Markdown. Exit: 0 pass, 1 regression, 2 unusable input.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from xml.etree import ElementTree as ET
 
 from harness.errors import HarnessError, read_toml
+from reports.check import unfinished
 from reports.runs import Run, load_runs
 
 BASELINE_SCHEMA = "pwbench-gate-baseline/1"
@@ -92,12 +96,34 @@ def run_metrics(run: Run) -> dict[str, Any]:
             "timing": {k: v for k, v in timing.items() if v is not None}, "requests": s.get("completed") or 0}
 
 
+def identity(run: dict[str, Any]) -> dict[str, Any]:
+    """What must agree for a gate to compare two runs: the workload as configured (seed,
+    requests, rate, ... included) and the model folder's name (paths differ across machines)."""
+    config = run.get("config") or {}
+    workload = dict(config.get("workload") or {"name": run["workload"]["name"]})
+    workload.setdefault("seed", run.get("seed"))
+    return {"workload": workload, "model": Path(str(config["model"])).name if config.get("model") else None}
+
+
+def differences(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
+    """`b`'s identity against `a`'s, one phrase per field that differs ([] when either is unknown)."""
+    if a is None or b is None:
+        return []
+    out = [f"{k}={b['workload'].get(k)!r} (vs {a['workload'].get(k)!r})"
+           for k in sorted(set(a["workload"]) | set(b["workload"])) if a["workload"].get(k) != b["workload"].get(k)]
+    if a.get("model") != b.get("model"):
+        out.append(f"model={b.get('model')!r} (vs {a.get('model')!r})")
+    return out
+
+
 @dataclass(frozen=True)
 class Side:
     source: str
     deterministic: dict[str, Any]
     timing: dict[str, list[float]]
     requests: int  # fewest measured requests in one run
+    identity: dict[str, Any] | None = None  # None: a baseline JSON written before identities were kept
+    unfinished: tuple[str, ...] = ()  # "folder: status ..." for each run that did not complete
 
 
 def load_side(paths: list[str], what: str) -> Side:
@@ -113,13 +139,24 @@ def load_side(paths: list[str], what: str) -> Side:
             raise HarnessError(f"{path}: not a pwbench gate baseline (schema {BASELINE_SCHEMA!r}); write "
                                "one with --update-baseline")
         try:
+            ident = data.get("identity")
+            if ident is not None and not (isinstance(ident, dict) and isinstance(ident.get("workload"), dict)):
+                raise TypeError("identity must be an object with a workload object")
             return Side(str(path), dict(data["deterministic"]),
                         {k: [float(x) for x in v] for k, v in data.get("timing", {}).items()},
-                        int(data.get("requests", 0)))
-        except (KeyError, TypeError, ValueError) as exc:
+                        int(data.get("requests", 0)), ident)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise HarnessError(f"{path}: malformed baseline ({type(exc).__name__}: {exc}); write a new "
                                "one with --update-baseline") from None
     runs = load_runs(paths)
+    ident = identity(runs[0].run)
+    for r in runs[1:]:
+        if diff := differences(ident, identity(r.run)):
+            raise HarnessError(f"{what}: repeated runs are of different workloads or models ({r.folder} vs "
+                               f"{runs[0].folder}: {', '.join(diff)}); repeats must be runs of one configuration")
+    gone = tuple(f"{r.folder}: {why}" for r in runs if (why := unfinished(r.run)))
+    if gone:
+        return Side(", ".join(str(r.folder) for r in runs), {}, {}, 0, ident, gone)
     ms = [run_metrics(r) for r in runs]
     det = ms[0]["deterministic"]
     for r, m in zip(runs[1:], ms[1:]):
@@ -130,7 +167,7 @@ def load_side(paths: list[str], what: str) -> Side:
                                "repeats must be runs of one configuration")
     timing = {k: [m["timing"][k] for m in ms if k in m["timing"]] for k in TIMING}
     return Side(", ".join(str(r.folder) for r in runs), det, {k: v for k, v in timing.items() if v},
-                min(m["requests"] for m in ms))
+                min(m["requests"] for m in ms), ident)
 
 
 @dataclass(frozen=True)
@@ -150,6 +187,12 @@ def _rel_se(b: list[float], c: list[float], ref: float) -> float:
 
 
 def compare(base: Side, cand: Side, policy: Policy) -> list[Verdict]:
+    """Verdicts metric by metric; a side holding an unfinished run gets one failing
+    `run_status` verdict instead (its numbers are not a whole run's, nothing else is judged)."""
+    if base.unfinished or cand.unfinished:
+        return [Verdict("run_status", "deterministic", "; ".join(base.unfinished) or "complete",
+                        "; ".join(cand.unfinished) or "complete", "fail",
+                        "an unfinished run is not judgeable; rerun it to completion")]
     out = []
     for name in sorted(set(base.deterministic) | set(cand.deterministic)):
         b, c = base.deterministic.get(name), cand.deterministic.get(name)
@@ -194,7 +237,7 @@ def compare(base: Side, cand: Side, policy: Policy) -> list[Verdict]:
 
 
 def baseline_json(side: Side, timing: bool = True) -> dict[str, Any]:
-    return {"schema": BASELINE_SCHEMA, "source": side.source, "requests": side.requests,
+    return {"schema": BASELINE_SCHEMA, "source": side.source, "requests": side.requests, "identity": side.identity,
             "deterministic": side.deterministic, "timing": side.timing if timing else {}}
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from harness.metrics import request_times
 from reports import roi, stats, verdict
-from reports.runs import Arm, Run, arms, incomparable
+from reports.runs import Arm, Run, arms, left_out, unfinished_runs
 
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -322,16 +322,18 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     import plotly.offline
 
     groups = arms(runs)
-    flagged = incomparable(runs)
+    flagged = left_out(runs)
+    gone = unfinished_runs(runs)
     rows = roi.executive(runs, prices, set(flagged))
     recommended, sentence = verdict.recommend(rows, prices, set(flagged))
     techniques = verdict.technique_sentences(rows, prices, set(flagged))
     header, cells = roi.table(rows, roi.PAGE)
     keys = list(roi.PAGE)
     titles = [[row[k].source for k in keys] for row in rows]
-    flagged_arms = {a.label for a in groups if a.label in flagged or any(f in flagged for f in a.folders)}
     for cell_row, a in zip(cells, groups):
-        if a.label in flagged_arms:
+        if a.label in gone or any(f in gone for f in a.folders):
+            cell_row[0] += " (unfinished)"
+        elif a.label in flagged or any(f in flagged for f in a.folders):
             cell_row[0] += " (not comparable)"
         elif a.label == recommended:
             cell_row[0] += " (recommended)"
@@ -346,8 +348,8 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     engines = ", ".join(f"{row['run'].text} = {row['engine'].text} x {row['runs'].value}" for row in rows)
     warn = ""
     if flagged:
-        warn = ('<div class="warn"><b>Runs that cannot be compared with the first run '
-                f"({E(runs[0].label)}); left out of the recommendation:</b><ul>"
+        warn = ('<div class="warn" id="left-out"><b>Runs left out of the recommendation: unfinished, or not '
+                "comparable with the first complete run:</b><ul>"
                 + "".join(f"<li>{E(k)}: {E(v)}</li>" for k, v in flagged.items()) + "</ul></div>")
     sentences = ("<ul id='techniques'>" + "".join(f"<li>{E(t)}</li>" for t in techniques) + "</ul>") if techniques \
         else ""

@@ -6,7 +6,8 @@ included), workload (seed and rate included) and SLO. Suite repeats use the same
 purpose, so the spread across an arm's runs is the environment's noise, not the engine's.
 
 Reads files only (harness.results, pandas): no engine, no torch. A folder that is neither a
-result folder nor holds any is a HarnessError naming it.
+result folder nor holds any, or whose files are damaged (reports/check.py), is a HarnessError
+naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.results import read_rows, read_run
+from harness.results import read_rows
+from reports.check import check_folder, unfinished
 
 
 @dataclass
@@ -71,11 +73,22 @@ def expand(paths: list[str | Path]) -> list[Path]:
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
-    runs = [Run(folder, read_run(folder)) for folder in expand(paths)]
-    for r in runs:
-        if "summary" not in r.run or "engine" not in r.run:
-            raise HarnessError(f"{r.folder / 'run.json'}: no summary/engine; not a pwbench run.json")
-    return runs
+    """Every result folder under `paths`, each checked (reports.check.check_folder)."""
+    return [Run(folder, check_folder(folder)) for folder in expand(paths)]
+
+
+def unfinished_runs(runs: list[Run]) -> dict[str, str]:
+    """label -> why, for each run that did not complete (interrupted, failed): shown, flagged,
+    never ranked or recommended."""
+    return {r.label: f"{reason}: not a whole run, left out of the recommendation"
+            for r in runs if (reason := unfinished(r.run))}
+
+
+def left_out(runs: list[Run]) -> dict[str, str]:
+    """Runs the recommendation leaves out, label -> why: unfinished, or not comparable with the
+    first complete run."""
+    complete = [r for r in runs if not unfinished(r.run)]
+    return {**unfinished_runs(runs), **incomparable(complete)}
 
 
 def comparability_key(run: dict[str, Any]) -> dict[str, Any]:

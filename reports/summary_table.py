@@ -1,9 +1,14 @@
-"""The summary table `pwbench run` and `pwbench show` print (rich, plain text when piped)."""
+"""The summary table `pwbench run` and `pwbench show` print (rich, plain text when piped), and
+`show_run`: a result folder checked (reports/check.py), its summary recomputed from
+requests.parquet and steps.parquet by harness.metrics, printed with any difference from run.json."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+from harness.errors import HarnessError
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -118,20 +123,35 @@ def rows(run: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _read(path: Path):
+    import pandas as pd
+
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # noqa: BLE001  (pyarrow raises several types for a bad file)
+        raise HarnessError(f"{path}: not a readable parquet file ({type(exc).__name__}); rerun the run") from None
+
+
 def table_rows(folder: Path) -> list[tuple[str, str]]:
     """Lines for the engine's own tables in a result folder, when it wrote them (pagedweight:
     expert_usage, expert_bits, fallbacks)."""
-    import pandas as pd
-
     out: list[tuple[str, str]] = []
+    try:
+        return _table_rows(folder, out)
+    except (KeyError, AttributeError, TypeError, ValueError) as exc:
+        raise HarnessError(f"{folder}: an engine table ({', '.join(n for n, _ in out) or 'expert_usage'} or the "
+                           f"next) lacks the expected columns ({type(exc).__name__}: {exc}); rerun the run") from None
+
+
+def _table_rows(folder: Path, out: list[tuple[str, str]]) -> list[tuple[str, str]]:
     if (path := folder / "expert_usage.parquet").exists():
-        usage = pd.read_parquet(path)
+        usage = _read(path)
         for layer, part in usage.groupby("layer"):
             shares = part.sort_values("expert")["tokens"] / max(1, part["tokens"].sum())
             out.append((f"experts layer {layer}", "selected " + " / ".join(f"{v:.0%}" for v in shares)
                         + f" of {int(part['tokens'].sum()):,} token choices (expert 0, 1, ...)"))
     if (path := folder / "expert_bits.parquet").exists():
-        bits = pd.read_parquet(path)
+        bits = _read(path)
         if len(bits):
             per = bits.groupby(["engine_step", "layer"])["bits"].mean().unstack("layer")
             steps = per.index
@@ -139,7 +159,7 @@ def table_rows(folder: Path) -> list[tuple[str, str]]:
                              for layer, col in per.items())
             out.append(("bits matrix", f"{len(steps)} snapshots, steps {int(steps.min())}-{int(steps.max())}: {text}"))
     if (path := folder / "fallbacks.parquet").exists():
-        events = pd.read_parquet(path)
+        events = _read(path)
         if len(events):
             first = "; ".join(f"step {int(r.engine_step)} layer {int(r.layer)} expert {int(r.expert)} "
                               f"{int(r.from_bits)} -> floor {int(r.floor_bits)} bits"
@@ -167,3 +187,52 @@ def print_summary(run: dict[str, Any], folder: Path) -> None:
     if unavailable:
         console.print("unavailable: " + "; ".join(f"{k} ({v})" for k, v in unavailable.items()), style="dim")
     console.print(f"results: {folder}")
+
+
+def recompute(run: dict[str, Any], folder: Path) -> tuple[dict[str, Any], list[str]]:
+    """(the summary recomputed from the folder's requests and steps tables, the summary keys
+    where run.json's stored one differs). An imported run keeps its stored summary: its rates
+    use the source file's own duration, which the rows do not hold."""
+    from harness.fidelity import fidelity_summary
+    from harness.metrics import summarize
+    from harness.precision import transition_summary
+    from reports.runs import Run
+
+    stored = run["summary"]
+    if run.get("imported"):
+        return stored, []
+    r = Run(folder, run)
+    requests, steps = r.rows("requests"), r.rows("steps")
+    info = run["engine"]
+    try:
+        summary = summarize(requests, steps, stored["slo"], info.get("model_stats") or {},
+                            (run.get("environment") or {}).get("peaks") or {})
+        summary["memory"].update({k: info[k] for k in ("weight_bytes", "kv_cache_bytes", "kv_capacity_tokens")
+                                  if k in info})
+        if fidelity := fidelity_summary(requests):
+            summary["fidelity"] = fidelity
+        if (transitions := transition_summary(requests, steps, summary["duration_s"])) is not None:
+            summary["transitions"] = transitions
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise HarnessError(f"{folder}: cannot recompute the summary from requests.parquet and steps.parquet "
+                           f"({type(exc).__name__}: {exc}); the files are damaged, rerun the run") from None
+    summary = json.loads(json.dumps(summary, default=float))  # as run.json holds it (tuples as lists)
+    return summary, sorted(k for k in set(summary) | set(stored) if summary.get(k) != stored.get(k))
+
+
+def show_run(folder: Path, as_json: bool = False) -> None:
+    """`pwbench show`: the folder checked, its summary recomputed from its files and printed;
+    keys where run.json's stored summary differs are named on stderr."""
+    import typer
+
+    from reports.check import check_folder
+
+    run = check_folder(folder)
+    summary, differs = recompute(run, folder)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        print_summary({**run, "summary": summary}, folder)
+    if differs:
+        typer.echo(f"note: recomputed from the files; run.json's stored summary differs in {', '.join(differs)}",
+                   err=True)

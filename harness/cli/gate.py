@@ -1,5 +1,6 @@
 """`pwbench gate`: fail CI when a candidate regresses against a baseline (reports/gate.py).
-Exit 0 pass, 1 regression, 2 unusable input (one line)."""
+Exit 0 pass, 1 regression or an unfinished run, 2 unusable input (one line: a damaged file, or
+runs of different workloads, seeds or models without --allow-different)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def gate(
                                   typer.Option("--deterministic-only",
                                                help="With --update-baseline: leave timing out (a baseline other "
                                                     "machines can gate against).")] = False,
+    allow_different: Annotated[bool,
+                               typer.Option("--allow-different",
+                                            help="Gate runs of different workloads, seeds or models anyway (said "
+                                                 "on stderr); without it they are refused.")] = False,
 ) -> None:
     """Compare a candidate run with a baseline, metric by metric; exit 1 on a regression."""
     import json
@@ -48,6 +53,9 @@ def gate(
         raise HarnessError("--repeat must be >= 1")
     cand = g.load_side(candidate, "candidate")
     if update_baseline:
+        if cand.unfinished:
+            raise HarnessError(f"candidate {cand.unfinished[0]}: an unfinished run cannot be a baseline; "
+                               "rerun it to completion")
         if not baseline.endswith(".json"):
             raise HarnessError(f"--update-baseline writes JSON: --baseline must end in .json, got {baseline!r}")
         g.write_atomic(Path(baseline),
@@ -57,6 +65,14 @@ def gate(
                    f"{0 if deterministic_only else len(cand.timing)} timing metrics)")
         raise typer.Exit(0)
     base = g.load_side(baseline.split(","), "baseline")
+    if diff := g.differences(base.identity, cand.identity):
+        if not allow_different:
+            raise HarnessError(f"baseline and candidate are runs of different workloads, seeds or models: "
+                               f"{', '.join(diff)}; gate runs of one configuration, or pass --allow-different")
+        typer.echo(f"note: gating runs that differ (--allow-different): {', '.join(diff)}", err=True)
+    elif base.identity is None:
+        typer.echo(f"note: {base.source} records no workload, seed or model (an older baseline); not checked",
+                   err=True)
     verdicts = g.compare(base, cand, g.load_policy(policy, repeat))
     for v in verdicts:
         typer.echo(f"{v.status.upper():10s} {v.kind:13s} {v.metric:32s} {g.show(v.baseline)} -> "

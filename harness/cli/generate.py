@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from engines.base import EngineError
-from engines.common.demo import resolve_model
+from engines.common.demo import demo_model_path, resolve_model
 from harness.cli.apps import app
 from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 
@@ -17,7 +17,8 @@ from harness.cli.common import BUDGET_HELP, engine_for, user_errors
 @app.command()
 @user_errors
 def generate(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model folder, or a bundled one: demo, demo-fine.")],
+    model: Annotated[str | None, typer.Option("--model", "-m",
+                                              help="Model folder, or bundled: demo (default), demo-fine.")] = None,
     prompt_ids: Annotated[
         list[str] | None, typer.Option("--prompt-ids", help="A prompt as comma-separated token ids; repeatable.")
     ] = None,
@@ -43,7 +44,8 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Generate continuations of one or more prompts, all submitted together."""
-    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
+    # a bundled model's name (demo, demo-fine) -> its folder; none given: the demo model, as `run` and `serve`
+    model = resolve_model(model) or str(demo_model_path())
     from engines.registry import parse_set_options
     from harness.generate import GenerateArgs, parse_prompt_ids, run_generate
 
