@@ -1,13 +1,18 @@
 """`pwbench sweep`: a grid of engines x budgets x rates, one result folder per point inside the
 sweep folder, then the HTML report over all of them.
 
-Resumable: a point whose folder holds a complete run is skipped; an interrupted or failed one
-is run again. The grid comes from flags or a TOML file (SWEEP_KEYS); flags win.
+Resumable, for the same settings only: the folder's sweep.json records the grid and settings,
+and a rerun with others is refused (or, with force, goes to a new folder beside it). A point
+whose folder holds a complete, readable run of this grid is skipped; an interrupted, failed or
+unreadable one (reports/check.py) is run again. The grid comes from flags or a TOML file
+(SWEEP_KEYS); flags win.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -19,6 +24,7 @@ from harness.errors import HarnessError, read_toml
 from harness.run import RunArgs, execute
 from workloads.registry import WorkloadSpec
 
+SWEEP_SCHEMA = "pwbench-sweep/1"
 SWEEP_KEYS = {"workload": str, "engines": list, "budgets": list, "rates": list, "requests": int, "seed": int,
               "set": dict}
 
@@ -59,23 +65,103 @@ def load_grid(path: str | Path | None, **flags: Any) -> Grid:
                 requests=data.get("requests"), seed=int(data.get("seed", 0)), options=dict(data.get("set") or {}))
 
 
+def settings(grid: Grid, quality: bool) -> dict[str, Any]:
+    """What sweep.json records: everything that decides a point's result."""
+    return {"workload": grid.workload, "engines": list(grid.engines), "budgets": list(grid.budgets),
+            "rates": list(grid.rates), "requests": grid.requests, "seed": grid.seed,
+            "set": json.loads(json.dumps(grid.options, sort_keys=True, default=str)), "quality": quality}
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    return [f"{k} {new.get(k)!r} (was {old.get(k)!r})" for k in new if old.get(k) != new.get(k)]
+
+
+def _point_changes(run: dict[str, Any], grid: Grid, engine: str, options: dict[str, Any],
+                   rate: float | None) -> list[str]:
+    """How a point's recorded run differs from what this grid runs there (a folder without
+    sweep.json: a sweep from an older pwbench)."""
+    config = run.get("config") or {}
+    workload = config.get("workload") or {}
+    want = {"engine": engine, "workload": grid.workload, "seed": grid.seed,
+            "engine_options": json.loads(json.dumps(options, sort_keys=True, default=str)),
+            **({"requests": grid.requests} if grid.requests else {}), **({"rate": rate} if rate else {})}
+    have = {"engine": config.get("engine"), "engine_options": config.get("engine_options") or {},
+            **{k: workload.get("name" if k == "workload" else k) for k in ("workload", "seed", "requests", "rate")}}
+    return _changes(have, want)
+
+
+def _free_folder(folder: Path) -> Path:
+    n = 2
+    while (folder.parent / f"{folder.name}-{n}").exists():
+        n += 1
+    return folder.parent / f"{folder.name}-{n}"
+
+
+def open_sweep(grid: Grid, folder: Path, quality: bool, force: bool = False,
+               say: Callable[[str], None] = print) -> Path:
+    """The folder this sweep runs in, with its sweep.json: `folder`, or with `force` a new one
+    beside it when `folder` holds a sweep of other settings (said through `say`)."""
+    want = settings(grid, quality)
+    record = folder / "sweep.json"
+    changes: list[str] = []
+    if record.exists():
+        try:
+            old = json.loads(record.read_text())
+            if not isinstance(old, dict) or old.get("schema") != SWEEP_SCHEMA or not isinstance(old.get("settings"),
+                                                                                                  dict):
+                raise ValueError("not a pwbench sweep record")
+        except (ValueError, OSError, UnicodeDecodeError) as exc:
+            if not force:
+                raise HarnessError(f"{record}: unreadable ({exc}); pass --force to start a new sweep beside it, "
+                                   "or delete the folder") from None
+            changes = ["sweep.json unreadable"]
+        else:
+            changes = _changes(old["settings"], want)
+    elif folder.is_dir():
+        from reports.check import read_run_json  # noqa: PLC0415  (the readers' checks; no engine)
+
+        for name, engine, budget, rate in grid.points():
+            try:
+                run = read_run_json(folder / name)
+            except HarnessError:
+                continue  # absent or unreadable: run again below
+            options = {**grid.options, **({"budget_bytes": budget} if budget else {})}
+            if diff := _point_changes(run, grid, engine, options, rate):
+                changes = [f"point {name}: {', '.join(diff)}"]
+                break
+    if changes:
+        if not force:
+            raise HarnessError(f"{folder} holds a sweep of other settings: {'; '.join(changes)}; rerun with its "
+                               "settings to resume, or pass --force to start a new sweep beside it")
+        new = _free_folder(folder)
+        say(f"sweep: {folder} holds a sweep of other settings ({'; '.join(changes)}); starting a new sweep in {new}")
+        folder = new
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".sweep.json.partial-{os.getpid()}"
+    tmp.write_text(json.dumps({"schema": SWEEP_SCHEMA, "settings": want}, indent=1) + "\n")
+    tmp.replace(folder / "sweep.json")
+    return folder
+
+
 def run_sweep(grid: Grid, folder: Path, quality: bool = True,
               say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
-    """Run the missing points; returns (points run now, points skipped as already complete)."""
-    from harness.results import read_run  # noqa: PLC0415
+    """Run the missing points of the sweep in `folder` (opened by open_sweep); returns (points
+    run now, points skipped as already complete and readable)."""
+    from reports.check import check_folder, unfinished  # noqa: PLC0415
 
-    folder.mkdir(parents=True, exist_ok=True)
     ran, skipped = [], []
     for name, engine, budget, rate in grid.points():
         target = folder / name
-        if (target / "run.json").exists():
+        if target.exists():
             try:
-                if read_run(target)["status"] == "complete":
-                    skipped.append(name)
-                    continue
-            except HarnessError:
-                pass
-            shutil.rmtree(target)  # an interrupted or unreadable point of this sweep: run it again
+                why = unfinished(check_folder(target))
+            except HarnessError as exc:
+                why = str(exc)
+            if why is None:
+                skipped.append(name)
+                continue
+            say(f"sweep: {name}: {why}; running it again")
+            shutil.rmtree(target)
         given = {"seed": grid.seed, **({"requests": grid.requests} if grid.requests else {}),
                  **({"rate": rate} if rate else {})}
         spec = WorkloadSpec(grid.workload, **given)

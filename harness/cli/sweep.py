@@ -1,5 +1,5 @@
-"""`pwbench sweep`: engines x budgets x rates, one result folder per point, resumable, then the
-report (harness/sweep.py)."""
+"""`pwbench sweep`: engines x budgets x rates, one result folder per point, resumable with the
+same settings (sweep.json), then the report (harness/sweep.py)."""
 
 from __future__ import annotations
 
@@ -28,19 +28,28 @@ def sweep(
     requests: Annotated[int | None, typer.Option(help="Requests per point.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for every point.")] = None,
     quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement at each point.")] = True,
+    force: Annotated[bool,
+                     typer.Option("--force",
+                                  help="When --output holds a sweep of other settings, start a new sweep in "
+                                       "<output>-2 (-3, ...) instead of refusing.")] = False,
 ) -> None:
-    """Run a grid of points (skipping those already complete), then write the report."""
+    """Run a grid of points (skipping those already complete), then write the report. Rerun with the
+    same settings to resume; other settings are refused (see --force)."""
     from pathlib import Path
 
-    from harness.sweep import load_grid, run_sweep
+    from harness.sweep import load_grid, open_sweep, run_sweep
     from reports.html import write_report
     from reports.roi import Prices
     from reports.runs import load_runs
 
     grid = load_grid(config, workload=workload, engines=_list(engines), budgets=_list(budgets), rates=_list(rates),
                      requests=requests, seed=seed)
-    folder = Path(output)
-    ran, skipped = run_sweep(grid, folder, quality, say=lambda line: typer.echo(line, err=True))
+
+    def say(line: str) -> None:
+        typer.echo(line, err=True)
+
+    folder = open_sweep(grid, Path(output), quality, force, say)
+    ran, skipped = run_sweep(grid, folder, quality, say)
     typer.echo(f"sweep: {len(ran)} points run, {len(skipped)} already complete"
                + (f" ({', '.join(skipped)})" if skipped else ""))
     report = write_report(load_runs([folder]), Prices(), folder / "report.html")

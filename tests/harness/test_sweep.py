@@ -10,8 +10,12 @@ import subprocess
 import sys
 import time
 
+import pyarrow.parquet as pq
 import pytest
 from result_folders import pwbench
+from typer.testing import CliRunner
+
+from harness.cli import app
 
 GRID = """workload = "offline_batch"
 engines = ["dummy"]
@@ -52,3 +56,72 @@ def test_bad_sweep_file_is_one_line(tmp_path):
     (tmp_path / "g.toml").write_text('engine = ["moe"]\n')
     proc = pwbench("sweep", "--config", str(tmp_path / "g.toml"), "--output", str(tmp_path / "s"))
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "g.toml: unknown key 'engine'" in proc.stderr
+
+
+FAST_GRID = """workload = "offline_batch"
+engines = ["dummy"]
+requests = 4
+[set]
+decode_ms_per_token = 0.1
+"""
+
+
+def sweep(tmp_path, *args):
+    """The CLI in-process (typer's CliRunner): one dummy point of 4 offline requests."""
+    (tmp_path / "grid.toml").write_text(FAST_GRID)
+    return CliRunner().invoke(app, ["sweep", "--config", str(tmp_path / "grid.toml"), "--output",
+                                    str(tmp_path / "sweep"), "--no-quality", *map(str, args)])
+
+
+def one_line(result) -> str:
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exit_code, result.output)
+    lines = result.stderr.removesuffix("\n").split("\n")
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.stderr
+    return lines[0]
+
+
+def test_rerun_with_other_settings_is_refused_or_forced_elsewhere(tmp_path):
+    out = tmp_path / "sweep"
+    first = sweep(tmp_path)
+    assert first.exit_code == 0, first.output
+    assert "1 points run, 0 already complete" in first.stdout
+    recorded = json.loads((out / "sweep.json").read_text())
+    assert recorded["settings"]["workload"] == "offline_batch" and recorded["settings"]["requests"] == 4
+    started = json.loads((out / "dummy" / "run.json").read_text())["started_at_unix"]
+    for flags, says in ((["--workload", "rag_long"], "workload 'rag_long' (was 'offline_batch')"),
+                        (["--requests", "5"], "requests 5 (was 4)"), (["--seed", "1"], "seed 1 (was 0)")):
+        line = one_line(sweep(tmp_path, *flags))
+        assert f"{out} holds a sweep of other settings: {says}" in line and "--force" in line, line
+    again = sweep(tmp_path)
+    assert again.exit_code == 0 and "0 points run, 1 already complete (dummy)" in again.stdout
+    forced = sweep(tmp_path, "--seed", "1", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert f"starting a new sweep in {tmp_path / 'sweep-2'}" in forced.stderr
+    assert json.loads((tmp_path / "sweep-2" / "dummy" / "run.json").read_text())["config"]["workload"]["seed"] == 1
+    assert json.loads((out / "dummy" / "run.json").read_text())["started_at_unix"] == started  # untouched
+    assert f"report: {tmp_path / 'sweep-2' / 'report.html'}" in forced.stdout
+
+
+def test_a_point_with_unreadable_files_is_run_again(tmp_path):
+    out = tmp_path / "sweep"
+    assert sweep(tmp_path).exit_code == 0
+    (out / "dummy" / "steps.parquet").write_bytes(b"")
+    again = sweep(tmp_path)
+    assert again.exit_code == 0, again.output
+    assert "1 points run, 0 already complete" in again.stdout
+    assert f"sweep: dummy: {out / 'dummy' / 'steps.parquet'}: not a readable parquet file" in again.stderr
+    assert pq.ParquetFile(out / "dummy" / "steps.parquet").metadata.num_rows > 0
+    (out / "dummy" / "run.json").write_text('{"schema_version": 1, "status": 5}')
+    assert "1 points run" in sweep(tmp_path).stdout
+
+
+def test_a_sweep_folder_without_sweep_json_is_checked_point_by_point(tmp_path):
+    """A sweep written before sweep.json existed: its points' own run.json say what they ran."""
+    out = tmp_path / "sweep"
+    assert sweep(tmp_path).exit_code == 0
+    (out / "sweep.json").unlink()
+    line = one_line(sweep(tmp_path, "--seed", "3"))
+    assert "point dummy: seed 3 (was 0)" in line
+    again = sweep(tmp_path)
+    assert again.exit_code == 0 and "0 points run, 1 already complete" in again.stdout
+    assert (out / "sweep.json").exists()
