@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from workloads.arrivals import STREAM_SHAPES, rng
 from workloads.assemble import Shape
-from workloads.fitted import sample_quantiles
+from workloads.fitted import QUANTILES, sample_quantiles
 from workloads.synth import RequestSkeleton
 
 # System prompt + tool definitions sent on every call (Claude Code: ~19,000 tokens; hpfreilabs.com
@@ -57,6 +57,8 @@ def _sessions(spec, scale: float, window: int) -> Iterator[list[RequestSkeleton]
     """Session k: steps j = 0.. with prompt_j = system + sum of (append_i, output_i) for i < j +
     append_j, as chains of blocks (system, then per step its append and its answer) whose ids
     are kept, so the synthesized prompt of step j+1 begins with that of step j and its answer."""
+    import numpy as np
+
     g = rng(spec.seed, STREAM_SHAPES)
     ids = itertools.count(FIRST_SESSION_BLOCK)
     system = max(1, round(AGENT_SYSTEM_TOKENS * scale))
@@ -77,7 +79,7 @@ def _sessions(spec, scale: float, window: int) -> Iterator[list[RequestSkeleton]
                     chain[-1] = (chain[-1][0], max(1, window // 2 - system), chain[-1][2])
                 else:
                     break
-            think = float(sample_quantiles(g, AGENT_TOOL_S_Q, 1, 1.0, 0)[0]) if step else 0.0
+            think = float(np.interp(g.random(), QUANTILES, AGENT_TOOL_S_Q)) if step else 0.0  # sub-second
             session.append(RequestSkeleton(
                 index=-1, input_tokens=sum(n for _, n, _ in chain), output_tokens=output,
                 session_id=f"agentic-s{number}", turn=step, think_time_s=think,
@@ -91,7 +93,5 @@ def _sessions(spec, scale: float, window: int) -> Iterator[list[RequestSkeleton]
 
 def steps_mean() -> float:
     """Mean model calls per session of AGENT_STEPS_Q (linear between the quantiles)."""
-    from workloads.fitted import QUANTILES
-
     pairs = list(zip(QUANTILES, AGENT_STEPS_Q))
     return math.fsum((q1 - q0) * (v0 + v1) / 2 for (q0, v0), (q1, v1) in zip(pairs, pairs[1:]))

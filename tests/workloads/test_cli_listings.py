@@ -17,6 +17,7 @@ import yaml
 from harness.lmeval.tasks import DEMO_TASKS
 from workloads.demo.language import demo_language
 from workloads.traces.formats import list_formats
+from workloads.traces.generic import GENERIC_FORMATS
 
 REPO = Path(__file__).resolve().parents[2]
 README_FORMATS = {"mooncake", "ragpulse", "azure", "burstgpt", "lengths", "pwbench"}  # README "Trace formats"
@@ -36,9 +37,11 @@ def test_trace_formats_lists_every_registered_format():
     lines = proc.stdout.splitlines()
     registry = list_formats()
     assert {name for name, _ in registry} == README_FORMATS
-    assert [line.split()[0] for line in lines] == sorted(README_FORMATS)  # one line each, sorted
-    width = max(len(name) for name in README_FORMATS)
-    for line, (name, description) in zip(lines, registry):
+    # one line each: the fixed formats sorted, then your own layouts with --map
+    listed = [*registry, *((f"{name} --map", text) for name, text in GENERIC_FORMATS.items())]
+    assert [line.split()[0] for line in lines] == [*sorted(README_FORMATS), "jsonl", "csv"]
+    width = max(len(name) for name, _ in listed)
+    for line, (name, description) in zip(lines, listed, strict=True):
         assert line == f"{name.ljust(width)}  {description}", line
     assert proc.stderr == ""
 

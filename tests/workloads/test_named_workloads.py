@@ -14,9 +14,10 @@ import pytest
 
 from workloads.base import WorkloadError
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload, list_workloads, parse_length_range
+from workloads.reuse import repeated_prefix_tokens
 
 TARGET = ModelTarget(vocab_size=1000, max_model_len=10**6, special_ids=(0, 1, 2))
-NAMES = ["rag_long", "long_chat", "offline_batch", "burst"]
+NAMES = ["rag_long", "long_chat", "agentic", "offline_batch", "burst"]
 
 
 def build(name: str, target: ModelTarget = TARGET, **options):
@@ -30,7 +31,7 @@ def test_listing_and_base_import_nothing_heavy():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["5"]
+    assert proc.stdout.split() == ["6"]
     assert [name for name, _ in list_workloads()] == sorted(NAMES + ["trace:PATH"])
 
 
@@ -152,6 +153,9 @@ def test_max_model_len_clips_and_says_so():
         ({"name": "offline_batch", "input_range": (900, 100)}, "lo <= hi"),
         ({"name": "burst", "requests": 0}, "requests"),
         ({"name": "burst", "seed": -1}, "seed"),
+        ({"name": "agentic", "session_reuse": "infer"}, "trace:PATH"),
+        ({"name": "trace:x.jsonl", "session_reuse": "always"}, "infer, none"),
+        ({"name": "agentic", "turns": "sometimes"}, "dependent, independent"),
     ],
 )
 def test_bad_options_name_the_field(options, needle):
@@ -172,6 +176,7 @@ def test_workload_modules_keep_their_arrows():
     """No workloads module imports torch, engines, harness or reports (numpy only where used)."""
     modules = [
         "workloads.registry", "workloads.assemble", "workloads.synth", "workloads.arrivals", "workloads.shapes",
+        "workloads.agentic", "workloads.sessions",
         "workloads.fit", "workloads.bench",
         "workloads.traces.formats", "workloads.traces.stats",
         "workloads.traces.csv_formats", "workloads.traces.jsonl_formats",
@@ -181,3 +186,48 @@ def test_workload_modules_keep_their_arrows():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def test_agentic_calls_extend_the_previous_call_and_share_the_system_prompt():
+    from workloads.agentic import AGENT_SYSTEM_TOKENS
+
+    workload = build("agentic", requests=120, seed=3)
+    assert workload.arrival == "closed" and workload.concurrency == 4
+    sessions: dict[str, list] = {}
+    for r in workload.requests:
+        sessions.setdefault(r.session_id, []).append(r)
+    assert len(sessions) > 5
+    heads = set()
+    for turns in sessions.values():
+        heads.add(tuple(turns[0].prompt_ids[:AGENT_SYSTEM_TOKENS]))
+        for previous, turn in zip(turns, turns[1:]):
+            # the call = the previous call + its answer (max_new_tokens long) + the tool's output
+            held = previous.num_prompt_tokens + previous.max_new_tokens
+            assert turn.num_prompt_tokens > held
+            assert tuple(turn.prompt_ids[: previous.num_prompt_tokens]) == tuple(previous.prompt_ids)
+            assert turn.think_time_s >= 0.01
+    assert len(heads) == 1  # one system prompt + tool definitions for every session
+    repeated, total = repeated_prefix_tokens(workload.requests)
+    assert repeated / total > 0.9
+    outputs = [r.max_new_tokens for r in workload.requests]
+    assert np.median(outputs) < 300 and max(r.num_prompt_tokens for r in workload.requests) > 20_000
+
+
+def test_agentic_fits_a_short_context_and_says_so():
+    workload = build("agentic", ModelTarget(vocab_size=500, max_model_len=2048, special_ids=(2,)), requests=60)
+    assert all(r.num_prompt_tokens + r.max_new_tokens <= 2048 for r in workload.requests)
+    assert not any("clipped" in n for n in workload.notes)  # sessions end before the context fills
+    assert any("x0.03125 (max_model_len 2048 / 65,536-token agent context)" in n for n in workload.notes)
+    assert repeated_prefix_tokens(workload.requests)[0] / repeated_prefix_tokens(workload.requests)[1] > 0.5
+
+
+def test_agentic_on_the_bundled_model_reuses_most_of_its_prompts(tmp_path):
+    """pwbench run --workload agentic: the bundled demo model, the default engine for it (full),
+    tool times x0.01 to keep the test short."""
+    from harness.run import RunArgs, execute
+
+    spec = WorkloadSpec("agentic", requests=16, time_scale=0.01)
+    folder, run = execute(RunArgs(workload=spec, engine="full", output=str(tmp_path / "run"), warmup=0,
+                                  quality=False, telemetry_hz=1.0))
+    assert run["status"] == "complete" and run["summary"]["completed"] == 16
+    assert run["summary"]["engine"]["prefix_cache_hit_rate"] > 0.5
