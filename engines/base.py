@@ -8,7 +8,7 @@ import, so the harness and the reports can use them on a machine without torch.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,10 +49,15 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """One generation request. `ignore_eos` makes the output exactly `max_new_tokens` long."""
+    """One generation request. `ignore_eos` makes the output exactly `max_new_tokens` long.
+
+    `prompt_ids` is an immutable sequence of ints: a tuple, or what the harness sends, a
+    compact one that reads like the tuple (workloads/prompts.py: an int32 array, or tokens
+    synthesized when read, so thousands of queued requests hold no tokens). Engines read it
+    once when the request is added (`np.asarray(...)`, `list(...)`) and keep what they need."""
 
     request_id: str
-    prompt_ids: tuple[int, ...]
+    prompt_ids: Sequence[int]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
     ignore_eos: bool = False

@@ -16,6 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from engines.base import (
     Engine,
     EngineInfo,
@@ -44,11 +46,8 @@ class DummyConfig:
 @dataclass
 class _Running:
     request: EngineRequest
+    prompt_sum: int  # the only thing the tokens need from the prompt: read once, at add_request
     generated: int = 0
-    prompt_sum: int = 0
-
-    def __post_init__(self) -> None:
-        self.prompt_sum = sum(self.request.prompt_ids)  # once, not per token
 
 
 class DummyEngine(Engine):
@@ -58,7 +57,7 @@ class DummyEngine(Engine):
 
     def __init__(self, config: DummyConfig, sleep: Callable[[float], None] = time.sleep) -> None:
         self.config, self._sleep = config, sleep
-        self._waiting: deque[EngineRequest] = deque()
+        self._waiting: deque[tuple[EngineRequest, int]] = deque()  # (request, its prompt's sum)
         self._running: dict[str, _Running] = {}
         self._aborted: list[str] = []
         self._steps = 0
@@ -73,16 +72,19 @@ class DummyEngine(Engine):
     def add_request(self, request: EngineRequest) -> None:
         if request.return_logits or request.return_prompt_logits:
             raise InvalidRequestError(f"request {request.request_id}: engine dummy has no model and returns no logits")
-        bad = [t for t in request.prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
+        # The prompt is read once, here: queued requests keep only its sum (a harness prompt may
+        # be synthesized on each read, and thousands of rag_long prompts are ~100 MB as ints).
+        ids = np.asarray(request.prompt_ids, dtype=np.int64)
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
             raise InvalidRequestError(
-                f"request {request.request_id}: token id {bad[0]} is outside the vocabulary "
+                f"request {request.request_id}: token id {int(bad[0])} is outside the vocabulary "
                 f"[0, {self.config.vocab_size})"
             )
-        self._waiting.append(request)
+        self._waiting.append((request, int(ids.sum())))
 
     def abort(self, request_id: str) -> None:
-        waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        waiting = deque(w for w in self._waiting if w[0].request_id != request_id)
         known = len(waiting) < len(self._waiting) or request_id in self._running
         self._waiting = waiting
         self._running.pop(request_id, None)
@@ -109,8 +111,8 @@ class DummyEngine(Engine):
         prefill_tokens = 0
         started = []
         while self._waiting and len(self._running) < cfg.max_num_seqs:
-            request = self._waiting.popleft()
-            self._running[request.request_id] = _Running(request)
+            request, prompt_sum = self._waiting.popleft()
+            self._running[request.request_id] = _Running(request, prompt_sum)
             prefill_tokens += len(request.prompt_ids)
             started.append(request.request_id)
         delay_ms = cfg.base_ms + cfg.prefill_ms_per_token * prefill_tokens

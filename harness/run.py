@@ -404,11 +404,11 @@ def _fidelity_rows(args: RunArgs, model: str, info: EngineInfo, sent: list,
 
 
 def _quality(args: RunArgs, engine: Engine, model: str | None, info: EngineInfo) -> dict[str, Any] | None:
-    from harness.quality import measure_quality  # noqa: PLC0415
-
     cls = type(engine)
     if not args.quality or model is None or not cls.prompt_logits:
         return None
+    from harness.quality import measure_quality  # noqa: PLC0415  (imports torch: only when measured)
+
     if args.repeat is not None and args.repeat > 1:  # the same prompts on the same engine: once is enough
         return {"skipped": "teacher-forced quality is measured on repeat 1 of this row"}
     # The reference is `moe` in float32 on the CPU with default options: an engine that is

@@ -25,7 +25,7 @@ from typing import Any
 
 from harness.capacity import CapacitySettings, min_requests
 from harness.errors import HarnessError
-from harness.results import check_output, new_run_id
+from harness.results import check_output, estimate_bytes, new_run_id
 from harness.run import RunArgs, execute
 
 
@@ -91,13 +91,16 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
 
     model = args.model or str(demo_model_path())
     folder = Path(args.output) if args.output else Path(args.results_dir) / new_run_id(args.workload.name, "suite")
-    check_output(folder)
     spec = args.workload
     if is_demo:
         applied = {k: v for k, v in SUITE_DEMO_DEFAULTS.items() if k not in args.given}
         spec = replace(spec, **applied)
-        if applied:
-            say("suite: demo defaults " + ", ".join(f"{k}={v}" for k, v in applied.items()))
+    # Before any model loads (default_budget starts one): every row's run is written inside the
+    # suite folder, which is written in place (never renamed), so a mount point is fine here.
+    check_output(folder, len(SUITE) * (repeat or (DEMO_REPEATS if is_demo else 1)) * estimate_bytes(spec.requests),
+                 renamed=False)
+    if is_demo and applied:
+        say("suite: demo defaults " + ", ".join(f"{k}={v}" for k, v in applied.items()))
     from engines.common.sizes import parse_size  # noqa: PLC0415
 
     given = args.engine_options.get("budget_bytes")
