@@ -38,8 +38,8 @@ RUN_FIELDS: dict[str, str] = {
        for sub, kind in _NUM_DICT.items()},
     "summary.slo": "dict", "summary.slo.*": "num",
     "summary.engine": "dict", "summary.engine.*": "num?",
-    "summary.memory": "dict?", "summary.efficiency": "dict?", "summary.fidelity": "dict?",
-    "summary.transitions": "dict?", "summary.expert_precision": "dict?",
+    "summary.memory": "dict?", "summary.memory.*": "num?", "summary.efficiency": "dict?", "summary.fidelity": "dict?",
+    "summary.transitions": "dict?", "summary.expert_precision": "dict?", "summary.expert_precision.*": "num?",
     "summary.accuracy": "dict?", "summary.accuracy.*": "dict",
     "summary.accuracy.*.correct": "int", "summary.accuracy.*.total": "int", "summary.accuracy.*.accuracy": "num?",
 }
