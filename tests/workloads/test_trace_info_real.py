@@ -120,5 +120,6 @@ def test_convert_round_trips_through_pwbench_jsonl(real_trace, tmp_path):
     before, after = info_json(source), info_json(out)
     for key in ("path", "format"):
         before.pop(key), after.pop(key)
+    assert after.pop("provenance") == ["converted from 0_trace.jsonl (ragpulse)"] and before.pop("provenance") == []
     assert after == before
     assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temp file left behind
