@@ -9,33 +9,31 @@ from __future__ import annotations
 import sys
 
 from reports import roi, verdict
-from reports.runs import Run, left_out, unfinished_runs
+from reports.runs import LeftOut, Run, left_out
 
 
-def _mark(rows: list[dict], cells: list[list[str]], runs: list[Run]) -> None:
+def _mark(rows: list[dict], cells: list[list[str]], flagged: dict[str, LeftOut]) -> None:
     """Tag the first cell of each arm holding an unfinished run, so the table says it too."""
-    gone = unfinished_runs(runs)
     for row, cell in zip(rows, cells):
-        if row["run"].text in gone or any(f in gone for f in row["runs"].text.split(", ")):
+        if (out := flagged.get(row["run"].text)) and out.kind == "unfinished":
             cell[0] += " (unfinished)"
 
 
-def _left_out_lines(runs: list[Run], flagged: dict[str, str]) -> list[str]:
-    gone = unfinished_runs(runs)
-    return [f"{'unfinished' if k in gone else 'not comparable'}: {k}: {v}" for k, v in flagged.items()]
+def _left_out_lines(flagged: dict[str, LeftOut]) -> list[str]:
+    return [f"{v.kind}: {k}: {v.why}" for k, v in flagged.items()]
 
 
 def markdown(runs: list[Run], prices: roi.Prices) -> str:
     flagged = left_out(runs)
     rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows)
-    _mark(rows, cells, runs)
+    _mark(rows, cells, flagged)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     _, sentence = verdict.recommend(rows, prices, set(flagged))
     lines += [""] + [f"- {t}" for t in verdict.technique_sentences(rows, prices, set(flagged))]
     lines += ["", f"**Recommendation:** {sentence}", "", verdict.RULE]
-    lines += [f"- {line}" for line in _left_out_lines(runs, flagged)]
+    lines += [f"- {line}" for line in _left_out_lines(flagged)]
     return "\n".join(lines)
 
 
@@ -52,7 +50,7 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
     flagged = left_out(runs)
     rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows, roi.COMPACT if compact else None)
-    _mark(rows, cells, runs)
+    _mark(rows, cells, flagged)
     table = Table(*[Column(h, no_wrap=i == 0) for i, h in enumerate(header)])
     for row in cells:
         table.add_row(*(escape(c) for c in row))
@@ -61,5 +59,5 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
         console.print(t, markup=False)
     _, sentence = verdict.recommend(rows, prices, set(flagged))
     console.print(f"recommendation: {sentence}", markup=False)
-    for line in _left_out_lines(runs, flagged):
+    for line in _left_out_lines(flagged):
         console.print(line, markup=False, style="yellow")

@@ -23,7 +23,7 @@ from typing import Any
 
 from harness.metrics import request_times
 from reports import roi, stats, verdict
-from reports.runs import Arm, Run, arms, left_out, unfinished_runs
+from reports.runs import Arm, Run, arms, left_out
 
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -323,7 +323,6 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
 
     groups = arms(runs)
     flagged = left_out(runs)
-    gone = unfinished_runs(runs)
     rows = roi.executive(runs, prices, set(flagged))
     recommended, sentence = verdict.recommend(rows, prices, set(flagged))
     techniques = verdict.technique_sentences(rows, prices, set(flagged))
@@ -331,10 +330,8 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     keys = list(roi.PAGE)
     titles = [[row[k].source for k in keys] for row in rows]
     for cell_row, a in zip(cells, groups):
-        if a.label in gone or any(f in gone for f in a.folders):
-            cell_row[0] += " (unfinished)"
-        elif a.label in flagged or any(f in flagged for f in a.folders):
-            cell_row[0] += " (not comparable)"
+        if a.label in flagged:
+            cell_row[0] += f" ({flagged[a.label].kind})"
         elif a.label == recommended:
             cell_row[0] += " (recommended)"
     sources = "".join(f"<li><b>{E(h)}</b>: {E(rows[0][k].source.split(': ', 1)[-1])}</li>"
@@ -350,7 +347,7 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     if flagged:
         warn = ('<div class="warn" id="left-out"><b>Runs left out of the recommendation: unfinished, or not '
                 "comparable with the first complete run:</b><ul>"
-                + "".join(f"<li>{E(k)}: {E(v)}</li>" for k, v in flagged.items()) + "</ul></div>")
+                + "".join(f"<li>{E(k)} ({E(v.kind)}): {E(v.why)}</li>" for k, v in flagged.items()) + "</ul></div>")
     sentences = ("<ul id='techniques'>" + "".join(f"<li>{E(t)}</li>" for t in techniques) + "</ul>") if techniques \
         else ""
     repeats = max((row["runs"].value or 0 for row in rows), default=0)

@@ -77,20 +77,6 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
     return [Run(folder, check_folder(folder)) for folder in expand(paths)]
 
 
-def unfinished_runs(runs: list[Run]) -> dict[str, str]:
-    """label -> why, for each run that did not complete (interrupted, failed): shown, flagged,
-    never ranked or recommended."""
-    return {r.label: f"{reason}: not a whole run, left out of the recommendation"
-            for r in runs if (reason := unfinished(r.run))}
-
-
-def left_out(runs: list[Run]) -> dict[str, str]:
-    """Runs the recommendation leaves out, label -> why: unfinished, or not comparable with the
-    first complete run."""
-    complete = [r for r in runs if not unfinished(r.run)]
-    return {**unfinished_runs(runs), **incomparable(complete)}
-
-
 def comparability_key(run: dict[str, Any]) -> dict[str, Any]:
     """What must agree for two runs to be compared: workload (with seed), hardware, pwbench."""
     env = run.get("environment") or {}
@@ -99,13 +85,13 @@ def comparability_key(run: dict[str, Any]) -> dict[str, Any]:
             "pwbench": env.get("pwbench")}
 
 
-def incomparable(runs: list[Run]) -> dict[str, str]:
-    """label -> why it differs from the first run, for each run that differs. Budget and rate
-    may differ (a sweep varies them on purpose); nothing else in the key may."""
+def _incomparable_runs(runs: list[Run]) -> list[tuple[Run, str]]:
+    """(run, why it differs from the first run) for each run that differs. Budget and rate may
+    differ (a sweep varies them on purpose); nothing else in the key may."""
     if not runs:
-        return {}
+        return []
     base = comparability_key(runs[0].run)
-    out: dict[str, str] = {}
+    out: list[tuple[Run, str]] = []
     for r in runs[1:]:
         key = comparability_key(r.run)
         diffs = []
@@ -120,7 +106,33 @@ def incomparable(runs: list[Run]) -> dict[str, str]:
             elif a != b:
                 diffs.append(f"{part} {b!r} (vs {a!r})")
         if diffs:
-            out[r.label] = "; ".join(diffs)
+            out.append((r, "; ".join(diffs)))
+    return out
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    kind: str  # unfinished | not comparable
+    why: str
+
+
+def left_out(runs: list[Run]) -> dict[str, LeftOut]:
+    """Arms the recommendation leaves out, by arm label (unique, where folder names are not:
+    a suite's repeats are r1, r2, ... under every engine): an arm holding an unfinished run
+    (interrupted, failed: part of the workload measured), else one holding a run not comparable
+    with the first complete run."""
+    gone = {id(r): why for r in runs if (why := unfinished(r.run))}
+    differ = {id(r): why for r, why in _incomparable_runs([r for r in runs if id(r) not in gone])}
+    out: dict[str, LeftOut] = {}
+    for arm in arms(runs):
+        def named(r: Run, why: str, arm: Arm = arm) -> str:
+            return f"{r.folder.name} {why}" if len(arm.runs) > 1 else why
+
+        if parts := [named(r, gone[id(r)]) for r in arm.runs if id(r) in gone]:
+            out[arm.label] = LeftOut("unfinished", "; ".join(parts) + ": not a whole run, left out of the "
+                                                                     "recommendation")
+        elif parts := [named(r, differ[id(r)]) for r in arm.runs if id(r) in differ]:
+            out[arm.label] = LeftOut("not comparable", "; ".join(parts))
     return out
 
 

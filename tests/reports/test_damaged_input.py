@@ -219,3 +219,18 @@ def test_compare_and_report_flag_an_unfinished_run_and_never_recommend_it(clean,
     html = out.read_text()
     assert "stopped (unfinished)" in html and "status interrupted: not a whole run" in html
     assert "stopped" not in html[html.index('id="recommendation"'):].split("</div>")[0]
+
+
+def test_an_unfinished_repeat_leaves_out_its_own_arm_only(clean, tmp_path):
+    """Suite layout: every engine's repeats are r1, r2, ...; an interrupted slow/r1 leaves out
+    the slow arm, not every arm holding an r1."""
+    suite = tmp_path / "suite"
+    for row, source in (("fast", "fast"), ("slow", "slow"), ("fastest", "fastest")):
+        shutil.copytree(clean / source, suite / row / "r1")
+        edit_run(suite / row / "r1", lambda r, row=row: {**r, "config": {**r["config"], "row": row, "repeat": 1}})
+    edit_run(suite / "fastest" / "r1", lambda r: {**r, "status": "interrupted"})
+    result = cli("compare", suite, "--markdown")
+    assert result.exit_code == 0, result.output
+    assert "- unfinished: fastest: status interrupted: not a whole run" in result.stdout
+    recommendation = next(line for line in result.stdout.splitlines() if line.startswith("**Recommendation:**"))
+    assert recommendation.startswith("**Recommendation:** fast has the highest goodput"), recommendation
