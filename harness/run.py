@@ -122,16 +122,17 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
     the partial folder once it is final (harness/results.py: PartialRun), so what was measured
     survives a crash; a run ended by an exception keeps that folder when it holds a request and
     says where on stderr."""
-    cls = engine_class(args.engine)  # an unknown engine name fails before anything else
-    model = args.model
-    if model is None and cls.needs_model:
-        from engines.common.demo import demo_model_path  # noqa: PLC0415
-
-        model = str(demo_model_path())
     run_id = new_run_id(args.workload.name, args.engine)
     folder = Path(args.output) if args.output else Path(args.results_dir) / run_id
+    # First of all, even before the engine's module is imported (torch: seconds).
     stream = PartialRun.open(folder, estimate_bytes(args.workload.requests))
     try:
+        cls = engine_class(args.engine)  # an unknown engine name fails before anything loads
+        model = args.model
+        if model is None and cls.needs_model:
+            from engines.common.demo import demo_model_path  # noqa: PLC0415
+
+            model = str(demo_model_path())
         return _execute(args, model, stream, make_runner, on_step, on_start, say)
     except BaseException as exc:
         kept = stream.abandon(f"{type(exc).__name__}: {exc}")
