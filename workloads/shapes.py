@@ -307,9 +307,11 @@ def trace_shape(spec, target=None) -> Shape:
     groups = session_rows(trace.rows)
     clock = session_clock(groups)
     starts = None
-    if clock.relative:
+    if clock.relative and spec.arrival in (None, "trace"):
         starts, how = session_starts(groups, clock, spec.seed)
         notes.append(clock.note(how))
+    elif clock.relative:  # the arrival process starts the sessions; turns keep their gaps
+        notes.append(clock.note(f"--arrival {spec.arrival} starts the sessions, their turns keep the trace's gaps"))
     sessions = group_sessions(groups, trace.block_tokens, spec.scale, starts)
     with_ids = [s for s in sessions if s[0].session_id is not None]
     if with_ids and not any(r.blocks for r in trace.rows):

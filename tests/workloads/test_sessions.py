@@ -173,3 +173,12 @@ def test_replay_on_moe_hits_the_inferred_reuse(tmp_path):
     extending = 4
     bound = (reused - block * extending) / sum(prompts)
     assert run["summary"]["engine"]["prefix_cache_hit_rate"] >= bound
+
+
+def test_session_relative_under_an_arrival_process_says_the_process_places_them(tmp_path):
+    rows = session_rows(4, first=20, output=5, new=3, turns=2, gap_s=2, start_gap_s=7, relative=True)
+    workload = build(write(tmp_path / "r.jsonl", rows), arrival="poisson", rate=2.0)
+    (note,) = [n for n in workload.notes if n.startswith("session-relative arrival times")]
+    assert "--arrival poisson starts the sessions" in note
+    for turns in by_session(workload.requests).values():
+        assert turns[1].arrival_s - turns[0].arrival_s == pytest.approx(2.0)
