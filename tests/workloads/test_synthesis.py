@@ -88,7 +88,7 @@ def _build(name: str, seed: int, **options):
 
 @pytest.mark.parametrize(
     "name, options",
-    [("rag_long", {}), ("long_chat", {}), ("burst", {}), ("offline_batch", {"input_range": (16, 64)})],
+    [("rag_long", {}), ("long_chat", {}), ("agentic", {}), ("burst", {}), ("offline_batch", {"input_range": (16, 64)})],
 )
 def test_same_seed_gives_byte_identical_requests(name, options):
     a = _build(name, 7, requests=40, scale=0.25, **options)
