@@ -136,10 +136,14 @@ def open_sweep(grid: Grid, folder: Path, quality: bool, force: bool = False,
         new = _free_folder(folder)
         say(f"sweep: {folder} holds a sweep of other settings ({'; '.join(changes)}); starting a new sweep in {new}")
         folder = new
-    folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".sweep.json.partial-{os.getpid()}"
-    tmp.write_text(json.dumps({"schema": SWEEP_SCHEMA, "settings": want}, indent=1) + "\n")
-    tmp.replace(folder / "sweep.json")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"schema": SWEEP_SCHEMA, "settings": want}, indent=1) + "\n")
+        tmp.replace(folder / "sweep.json")
+    except OSError as exc:
+        raise HarnessError(f"{folder}: cannot write the sweep folder ({exc.strerror or type(exc).__name__}); "
+                           "choose another --output") from None
     return folder
 
 

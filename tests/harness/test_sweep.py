@@ -125,3 +125,8 @@ def test_a_sweep_folder_without_sweep_json_is_checked_point_by_point(tmp_path):
     again = sweep(tmp_path)
     assert again.exit_code == 0 and "0 points run, 1 already complete" in again.stdout
     assert (out / "sweep.json").exists()
+
+
+def test_an_output_that_is_a_file_is_one_line(tmp_path):
+    (tmp_path / "sweep").write_text("not a folder")
+    assert "cannot write the sweep folder" in one_line(sweep(tmp_path))
