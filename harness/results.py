@@ -98,6 +98,7 @@ class PartialRun:
     def __init__(self, target: Path, folder: Path) -> None:
         self.target, self.folder = target, folder
         self.requests = 0  # rows appended
+        self.write_error: str | None = None  # why appending failed (a full disk): nothing more is written
         self._requests = open(folder / REQUESTS_STREAM, "a", encoding="utf-8")
         self._steps = open(folder / STEPS_STREAM, "a", encoding="utf-8")
         self._closed = False
@@ -117,26 +118,52 @@ class PartialRun:
                                f"writable --output") from None
         return cls(target, folder)
 
-    def add_request(self, row: dict[str, Any]) -> None:
-        """One request's final row, on disk (flushed to the OS, so a SIGKILL keeps it) on return."""
-        self._steps.flush()  # the steps so far first: a row never outlives the steps it ran in
-        self._requests.write(json.dumps(row, separators=(",", ":"), default=_plain) + "\n")
-        self._requests.flush()
+    def add_request(self, row: dict[str, Any]) -> bool:
+        """One request's final row, on disk (flushed to the OS, so a SIGKILL keeps it) on return.
+        False when it could not be written (`write_error` says why; the caller stops the run)."""
+        if self.write_error is not None:
+            return False
+        try:
+            self._steps.flush()  # the steps so far first: a row never outlives the steps it ran in
+            self._requests.write(json.dumps(row, separators=(",", ":"), default=_plain) + "\n")
+            self._requests.flush()
+        except OSError as exc:
+            self.write_error = f"{exc.strerror or exc}"
+            return False
         self.requests += 1
+        return True
 
-    def add_steps(self, steps: list[dict[str, Any]]) -> None:
-        """Step rows, buffered (flushed with the next request row)."""
-        for step in steps:
-            self._steps.write(json.dumps(step, separators=(",", ":"), default=_plain) + "\n")
+    def add_steps(self, steps: list[dict[str, Any]]) -> bool:
+        """Step rows, buffered (flushed with the next request row); False as add_request."""
+        if self.write_error is not None:
+            return False
+        try:
+            for step in steps:
+                self._steps.write(json.dumps(step, separators=(",", ":"), default=_plain) + "\n")
+        except OSError as exc:
+            self.write_error = f"{exc.strerror or exc}"
+            return False
+        return True
+
+    def check_written(self) -> None:
+        """Raise (one line, saying where the rows are) when appending failed during the run."""
+        if self.write_error is not None:
+            raise HarnessError(f"could not append to {self.folder / REQUESTS_STREAM} ({self.write_error}), so the "
+                               f"run stopped; the {self.requests} requests measured before are kept there "
+                               f"(partial.json: incomplete)")
 
     def _close_streams(self) -> None:
-        self._requests.close()
-        self._steps.close()
+        for stream in (self._requests, self._steps):
+            try:
+                stream.close()
+            except OSError:
+                pass  # a full disk: what reached it is kept; a line cut short is skipped on reading
 
     def requests_table(self):
         """The streamed request rows as a pyarrow Table (column types inferred, rows in the
         order they became final)."""
-        self._requests.flush()
+        if self.write_error is None:
+            self._requests.flush()
         return read_stream(self.folder / REQUESTS_STREAM)
 
     def finish(self, run: dict[str, Any], requests, steps: list[dict], telemetry: list[dict],

@@ -136,7 +136,7 @@ def execute(args: RunArgs, make_runner: Callable[[Runner], None] = lambda r: Non
         return _execute(args, model, stream, make_runner, on_step, on_start, say)
     except BaseException as exc:
         kept = stream.abandon(f"{type(exc).__name__}: {exc}")
-        if kept is not None:
+        if kept is not None and str(kept) not in str(exc):  # said once, by the error itself or here
             print(f"run: stopped by {type(exc).__name__}; the {stream.requests} measured requests are kept in "
                   f"{kept / REQUESTS_STREAM} (incomplete)", file=sys.stderr)
         raise
@@ -160,15 +160,20 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
 
         def stepped(records: RunRecords) -> None:
             nonlocal written
-            stream.add_steps(records.steps[written:])
+            if not stream.add_steps(records.steps[written:]):
+                runner.stop()  # a full disk: nothing more measured could be kept
             written = len(records.steps)
             if on_step is not None:
                 on_step(records)
 
+        def record(rec: RequestRecord) -> None:
+            if not stream.add_request(make_row(rec)):
+                runner.stop()
+
         # Final records go to disk and are dropped: memory stays bounded however long the run.
         runner = Runner(engine, workload.requests, workload.closed_loop, workload.concurrency,
-                        RunLimits(spec.requests, spec.duration_s), on_step=stepped,
-                        on_record=lambda record: stream.add_request(make_row(record)), keep_records=False)
+                        RunLimits(spec.requests, spec.duration_s), on_step=stepped, on_record=record,
+                        keep_records=False)
         make_runner(runner)
         runner.warmup(warmup_requests(args, info, demo))
         sampler = TelemetrySampler(runner.now, args.telemetry_hz)
@@ -183,6 +188,7 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         finally:
             sampler.stop()
         stream.add_steps(records.steps[written:])
+        stream.check_written()
         tables = dict(engine.tables())
         notes = list(engine.notes())
         table = _join_request_bits(stream.requests_table(), tables.get("request_bits"))

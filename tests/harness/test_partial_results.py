@@ -165,3 +165,34 @@ def test_sigkill_mid_run_leaves_every_finished_request_marked_incomplete(tmp_pat
     show = subprocess.run([sys.executable, "-m", "harness.cli", "show", str(folder)], capture_output=True, text=True,
                           timeout=60, env=env)
     assert show.returncode == 2 and len(show.stderr.splitlines()) == 1 and "is an incomplete run" in show.stderr
+
+
+def test_a_full_disk_mid_run_stops_the_run_and_keeps_what_was_written(tmp_path):
+    """After step 10 the stream's file descriptor is pointed at /dev/full (writes fail with
+    ENOSPC, as on a full disk): the next request's row cannot be written, the run stops, and
+    the error (one line) says that the 10 // TOKENS requests measured before are kept."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    out = tmp_path / "run"
+    seen = []
+
+    def fill_disk(records) -> None:
+        seen.append(1)
+        if len(seen) == 10:
+            folder = partial_folder(out)
+            [fd] = [int(f.name) for f in Path("/proc/self/fd").iterdir()
+                    if os.path.realpath(f) == str(folder / REQUESTS_STREAM)]
+            full = os.open("/dev/full", os.O_WRONLY)
+            os.dup2(full, fd)
+            os.close(full)
+
+    with pytest.raises(HarnessError) as caught:
+        execute(args_for(out, requests=40), on_step=fill_disk)
+    folder = partial_folder(out)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"could not append to {folder / REQUESTS_STREAM} (No space left on device)" in message
+    assert f"the {10 // TOKENS} requests measured before are kept there" in message
+    marker, rows = read_partial(folder)
+    assert marker["status"] == "incomplete" and "No space left on device" in marker["error"]
+    assert_prefix_of_finished(rows, 10 // TOKENS) and not out.exists()
