@@ -31,8 +31,8 @@ def _faulty_engine() -> type:
     from engines.moe import MoEEngine
 
     class FaultyEngine(MoEEngine):
-        """Engine moe whose third step with a FAULT_MARK request in flight raises (after two
-        tokens streamed). Test only: never registered outside a test's server process."""
+        """Engine moe whose second step with a FAULT_MARK request in flight raises (after its
+        first token). Test only: never registered outside a test's server process."""
 
         name = "faulty-moe"
 
@@ -43,14 +43,18 @@ def _faulty_engine() -> type:
         def add_request(self, request) -> None:
             super().add_request(request)
             if tuple(request.prompt_ids[:len(FAULT_MARK)]) == FAULT_MARK:
-                self._countdown[request.request_id] = 3
+                self._countdown[request.request_id] = 2
 
         def step(self):
             for rid in self._countdown:
                 self._countdown[rid] -= 1
                 if self._countdown[rid] == 0:
                     raise RuntimeError(f"injected test fault (request {rid})")
-            return super().step()
+            out = super().step()
+            for o in out.outputs:
+                if o.finished:
+                    self._countdown.pop(o.request_id, None)
+            return out
 
     return FaultyEngine
 
@@ -128,14 +132,15 @@ class Server:
         return out
 
     def post(self, path: str, body: bytes | dict, headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
+        """(status, JSON body, headers with lower-case names)."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json", **self.headers(), **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read()), dict(r.headers)
+                return r.status, json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read()), dict(e.headers)
+            return e.code, json.loads(e.read()), {k.lower(): v for k, v in e.headers.items()}
 
     def output(self) -> str:
         self.log.flush()

@@ -123,7 +123,7 @@ class _Server:
                            kind="server_error", headers={"Connection": "close"})
         assert self.worker is not None
         if self.worker.status != OK:
-            raise ApiError(503, self.worker._unavailable(), kind="server_error")
+            raise ApiError(503, self.worker.unavailable_reason(), kind="server_error")
 
     async def health(self, request: Request) -> Response:
         worker = self.worker

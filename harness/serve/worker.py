@@ -90,7 +90,7 @@ class EngineWorker:
         queue: asyncio.Queue = asyncio.Queue()
         with self._cv:
             if self.status != OK:
-                raise Unavailable(self._unavailable())
+                raise Unavailable(self.unavailable_reason())
             if len(self._live) >= self.max_queue:
                 raise QueueFull(f"the server holds {len(self._live)} requests (--max-queue {self.max_queue})")
             self._live.add(request.request_id)
@@ -99,7 +99,7 @@ class EngineWorker:
             self._cv.notify()
         return queue
 
-    def _unavailable(self) -> str:
+    def unavailable_reason(self) -> str:
         status = self.status
         if status == RESTARTING:
             return f"the engine is restarting after a failure ({self.last_error}); retry shortly"
@@ -135,9 +135,9 @@ class EngineWorker:
             while self._cycle():
                 pass
         except BaseException as exc:  # noqa: BLE001  (a bug in the worker itself: health must not say ok)
-            self.last_error = f"the engine thread died: {type(exc).__name__}: {exc}"
-            self.state = FAILED
             traceback.print_exc(file=sys.stderr)
+            self.last_error = f"the engine thread died: {type(exc).__name__}: {exc}"
+            self._call_loop(self._deliver, self._fail_live(FAILED))
             if self.on_fatal is not None:
                 self._call_loop(self.on_fatal)
 
@@ -169,13 +169,7 @@ class EngineWorker:
     def _fail_and_restart(self, exc: Exception, events: list[tuple[str, Any]]) -> bool:
         self.last_error = f"the engine failed: {type(exc).__name__}: {exc}"
         fatal = self.restarts >= self.max_restarts
-        with self._cv:
-            self.state = FAILED if fatal else RESTARTING
-            failed = sorted(self._live)
-            events += [(rid, Failed(self.last_error, 500)) for rid in failed]
-            self._live.clear()
-            self._inbox.clear()  # their requests are failed above; aborts have nothing left to abort
-        self._call_loop(self._deliver, events)
+        self._call_loop(self._deliver, events + self._fail_live(FAILED if fatal else RESTARTING))
         if self.on_failure is not None:
             self._call_loop(self.on_failure, not fatal)  # True: a restart follows
         if fatal:
@@ -207,6 +201,15 @@ class EngineWorker:
             return False
         self.state = OK
         return True
+
+    def _fail_live(self, state: str) -> list[tuple[str, Failed]]:
+        """Enter `state` and fail every request held (500), those still in the inbox too."""
+        with self._cv:
+            self.state = state
+            failed = [(rid, Failed(self.last_error or "the engine failed", 500)) for rid in sorted(self._live)]
+            self._live.clear()
+            self._inbox.clear()  # their requests are failed here; aborts have nothing left to abort
+        return failed
 
     def _add(self, request: EngineRequest) -> Admitted | Failed:
         try:

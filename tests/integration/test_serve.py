@@ -1,6 +1,10 @@
 """`pwbench serve` on loopback with the bundled model, checked by real clients: the official
 `openai` client, engine `openai` through `pwbench run`, raw HTTP for the faults, and 200
-concurrent streams for the load. The oracle for tokens is the in-process `moe` engine.
+concurrent streams for the load. Hostile clients too: sampling values that used to kill the
+engine, NaN and inf in every numeric field, lone surrogates, deep JSON, oversize bodies (413
+while the body is still being sent, other clients served meanwhile), the API key on every
+route, rejection counters. The oracle for tokens is the in-process `moe` engine. Restarts,
+SIGTERM and keep-alive: test_serve_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def server():
     yield s
     s.stop()
     assert KEY not in s.output()  # the key is never logged
+    assert "Traceback" not in s.output() and s.proc.returncode == 0, s.output()
 
 
 @pytest.fixture(scope="module")
@@ -233,12 +238,15 @@ async def _load(server: Server, n: int) -> list[tuple[str, int]]:
 
 def test_200_concurrent_streams_against_max_queue_64(server):
     asyncio.run(_load(server, 64))  # warm: the idle level is measured after one full queue
-    idle = _wait_idle(server)["process_resident_memory_bytes"]
+    idle = _wait_idle(server)
     results = asyncio.run(_load(server, 200))
     outcomes = [r[0] for r in results]
     assert set(outcomes) <= {"ok", "429"}, outcomes
     assert 64 <= outcomes.count("ok") and outcomes.count("429") > 0
     m = _wait_idle(server)
+    rejected = 'pwbench_rejected_requests_total{status="429"}'
+    assert m[rejected] == idle.get(rejected, 0.0) + outcomes.count("429")  # every 429 counted once
+    idle = idle["process_resident_memory_bytes"]
     assert m["pwbench_queue_length"] == 0 and m["pwbench_running_requests"] == 0
     assert m["pwbench_kv_blocks_in_use"] == 0  # no leaked KV block
     assert m["process_resident_memory_bytes"] < idle + 64 * 2**20
@@ -259,17 +267,141 @@ def test_serve_bad_options_are_one_line_errors():
             assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_an_engine_crash_fails_its_requests_and_health_says_so():
-    s = Server("--engine", "dummy", "--set", "fail_after_steps=3", "--set", "vocab_size=100")
-    try:
-        body = {"prompt": [1, 2, 3], "max_tokens": 10, "temperature": 0, "return_token_ids": True}
-        code, err, _ = s.post("/v1/completions", body)
-        assert code == 500 and "injected failure in step 4" in err["error"]["message"]
-        code, err, _ = s.post("/v1/completions", body)
-        assert code == 503 and "the engine failed" in err["error"]["message"]
-        with pytest.raises(Exception, match="503"):
-            import urllib.request
+# -- hostile clients: poison values, malformed and oversize bodies, the key on every route ------
+IDS = [5, 17, 42, 9]
+NAN, INF = float("nan"), float("inf")
 
-            urllib.request.urlopen(s.url + "/health", timeout=10)
-    finally:
-        s.stop()
+
+GOOD = {"prompt": IDS, "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+
+# (body, status, param): 200 means the answer must be the greedy tokens (the limit of the value).
+POISON = [
+    ({"temperature": 1e-300, "seed": 1}, 200, None),  # rounds to 0 in float32: greedy
+    ({"temperature": 1e-45, "seed": 1}, 200, None),  # a float32 subnormal: greedy
+    ({"temperature": 1.0, "top_p": 1e-300, "seed": 1}, 200, None),  # keeps only the top token
+    ({"temperature": 2.0, "top_p": 1e-45}, 200, None),
+    ({"temperature": 1.0, "top_k": 1, "seed": 2**64 - 1}, 200, None),  # the largest seed is fine
+    ({"temperature": 1.0, "seed": 2**64}, 400, "seed"),
+    ({"temperature": 1.0, "seed": -1}, 400, "seed"),
+    *[({field: value}, 400, field) for field in ("temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens")
+      for value in (NAN, INF, -INF)],
+    ({"n": NAN}, 400, "n"),
+    ({"best_of": INF}, 400, "best_of"),
+    ({"prompt": [5, NAN]}, 400, "prompt"),
+    ({"prompt": "caf\ud800e"}, 400, "prompt"),
+]
+
+
+def test_poison_values_get_400_or_the_right_answer_and_the_next_request_200(server, reference):
+    greedy = reference(IDS, 6)
+    for extra, status, param in POISON:
+        code, body, _ = server.post("/v1/completions", {**GOOD, **extra})
+        assert code == status, (extra, body)
+        if status == 200:
+            assert body["choices"][0]["token_ids"] == greedy, extra
+        else:
+            assert body["error"]["param"] == param, (extra, body)
+        code, body, _ = server.post("/v1/completions", GOOD)
+        assert code == 200 and body["choices"][0]["token_ids"] == greedy, extra
+    assert server.health()[0] == 200
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    (b'{"prompt": "hi", "temperature": 1e999}', "finite"),  # parses as inf
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),  # over Python's int digits
+    (json.dumps({"messages": [{"role": "user", "content": "\ud800"}]}).encode(), "unpaired surrogate"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}).encode(), "messages[0]"),
+])
+def test_malformed_bodies_get_400(server, reference, raw, fragment):
+    greedy = reference(IDS, 6)
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    code, body, _ = server.post(path, raw)
+    assert code == 400 and fragment in body["error"]["message"], body
+    code, body, _ = server.post("/v1/completions", GOOD)
+    assert code == 200 and body["choices"][0]["token_ids"] == greedy
+
+
+def _head(length: int | None) -> bytes:
+    size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\n{size}\r\n\r\n").encode()
+
+
+def _status(sock: socket.socket) -> int:
+    got = b""
+    while b"\r\n\r\n" not in got:
+        part = sock.recv(65536)
+        assert part, f"connection closed before a response: {got!r}"
+        got += part
+    return int(got.split(b" ", 2)[1])
+
+
+def test_a_10mb_body_gets_413_before_it_is_sent_and_others_are_served(server, reference):
+    greedy = reference(IDS, 6)
+    before = server.metrics().get('pwbench_rejected_requests_total{status="413"}', 0.0)
+    total, piece = 10 * 2**20, b'{"prompt": "' + b"a" * 2**20
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as big:
+        big.sendall(_head(total) + piece)
+        assert _status(big) == 413  # from Content-Length: 9 MB of the body not even sent yet
+        # Another client is answered while this one still holds its connection and body.
+        code, body, _ = server.post("/v1/completions", GOOD)
+        assert code == 200 and body["choices"][0]["token_ids"] == greedy
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as chunked:
+        chunked.sendall(_head(None))
+        data = b"a" * 65536
+        for _ in range(3 * 16):  # 3 MiB in chunks, never terminated: the limit is hit while reading
+            chunked.sendall(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        assert _status(chunked) == 413
+    code, body, _ = server.post("/v1/completions", GOOD)
+    assert code == 200 and body["choices"][0]["token_ids"] == greedy
+    assert server.metrics()['pwbench_rejected_requests_total{status="413"}'] == before + 2
+
+
+def test_a_body_under_the_limit_is_served(server):
+    # ~1.2 MB of JSON (parsed off the event loop): a long id prompt is refused for its length,
+    # which proves it was read and parsed whole, not cut at a buffer size.
+    code, body, _ = server.post("/v1/completions", {**GOOD, "prompt": [5] * 300_000})
+    assert code == 400 and "context is 2048 tokens" in body["error"]["message"]
+
+
+ROUTES = [("POST", "/v1/completions", 200), ("POST", "/v1/chat/completions", 200), ("GET", "/v1/models", 200),
+          ("GET", "/metrics", 200), ("GET", "/no/such/route", 404), ("DELETE", "/v1/models", 405)]
+
+
+def _call(server: Server, method: str, path: str, auth: str | None) -> int:
+    body = (json.dumps({"prompt": IDS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+            if method == "POST" else b"")
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n"
+    if auth is not None:
+        head += f"Authorization: {auth}\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head.encode() + b"\r\n" + body)
+        return _status(sock)
+
+
+@pytest.mark.parametrize("method, path, with_key", ROUTES, ids=[f"{m} {p}" for m, p, _ in ROUTES])
+def test_every_route_but_health_needs_the_key(server, method, path, with_key):
+    for auth in (None, "", "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x"):
+        assert _call(server, method, path, auth) == 401, auth
+    assert _call(server, method, path, f"Bearer {KEY}") == with_key
+
+
+def test_health_needs_no_key(server):
+    assert _call(server, "GET", "/health", None) == 200
+
+
+def test_metrics_count_rejections_by_status(server):
+    def counts() -> dict[str, float]:
+        m = server.metrics()
+        return {s: m.get(f'pwbench_rejected_requests_total{{status="{s}"}}', 0.0) for s in ("400", "401", "404")} | {
+            "failed": m["pwbench_failed_requests_total"], "up": m["pwbench_engine_up"]}
+
+    before = counts()
+    server.post("/v1/completions", {**GOOD, "temperature": NAN})
+    server.post("/v1/completions", {**GOOD, "top_p": 2})
+    server.post("/v1/completions", GOOD, {"Authorization": "Bearer nope"})
+    server.post("/v1/completions", {**GOOD, "model": "gpt-9"})
+    after = counts()
+    assert after == {**before, "400": before["400"] + 2, "401": before["401"] + 1, "404": before["404"] + 1}
+    assert after["up"] == 1 and after["failed"] == 0
