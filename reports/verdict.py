@@ -98,7 +98,7 @@ def _qualifies(row: dict[str, Value], ref: dict[str, Value] | None) -> bool:
 
 def recommend(rows: list[dict[str, Value]], prices: Prices, excluded: set[str] = frozenset()) -> tuple[str | None, str]:
     """(arm label recommended or None, one plain-language sentence), by RULE. `excluded`:
-    arm labels or run folder names left out (runs that cannot be compared)."""
+    arm labels (reports.runs.left_out: unfinished or not comparable) or run folder names left out."""
     def label(row):
         return row["run"].text
 
