@@ -6,7 +6,6 @@ and owns the progress display and Ctrl-C. Both are imported when the command run
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
 import typer
@@ -146,14 +145,9 @@ def show(
     run_dir: Annotated[str, typer.Argument(help="A result folder written by `pwbench run`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
 ) -> None:
-    """Print a run's summary again, from its files."""
+    """Print a run's summary, recomputed from its files (checked first)."""
     from pathlib import Path
 
-    from harness.results import read_run
-    from reports.summary_table import print_summary
+    from reports.summary_table import show_run
 
-    run_json = read_run(Path(run_dir))
-    if as_json:
-        typer.echo(json.dumps(run_json["summary"]))
-    else:
-        print_summary(run_json, Path(run_dir))
+    show_run(Path(run_dir), as_json)

@@ -97,21 +97,9 @@ def one_error_line(result) -> str:
     return lines[0]
 
 
-def _show_checks_files() -> bool:
-    """Whether `pwbench show` (harness/cli/run.py, not this area's file) calls show_run yet."""
-    import inspect
-
-    from harness.cli import run
-
-    return "show_run" in inspect.getsource(run.show)
-
-
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_file_is_one_line_naming_it(clean, tmp_path, damage, command, request):
-    if command == "show" and not _show_checks_files():
-        request.applymarker(pytest.mark.xfail(strict=True, reason="harness/cli/run.py show does not call "
-                                              "reports.summary_table.show_run yet (docs/reports.md)"))
+def test_damaged_file_is_one_line_naming_it(clean, tmp_path, damage, command):
     make, file, says = DAMAGE[damage]
     folder = copy(clean, tmp_path)
     make(folder)
