@@ -196,3 +196,20 @@ def test_a_full_disk_mid_run_stops_the_run_and_keeps_what_was_written(tmp_path):
     marker, rows = read_partial(folder)
     assert marker["status"] == "incomplete" and "No space left on device" in marker["error"]
     assert_prefix_of_finished(rows, 10 // TOKENS) and not out.exists()
+
+
+def test_a_stream_reads_back_as_written_across_batches(tmp_path, monkeypatch):
+    """Batches of 2 rows: a column null in the first batch and text in the next, whole numbers
+    then fractions, empty lists then floats, and a last line cut short by a kill (left out)."""
+    import json
+
+    from harness import results
+
+    monkeypatch.setattr(results, "STREAM_BATCH", 2)
+    rows = [{"request_id": "a", "error": None, "arrival_s": 0, "token_times_s": []},
+            {"request_id": "b", "error": None, "arrival_s": 1, "token_times_s": []},
+            {"request_id": "c", "error": "interrupted", "arrival_s": 1.5, "token_times_s": [0.25, 0.5]},
+            {"request_id": "d", "error": None, "arrival_s": 2, "token_times_s": [1e-9]}]
+    path = tmp_path / "requests.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"request_id": "e", "err')
+    assert results.read_stream(path).to_pylist() == rows
