@@ -134,11 +134,28 @@ def point_attainment(records: RunRecords, total: int, slo: Mapping[str, float]) 
     one the engine rejected at admission (it can never serve it at any rate, e.g. a prompt
     beyond the KV its budget leaves) is not a rate effect: it is left out here and reported as
     `rejected` (the served share shows it)."""
-    done = [r for r in records.requests if r.error is None and r.finish_s is not None]
-    rejected = sum(r.rejected for r in records.requests)
-    good = sum(meets_slo(request_times({**vars(r), "output_tokens": r.output_tokens}), slo) for r in done)
-    judged = total - rejected
-    return len(done), good / judged if judged > 0 else 0.0, rejected
+    tally = _Tally(slo)
+    for r in records.requests:
+        tally.add(r)
+    return tally.result(total)
+
+
+class _Tally:
+    """A point's counts, request by request: what point_attainment needs, so a point's records
+    can be dropped as they become final (Runner keep_records=False)."""
+
+    def __init__(self, slo: Mapping[str, float]) -> None:
+        self.slo, self.done, self.good, self.rejected = slo, 0, 0, 0
+
+    def add(self, r) -> None:
+        self.rejected += r.rejected
+        if r.error is None and r.finish_s is not None:
+            self.done += 1
+            self.good += meets_slo(request_times({**vars(r), "output_tokens": r.output_tokens}), self.slo)
+
+    def result(self, total: int) -> tuple[int, float, int]:
+        judged = total - self.rejected
+        return self.done, self.good / judged if judged > 0 else 0.0, self.rejected
 
 
 def criterion(attainment: float, slo: Mapping[str, float], requests: int) -> str:
@@ -152,10 +169,12 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
                   settings: CapacitySettings = CapacitySettings(), closed_loop: bool = False,
                   clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
                   on_point: Callable[[CapacityPoint], None] | None = None,
-                  on_runner: Callable[[Runner], None] | None = None) -> Capacity:
+                  on_runner: Callable[[Runner], None] | None = None, keep_records: bool = True) -> Capacity:
     """Search the highest rate at which `requests` (an open-loop workload) meet `slo` on the
     started, warmed-up `engine`. `on_point` sees each point when it is measured; `on_runner`
-    each point's Runner before it runs (to stop it on Ctrl-C, which ends the search)."""
+    each point's Runner before it runs (to stop it on Ctrl-C, which ends the search). With
+    `keep_records=False` each request is judged as it finishes and its record dropped (a point
+    of 20k requests holds none); `records` then carry only the steps."""
     settings.check()
     if closed_loop:
         raise HarnessError("capacity search needs an open-loop workload (--rate or a trace); a closed loop sets "
@@ -170,7 +189,9 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
 
     def measure(rate: float) -> CapacityPoint | None:
         engine.reset_prefix_cache()
-        runner = Runner(engine, retime(requests, rate, settings.seed), clock=clock, sleep=sleep)
+        tally = _Tally(slo)
+        runner = Runner(engine, retime(requests, rate, settings.seed), clock=clock, sleep=sleep,
+                        on_record=None if keep_records else tally.add, keep_records=keep_records)
         if on_runner is not None:
             on_runner(runner)
         start = clock()
@@ -179,7 +200,8 @@ def find_capacity(engine: Engine, requests: Sequence[Request], slo: Mapping[str,
         runs.append(records)
         if records.status != "complete":
             return None
-        completed, share, rejected = point_attainment(records, len(requests), slo)
+        completed, share, rejected = (point_attainment(records, len(requests), slo) if keep_records
+                                      else tally.result(len(requests)))
         point = CapacityPoint(rate, len(requests), completed, share, share >= settings.attainment and rejected
                               < len(requests), duration, rejected)
         points.append(point)

@@ -315,7 +315,7 @@ def _capacity(args: RunArgs, engine: Engine, info: EngineInfo, demo: bool, workl
             f"({p.duration_s:.1f} s)")
 
     found = find_capacity(engine, requests, args.slo, settings, closed_loop=workload.closed_loop,
-                          on_point=point, on_runner=make_runner)
+                          on_point=point, on_runner=make_runner, keep_records=False)
     out = found.to_dict()
     if settings.max_rate is not None:
         out["max_rate"] = settings.max_rate
