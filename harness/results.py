@@ -22,6 +22,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,27 +160,49 @@ class PartialRun:
             except OSError:
                 pass  # a full disk: what reached it is kept; a line cut short is skipped on reading
 
-    def requests_table(self):
-        """The streamed request rows as a pyarrow Table (column types inferred, rows in the
-        order they became final)."""
-        if self.write_error is None:
-            self._requests.flush()
-        return read_stream(self.folder / REQUESTS_STREAM)
+    def write_requests(self, columns: Callable[[list[dict]], dict[str, list]] | None = None) -> Path:
+        """requests.parquet in the partial folder from the stream, in rows' final order, with
+        `columns(rows)`'s columns added to each batch of rows; returns its path. Two passes
+        over the stream (the columns' types, then the rows), so the whole table is never in
+        memory. A failure raises a HarnessError saying where the rows are."""
+        self._requests.flush()
+        path = self.folder / "requests.parquet"
+        try:
+            write_stream_parquet(self.folder / REQUESTS_STREAM, path, columns)
+        except OSError as exc:
+            if path.is_file():
+                path.unlink()  # half written
+            raise self._not_written(exc) from None
+        return path
 
-    def finish(self, run: dict[str, Any], requests, steps: list[dict], telemetry: list[dict],
+    def replace_requests(self, rows: list[dict[str, Any]]) -> None:
+        """requests.parquet rewritten from `rows` (after columns that need every row: fidelity)."""
+        import pyarrow as pa  # noqa: PLC0415
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        try:
+            pq.write_table(pa.Table.from_pylist(rows), self.folder / "requests.parquet")
+        except OSError as exc:
+            raise self._not_written(exc) from None
+
+    def _not_written(self, exc: OSError) -> HarnessError:
+        return HarnessError(f"could not write the result files into {self.folder} ({exc.strerror or exc}); the "
+                            f"{self.requests} measured requests are kept there in {REQUESTS_STREAM} "
+                            f"(partial.json: incomplete)")
+
+    def finish(self, run: dict[str, Any], steps: list[dict], telemetry: list[dict],
                tables: dict[str, list[dict]] | None = None) -> Path:
-        """Write the result files into the partial folder (`requests`: a pyarrow Table), run.json
-        last, drop the streams and the marker, and rename the folder into place. A failure keeps
-        the partial folder with its streams and raises a HarnessError saying where."""
+        """Write the other result files into the partial folder (requests.parquet is there:
+        write_requests), run.json last, drop the streams and the marker, and rename the folder
+        into place. A failure keeps the partial folder with its streams and raises a
+        HarnessError saying where."""
         self._close_streams()
         self._closed = True
         try:
-            _write_files(self.folder, run, requests, steps, telemetry, tables or {})
+            _write_files(self.folder, run, None, steps, telemetry, tables or {})
         except OSError as exc:
             (self.folder / "run.json").unlink(missing_ok=True)
-            raise HarnessError(f"could not write the result files into {self.folder} ({exc.strerror or exc}); the "
-                               f"{self.requests} measured requests are kept there in {REQUESTS_STREAM} "
-                               f"(partial.json: incomplete)") from None
+            raise self._not_written(exc) from None
         for name in (REQUESTS_STREAM, STEPS_STREAM, PARTIAL_MARKER):
             (self.folder / name).unlink(missing_ok=True)
         try:
@@ -224,26 +247,95 @@ def _write_marker(folder: Path, target: Path, error: str | None) -> None:
     (folder / PARTIAL_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
 
 
-STREAM_BATCH = 2048  # rows parsed at a time when a stream is read back
+# Rows turned into Python objects at a time (a rag_long row's token lists are ~20 KB of them),
+# and rows per parquet row group (as Arrow, ~16 B a token).
+STREAM_BATCH = 256
+ROW_GROUP = 4096
 
 
-def read_stream(path: Path):
-    """A JSONL stream as a pyarrow Table; a line cut short by a crash (the last) is left out.
-    Each batch's types are inferred and unified (a column null so far takes the later type)."""
+def _stream_batches(path: Path, columns: Callable[[list[dict]], dict[str, list]] | None = None):
+    """Pyarrow tables of STREAM_BATCH rows of a JSONL stream, `columns(rows)` added to each; a
+    line cut short by a crash (the last) is left out."""
     import pyarrow as pa  # noqa: PLC0415
 
-    batches, rows = [], []
+    def table(rows: list[dict]):
+        for name, values in (columns(rows) if columns is not None else {}).items():
+            for row, value in zip(rows, values):
+                row[name] = value
+        return pa.Table.from_pylist(rows)
+
+    rows: list[dict] = []
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             if not line.endswith("\n"):
                 break  # cut short by a kill while it was written
             rows.append(json.loads(line))
             if len(rows) == STREAM_BATCH:
-                batches.append(pa.Table.from_pylist(rows))
+                yield table(rows)
                 rows = []
-    if rows or not batches:
-        batches.append(pa.Table.from_pylist(rows))
-    return pa.concat_tables(batches, promote_options="permissive") if len(batches) > 1 else batches[0]
+    if rows:
+        yield table(rows)
+
+
+def _stream_schema(path: Path, columns: Callable[[list[dict]], dict[str, list]] | None = None):
+    """The types every batch's columns fit (a column null so far takes a later batch's type,
+    ints take floats); None for an empty stream."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    schema = None
+    for batch in _stream_batches(path, columns):
+        schema = batch.schema if schema is None else pa.unify_schemas([schema, batch.schema],
+                                                                      promote_options="permissive")
+    return schema
+
+
+def read_stream(path: Path):
+    """A JSONL stream as one pyarrow Table (for small streams: tests, recovery)."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    schema = _stream_schema(path)
+    if schema is None:
+        return pa.table({})
+    return pa.Table.from_batches([b for t in _stream_batches(path) for b in t.cast(schema).to_batches()], schema)
+
+
+def write_stream_parquet(stream: Path, path: Path, columns: Callable[[list[dict]], dict[str, list]] | None = None):
+    """A JSONL stream as a parquet file, a batch at a time (`columns`: see _stream_batches)."""
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    schema = _stream_schema(stream, columns)
+    if schema is None:  # no request: the empty file pandas writes, as ever
+        import pandas as pd  # noqa: PLC0415
+
+        pd.DataFrame([]).to_parquet(path, index=False)
+        return
+    import pyarrow as pa  # noqa: PLC0415
+
+    with pq.ParquetWriter(path, schema) as writer:
+        pending: list = []
+        for batch in _stream_batches(stream, columns):
+            pending.append(batch.cast(schema))
+            if sum(t.num_rows for t in pending) >= ROW_GROUP:
+                writer.write_table(pa.concat_tables(pending))
+                pending = []
+        if pending:
+            writer.write_table(pa.concat_tables(pending))
+
+
+def parquet_rows(path: Path, batch: int = STREAM_BATCH):
+    """Rows of a parquet file as dicts, re-iterable, read a batch at a time (never all at once)."""
+    return _ParquetRows(Path(path), batch)
+
+
+class _ParquetRows:
+    def __init__(self, path: Path, batch: int) -> None:
+        self.path, self.batch = path, batch
+
+    def __iter__(self):
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        for part in pq.ParquetFile(self.path).iter_batches(batch_size=self.batch):
+            yield from part.to_pylist()
 
 
 def read_partial(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -251,23 +343,6 @@ def read_partial(folder: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     folder = Path(folder)
     marker = json.loads((folder / PARTIAL_MARKER).read_text())
     return marker, read_stream(folder / REQUESTS_STREAM).to_pylist()
-
-
-def rows_of(table, batch: int = STREAM_BATCH):
-    """Rows of a pyarrow Table as dicts, re-iterable, a batch at a time (never all at once)."""
-    return _Rows(table, batch)
-
-
-class _Rows:
-    def __init__(self, table, batch: int) -> None:
-        self.table, self.batch = table, batch
-
-    def __iter__(self):
-        for part in self.table.to_batches(max_chunksize=self.batch):
-            yield from part.to_pylist()
-
-    def __len__(self) -> int:
-        return self.table.num_rows
 
 
 _TABLE_NAME = re.compile(r"[a-z][a-z0-9_]{0,40}")
@@ -304,17 +379,13 @@ def _check_tables(tables: dict[str, list[dict]]) -> None:
 
 def _write_files(folder: Path, run: dict[str, Any], requests, steps: list[dict], telemetry: list[dict],
                  tables: dict[str, list[dict]]) -> None:
-    """requests (a DataFrame or a pyarrow Table), steps, telemetry and the engine's tables as
-    parquet, then run.json."""
+    """requests (a DataFrame, or None when written already), steps, telemetry and the engine's
+    tables as parquet, then run.json."""
     import pandas as pd  # noqa: PLC0415
 
     _check_tables(tables)
-    if isinstance(requests, pd.DataFrame):
+    if requests is not None:  # else already written (PartialRun.write_requests)
         requests.to_parquet(folder / "requests.parquet", index=False)
-    else:
-        import pyarrow.parquet as pq  # noqa: PLC0415
-
-        pq.write_table(requests, folder / "requests.parquet")
     for name, rows in (("steps", steps), ("telemetry", telemetry), *tables.items()):
         pd.DataFrame(rows).to_parquet(folder / f"{name}.parquet", index=False)
     (folder / "run.json").write_text(json.dumps(_clean(run), indent=1) + "\n")
@@ -333,15 +404,21 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def not_complete(folder: Path) -> HarnessError:
+    """The error for a folder without run.json: a partial folder says what it is and where its rows are."""
+    folder = Path(folder)
+    if (folder / PARTIAL_MARKER).is_file():
+        return HarnessError(f"{folder} is an incomplete run (killed or failed before its result folder was "
+                            f"written): its measured requests are in {folder / REQUESTS_STREAM}; it has no "
+                            f"summary, and pwbench tools read complete folders only (with run.json)")
+    return HarnessError(f"{folder} is not a complete pwbench result folder (no run.json)")
+
+
 def read_run(folder: Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / "run.json"
     if not path.is_file():
-        if (folder / PARTIAL_MARKER).is_file():
-            raise HarnessError(f"{folder} is an incomplete run (killed or failed before its result folder was "
-                               f"written): its measured requests are in {folder / REQUESTS_STREAM}; it has no "
-                               f"summary, and pwbench tools read complete folders only (with run.json)")
-        raise HarnessError(f"{folder} is not a complete pwbench result folder (no run.json)")
+        raise not_complete(folder)
     try:
         run = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

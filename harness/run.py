@@ -23,7 +23,7 @@ from harness.demo_model import DEMO_DEFAULTS, DEMO_TASK_STYLES, demo_synthesizer
 from harness.metrics import DEFAULT_SLO, DEFINITIONS, summarize
 from harness.offline import cut_at_eos
 from harness.precision import transition_summary
-from harness.results import REQUESTS_STREAM, SCHEMA_VERSION, PartialRun, estimate_bytes, new_run_id, rows_of
+from harness.results import REQUESTS_STREAM, SCHEMA_VERSION, PartialRun, estimate_bytes, new_run_id, parquet_rows
 from harness.runner import RequestRecord, RunLimits, Runner, RunRecords
 from workloads.registry import ModelTarget, WorkloadSpec, build_workload
 
@@ -191,9 +191,11 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         stream.check_written()
         tables = dict(engine.tables())
         notes = list(engine.notes())
-        table = _join_request_bits(stream.requests_table(), tables.get("request_bits"))
-        table, fidelity = _fidelity(args, model, info, runner.requests, table)
-        requests = rows_of(table)  # read a batch at a time by every summary below
+        path = stream.write_requests(_added_columns(tables.get("request_bits")))
+        fidelity, rows = _fidelity(args, model, info, runner.requests, path)
+        if rows is not None:
+            stream.replace_requests(rows)
+        requests = parquet_rows(path)  # read from the file a batch at a time by every summary below
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
         peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
@@ -207,7 +209,7 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         extra: dict[str, Any] = {}
         if records.status == "complete" and args.capacity is not None:
             extra["capacity"] = _capacity(args, engine, info, demo, workload, runner.requests, records,
-                                          _served(table), make_runner, say)
+                                          _served(path), make_runner, say)
         if records.status == "complete" and args.stability_probes:
             rate = (extra.get("capacity") or {}).get("requests_per_s")
             extra["stability"] = _stability(args, engine, model, info, runner.requests, rate, say)
@@ -239,7 +241,7 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         **({"fidelity_skipped": fidelity["skipped"]} if "skipped" in fidelity else {}),
         **extra,
     }
-    stream.finish(run, table, records.steps, sampler.samples, tables)
+    stream.finish(run, records.steps, sampler.samples, tables)
     return folder, run
 
 
@@ -275,12 +277,14 @@ def _request_rows(records: RunRecords, model: str | None) -> list[dict[str, Any]
     return [row(r) for r in records.requests]
 
 
-def _served(table) -> int:
-    """Requests that finished without an error."""
-    if table.num_rows == 0:
-        return 0
+def _served(path: Path) -> int:
+    """Requests of requests.parquet that finished without an error."""
     import pyarrow.compute as pc  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
+    if pq.read_metadata(path).num_rows == 0:
+        return 0
+    table = pq.read_table(path, columns=["finish_s", "error"])
     return pc.sum(pc.and_(table["finish_s"].is_valid(), table["error"].is_null())).as_py() or 0
 
 
@@ -348,41 +352,43 @@ def _stability(args: RunArgs, engine: Engine, model: str | None, info: EngineInf
     return result.to_dict()
 
 
-def _join_request_bits(table, bits: list[dict[str, Any]] | None):
-    """An engine that changes bit widths (its `request_bits` table): each request's token-weighted
-    mean and minimum expert bits and whether a transition happened during it, as columns."""
-    if bits is None or table.num_columns == 0:
-        return table
-    import pyarrow as pa  # noqa: PLC0415
-
-    by_id = {b["request_id"]: b for b in bits}
-    found = [by_id.get(rid, {}) for rid in table["request_id"].to_pylist()]
-    for name in ("bits_mean", "bits_min", "in_transition"):
-        table = table.append_column(name, pa.array([b.get(name) for b in found]))
-    return table
-
-
-def _fidelity(args: RunArgs, model: str | None, info: EngineInfo, sent: list, table) -> tuple[Any, dict[str, Any]]:
-    """`table` with the per-request fidelity columns; the summary (harness/fidelity.py). Any
-    engine whose model is a local folder the reference can load: in-process engines, and
-    engine openai given `--model DIR` (the served model's own folder)."""
-    import pyarrow as pa  # noqa: PLC0415
-
+def _added_columns(bits: list[dict[str, Any]] | None) -> Callable[[list[dict]], dict[str, list]]:
+    """rows -> the columns requests.parquet adds to the streamed rows: for an engine that
+    changes bit widths (its `request_bits` table) each request's token-weighted mean and
+    minimum expert bits and whether a transition happened during it; then the fidelity
+    columns, empty (filled by _fidelity when a reference runs)."""
     from harness.fidelity import COLUMNS  # noqa: PLC0415
 
-    skipped = None
+    by_id = {b["request_id"]: b for b in bits} if bits is not None else None
+
+    def columns(rows: list[dict]) -> dict[str, list]:
+        out: dict[str, list] = {}
+        if by_id is not None:
+            found = [by_id.get(r["request_id"], {}) for r in rows]
+            out.update({name: [b.get(name) for b in found] for name in ("bits_mean", "bits_min", "in_transition")})
+        out.update({name: [None] * len(rows) for name in COLUMNS})
+        return out
+
+    return columns
+
+
+def _fidelity(args: RunArgs, model: str | None, info: EngineInfo, sent: list,
+              path: Path) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    """The fidelity summary (harness/fidelity.py) and requests.parquet's rows with their
+    fidelity columns filled (None when skipped: the columns stay empty). Any engine whose model
+    is a local folder the reference can load: in-process engines, and engine openai given
+    `--model DIR` (the served model's own folder)."""
     if not args.quality:
-        skipped = "--no-quality"
-    elif model is None or not (Path(model) / "config.json").is_file():  # engine openai: a served model's name
-        skipped = "no local model folder to run the float32 reference on (give --model DIR)"
-    if skipped is not None:
-        for name in COLUMNS if table.num_columns else ():
-            table = table.append_column(name, pa.nulls(table.num_rows))
-        return table, {"skipped": skipped}
+        return {"skipped": "--no-quality"}, None
+    if model is None or not (Path(model) / "config.json").is_file():  # engine openai: a served model's name
+        return {"skipped": "no local model folder to run the float32 reference on (give --model DIR)"}, None
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
     # The float32 reference replays every served request, so these rows fit in memory too.
-    rows = table.to_pylist()
-    fidelity = _fidelity_rows(args, model, info, sent, rows)
-    return (pa.Table.from_pylist(rows) if rows else table), fidelity
+    rows = pq.read_table(path).to_pylist()
+    if not rows:
+        return {"skipped": "no request was served"}, None
+    return _fidelity_rows(args, model, info, sent, rows), rows
 
 
 def _fidelity_rows(args: RunArgs, model: str, info: EngineInfo, sent: list,

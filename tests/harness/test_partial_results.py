@@ -164,7 +164,9 @@ def test_sigkill_mid_run_leaves_every_finished_request_marked_incomplete(tmp_pat
     assert_prefix_of_finished(rows, len(rows))
     show = subprocess.run([sys.executable, "-m", "harness.cli", "show", str(folder)], capture_output=True, text=True,
                           timeout=60, env=env)
-    assert show.returncode == 2 and len(show.stderr.splitlines()) == 1 and "is an incomplete run" in show.stderr
+    assert show.returncode == 2 and len(show.stderr.splitlines()) == 1 and str(folder) in show.stderr
+    with pytest.raises(HarnessError, match="is an incomplete run"):
+        read_run(folder)
 
 
 def test_a_full_disk_mid_run_stops_the_run_and_keeps_what_was_written(tmp_path):
