@@ -4,7 +4,7 @@ sweep folder, then the HTML report over all of them.
 Resumable, for the same settings only: the folder's sweep.json records the grid and settings,
 and a rerun with others is refused (or, with force, goes to a new folder beside it). A point
 whose folder holds a complete, readable run of this grid is skipped; an interrupted, failed or
-unreadable one (reports/check.py) is run again. The grid comes from flags or a TOML file
+unreadable one (harness/result_checks.py) is run again. The grid comes from flags or a TOML file
 (SWEEP_KEYS); flags win.
 """
 
@@ -118,7 +118,7 @@ def open_sweep(grid: Grid, folder: Path, quality: bool, force: bool = False,
         else:
             changes = _changes(old["settings"], want)
     elif folder.is_dir():
-        from reports.check import read_run_json  # noqa: PLC0415  (the readers' checks; no engine)
+        from harness.result_checks import read_run_json  # noqa: PLC0415  (the readers' checks; no engine)
 
         for name, engine, budget, rate in grid.points():
             try:
@@ -151,7 +151,7 @@ def run_sweep(grid: Grid, folder: Path, quality: bool = True,
               say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
     """Run the missing points of the sweep in `folder` (opened by open_sweep); returns (points
     run now, points skipped as already complete and readable)."""
-    from reports.check import check_folder, unfinished  # noqa: PLC0415
+    from harness.result_checks import check_folder, unfinished  # noqa: PLC0415
 
     ran, skipped = [], []
     for name, engine, budget, rate in grid.points():

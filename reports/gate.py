@@ -9,7 +9,7 @@
   with fewer than `--repeat` samples a side, and a p99 not with fewer than
   `min_p99_samples` requests a run.
 A side is result folders (several = repeats) or a baseline JSON (BASELINE_SCHEMA). Every
-folder is checked first (reports/check.py: run.json types, requests/steps tables); an unfinished
+folder is checked first (harness/result_checks.py: run.json types, requests/steps tables); an unfinished
 run (interrupted, failed) is not judgeable: one failing `run_status` verdict says why; the sides
 must be runs of one workload, seed and model (`identity`) unless the caller allows otherwise.
 Verdicts go to the terminal, JUnit XML and Markdown. Exit: 0 pass, 1 regression, 2 unusable input.
@@ -28,7 +28,7 @@ from typing import Any
 from xml.etree import ElementTree as ET
 
 from harness.errors import HarnessError, read_toml
-from reports.check import unfinished
+from harness.result_checks import unfinished
 from reports.runs import Run, load_runs
 
 BASELINE_SCHEMA = "pwbench-gate-baseline/1"

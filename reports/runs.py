@@ -6,7 +6,7 @@ included), workload (seed and rate included) and SLO. Suite repeats use the same
 purpose, so the spread across an arm's runs is the environment's noise, not the engine's.
 
 Reads files only (harness.results, pandas): no engine, no torch. A folder that is neither a
-result folder nor holds any, or whose files are damaged (reports/check.py), is a HarnessError
+result folder nor holds any, or whose files are damaged (harness/result_checks.py), is a HarnessError
 naming it.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
+from harness.result_checks import check_folder, unfinished
 from harness.results import read_rows
-from reports.check import check_folder, unfinished
 
 
 @dataclass
@@ -73,7 +73,7 @@ def expand(paths: list[str | Path]) -> list[Path]:
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
-    """Every result folder under `paths`, each checked (reports.check.check_folder)."""
+    """Every result folder under `paths`, each checked (harness.result_checks.check_folder)."""
     return [Run(folder, check_folder(folder)) for folder in expand(paths)]
 
 

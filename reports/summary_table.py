@@ -1,5 +1,5 @@
 """The summary table `pwbench run` and `pwbench show` print (rich, plain text when piped), and
-`show_run`: a result folder checked (reports/check.py), its summary recomputed from
+`show_run`: a result folder checked (harness/result_checks.py), its summary recomputed from
 requests.parquet and steps.parquet by harness.metrics, printed with any difference from run.json."""
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def show_run(folder: Path, as_json: bool = False) -> None:
     keys where run.json's stored summary differs are named on stderr."""
     import typer
 
-    from reports.check import check_folder
+    from harness.result_checks import check_folder
 
     run = check_folder(folder)
     summary, differs = recompute(run, folder)

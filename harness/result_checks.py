@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-
-SCHEMA_VERSION = 1  # harness.results.SCHEMA_VERSION; kept here so this module imports no writer
+from harness.results import SCHEMA_VERSION
 
 # run.json: dotted path -> kind; "?" allows null or absent; "*" is every key of the dict above.
 # Only the fields the readers (reports/, `pwbench show`) index; a writer may add more.
@@ -116,7 +115,7 @@ def read_run_json(folder: Path) -> dict[str, Any]:
 
 
 def _arrow_kind(kind: str, dtype: Any) -> bool:
-    import pyarrow as pa
+    import pyarrow as pa  # noqa: PLC0415  (the CLI starts without pyarrow)
 
     t = pa.types
     if t.is_null(dtype):  # a column of nulls only (pandas writes all-None columns so)
@@ -128,7 +127,7 @@ def _arrow_kind(kind: str, dtype: Any) -> bool:
 
 def check_table(folder: Path, name: str) -> None:
     """`<name>.parquet` exists, its footer reads, and a table with rows has TABLE_COLUMNS[name]."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # noqa: PLC0415
 
     path = Path(folder) / f"{name}.parquet"
     if not path.is_file():
