@@ -101,6 +101,7 @@ class _Progress:
         self.quiet, self.bar, self.task, self.last, self.runner = quiet, None, None, 0.0, None
         self.plain = (not sys.stderr.isatty()) if plain is None else plain
         self.next_mark, self.last_line = 0, 0.0
+        self.seen_steps, self.tokens = 0, 0  # the attached runner's steps summed so far
 
     def start(self) -> None:
         if self.quiet or not self.plain or self.runner is None:
@@ -112,6 +113,7 @@ class _Progress:
     def attach(self, runner: Runner) -> None:
         """The runner Ctrl-C stops: the measured run's, then each capacity point's (one bar)."""
         self.runner = runner
+        self.seen_steps, self.tokens = 0, 0
         if self.quiet or self.plain or self.bar is not None:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -128,7 +130,10 @@ class _Progress:
             return
         self.last = now
         elapsed = max(self.runner.now(), 1e-9)
-        tokens = sum(s["decode_tokens"] for s in records.steps)
+        # Only the steps since the last update: a long run has ~100k of them.
+        self.tokens += sum(records.steps[i]["decode_tokens"] for i in range(self.seen_steps, len(records.steps)))
+        self.seen_steps = len(records.steps)
+        tokens = self.tokens
         done = self.runner.completed()
         if self.bar is not None:
             self.bar.update(self.task, completed=done, tps=f"{tokens / elapsed:,.0f} out tok/s")
