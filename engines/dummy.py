@@ -16,8 +16,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from engines.base import (
     Engine,
     EngineInfo,
@@ -74,14 +72,13 @@ class DummyEngine(Engine):
             raise InvalidRequestError(f"request {request.request_id}: engine dummy has no model and returns no logits")
         # The prompt is read once, here: queued requests keep only its sum (a harness prompt may
         # be synthesized on each read, and thousands of rag_long prompts are ~100 MB as ints).
-        ids = np.asarray(request.prompt_ids, dtype=np.int64)
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:
+        ids = list(request.prompt_ids)  # a temporary list; no numpy, so the dummy stays light
+        if ids and (min(ids) < 0 or max(ids) >= self.config.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.config.vocab_size)
             raise InvalidRequestError(
-                f"request {request.request_id}: token id {int(bad[0])} is outside the vocabulary "
-                f"[0, {self.config.vocab_size})"
+                f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {self.config.vocab_size})"
             )
-        self._waiting.append((request, int(ids.sum())))
+        self._waiting.append((request, sum(ids)))
 
     def abort(self, request_id: str) -> None:
         waiting = deque(w for w in self._waiting if w[0].request_id != request_id)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import HarnessError
-from harness.results import SCHEMA_VERSION
+from harness.results import SCHEMA_VERSION, not_complete
 
 # run.json: dotted path -> kind; "?" allows null or absent; "*" is every key of the dict above.
 # Only the fields the readers (reports/, `pwbench show`) index; a writer may add more.
@@ -104,7 +104,7 @@ def check_run_json(run: Any, path: Path) -> dict[str, Any]:
 def read_run_json(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "run.json"
     if not path.is_file():
-        raise HarnessError(f"{folder} is not a complete pwbench result folder (no run.json)")
+        raise not_complete(folder)
     try:
         run = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -1,7 +1,8 @@
 """The run loop: one loop drives any engine through the Engine protocol and records raw
 observations (timestamps and counts), nothing derived.
 
-Open loop: a request is sent when its arrival time has come. Closed loop: N users each take
+Open loop: a request is sent when its arrival time has come (a dependent later turn also waits
+for its session's previous answer). Closed loop: N users each take
 a session and send its next turn `think_time_s` after the previous answer. Offline batches,
 rate runs and trace replays are the same loop. Every timestamp is seconds since the run's
 start on one monotonic clock (the telemetry sampler uses the same one). `stop()` (the CLI

@@ -112,7 +112,6 @@ def run(
     from harness.cli.run_session import run_command
 
     options = dict(locals())
-    _check_passed_on(options)
     if engine is None and workload == "rag_long" and engine_for_folder(model)[1] is None:  # not a quantized folder
         from harness.cli.run_session import suite_command
 
@@ -120,23 +119,6 @@ def run(
     options["engine"] = engine_for(engine, model)
     code = run_command(options)
     raise typer.Exit(code)
-
-
-def _check_passed_on(options: dict) -> None:
-    """--skip-bad-lines, --session-reuse and --turns reach the WorkloadSpec through
-    run_session.to_run_args; a flag it drops is an error, never silently ignored."""
-    flags = {"skip_bad_lines": False, "session_reuse": None, "turns": None}
-    given = {k: options[k] for k, default in flags.items() if options[k] != default}
-    if not given:
-        return
-    from harness.cli.run_session import to_run_args
-    from harness.errors import HarnessError
-
-    spec = to_run_args({**options, "engine": options["engine"] or "dummy"}).workload
-    dropped = [k for k, v in given.items() if getattr(spec, k) != v]
-    if dropped:
-        raise HarnessError(f"--{dropped[0].replace('_', '-')} is not passed to the workload by this build "
-                           "(harness/cli/run_session.py to_run_args); leave it out")
 
 
 @app.command("show")

@@ -63,6 +63,9 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
     )
     spec_options["scale"] = o["scale"]
     spec_options["trace_map"] = o.get("trace_map")
+    spec_options["skip_bad_lines"] = o.get("skip_bad_lines") or None  # False is the default: leave it out
+    spec_options["session_reuse"] = o.get("session_reuse")
+    spec_options["turns"] = o.get("turns")
     spec_options = {k: v for k, v in spec_options.items() if v is not None}
     spec = WorkloadSpec(o["workload"], **spec_options)  # validates before the engine loads
     engine_options = {"device": o["device"], "dtype": o["dtype"], "budget_bytes": o.get("budget"),

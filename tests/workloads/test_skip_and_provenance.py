@@ -46,15 +46,6 @@ def test_a_run_records_skipped_lines_and_the_map(tmp_path):
 
 
 def test_pwbench_run_takes_skip_bad_lines(tmp_path):
-    from harness.cli.run_session import to_run_args
-
-    options = {"workload": "trace:x.jsonl", "seed": 0, "requests": None, "duration": None, "rate": None,
-               "concurrency": None, "time_scale": None, "arrival": None, "burstiness": None, "context": None,
-               "trace_format": None, "input_len": None, "output_len": None, "scale": None, "trace_map": MAP,
-               "skip_bad_lines": True, "engine": "dummy", "model": None, "device": None, "dtype": None,
-               "set_": None, "output": None, "slo": None, "warmup": 0, "telemetry_hz": 1.0, "quality": False}
-    if not to_run_args(options).workload.skip_bad_lines:
-        pytest.skip("harness/cli/run_session.py to_run_args does not pass skip_bad_lines on yet")
     path = write_trace(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "harness.cli", "run", "--workload", f"trace:{path}", "--map", MAP, "--skip-bad-lines",
