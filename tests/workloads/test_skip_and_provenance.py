@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from workloads.registry import WorkloadSpec
 
 REPO = Path(__file__).resolve().parents[2]
