@@ -415,17 +415,10 @@ def not_complete(folder: Path) -> HarnessError:
 
 
 def read_run(folder: Path) -> dict[str, Any]:
-    folder = Path(folder)
-    path = folder / "run.json"
-    if not path.is_file():
-        raise not_complete(folder)
-    try:
-        run = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise HarnessError(f"{path}: invalid JSON at line {exc.lineno}") from None
-    if run.get("schema_version") != SCHEMA_VERSION:
-        raise HarnessError(f"{path}: schema_version {run.get('schema_version')!r}, this pwbench reads {SCHEMA_VERSION}")
-    return run
+    """run.json of a complete result folder, its types checked (harness.result_checks)."""
+    from harness.result_checks import read_run_json  # noqa: PLC0415  (it imports this module)
+
+    return read_run_json(Path(folder))
 
 
 def read_rows(folder: Path, name: str) -> list[dict[str, Any]]:
