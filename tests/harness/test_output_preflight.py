@@ -51,19 +51,32 @@ def test_a_path_under_a_file_fails_before_the_model_loads(tmp_path):
     assert blocker.read_text() == "x" and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0o555 folder: the mode restricts nobody here")
-def test_a_read_only_folder_fails_before_the_model_loads(tmp_path):
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nobody can write in: a 0o555 folder, or for root (whom modes do not stop) a
+    read-only tmpfs mounted for the test (skipped where this machine refuses the mount)."""
     ro = tmp_path / "ro"
     ro.mkdir()
-    ro.chmod(0o555)
-    try:
-        out = ro / "run"
-        proc = pwbench("run", "--engine", "moe", "--model", MISSING_MODEL, "--workload", "offline_batch",
-                       "--requests", "2", "--output", str(out), cache=tmp_path / "cache")
-        one_error_line(proc, str(out), f"cannot write in {ro}", "choose a writable --output")
-        assert list(ro.iterdir()) == []
-    finally:
+    if os.geteuid() != 0:
+        ro.chmod(0o555)
+        yield ro
         ro.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        pytest.skip("root, and this machine refuses to mount a read-only tmpfs")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_a_read_only_folder_fails_before_the_model_loads(read_only_dir, tmp_path):
+    ro = read_only_dir
+    out = ro / "run"
+    proc = pwbench("run", "--engine", "moe", "--model", MISSING_MODEL, "--workload", "offline_batch",
+                   "--requests", "2", "--output", str(out), cache=tmp_path / "cache")
+    one_error_line(proc, str(out), f"cannot write in {ro}", "choose a writable --output")
+    assert list(ro.iterdir()) == []
 
 
 def test_not_enough_free_space_fails_before_the_model_loads(tmp_path):
