@@ -30,11 +30,14 @@ def _layer_lines(r: Any) -> list[str]:
 
 @user_errors
 def quantize(
-    model: Annotated[str, typer.Option("--model", "-m", help="Full-precision Hugging Face model folder.")],
     method: Annotated[str, typer.Option(help="gptq | awq | rtn")],
     output: Annotated[str, typer.Option(help="Folder to write (must not exist).")],
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Full-precision model folder, or bundled: demo (default), demo-fine.")] = None,
     bits: Annotated[int, typer.Option(help="2 | 3 | 4 | 8 (AWQ format: 4).")] = 4,
-    group_size: Annotated[int, typer.Option(help="32 | 64 | 128 inputs per scale.")] = 128,
+    group_size: Annotated[int | None, typer.Option(
+        help="32 | 64 | 128 inputs per scale (default: the largest of these dividing the expert widths, "
+             "else one group per row).")] = None,
     sym: Annotated[bool, typer.Option("--sym", help="Symmetric (no zero points).")] = False,
     act_order: Annotated[bool,
                          typer.Option("--act-order",
@@ -62,7 +65,7 @@ def quantize(
                                     help="Print the report summary as one JSON object as the last line.")] = False,
 ) -> None:
     """Quantize a model's routed experts (RTN, GPTQ or AWQ, calibrated on a workload) into a Hugging Face folder."""
-    model = resolve_model(model)  # a bundled model's name (demo, demo-fine) -> its folder
+    model = resolve_model(model or "demo")  # a bundled model's name (demo, demo-fine) -> its folder
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from engines.common.folders import REPORT_FILE
@@ -70,11 +73,20 @@ def quantize(
     from engines.quant.export import preflight, quantize_folder
     from harness.calibration import calibration_prompts
 
+    fit_note = None
+    if group_size is None:  # not named: the largest standard size that fits the model
+        from engines.runtime.checkpoint import open_checkpoint
+        from engines.static_quant import fit_group_size
+
+        cfg = open_checkpoint(model).config
+        group_size, fit_note = fit_group_size(128, (cfg.hidden_size, cfg.moe_intermediate_size))
     options = QuantizeOptions(method, bits, group_size, sym, act_order, damp, min_expert_tokens)
     ckpt, scheme = preflight(model, output, options, fmt)  # fail before building prompts
     prompts = calibration_prompts(model, calib_workload, calib_samples, seed, calib_len)
     silent = quiet or as_json
     say = (lambda line: None) if silent else typer.echo
+    if fit_note:
+        typer.echo(f"note: {fit_note}", err=True)
     bar = Progress(TextColumn("[bold]quantize"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    transient=True, disable=silent)
     task = bar.add_task("layers", total=sum(ckpt.config.moe_layers))

@@ -147,3 +147,16 @@ def test_engine_and_folder_must_agree(damaged, checkpoints):
     assert "--set bits=N" in generate_error(checkpoints("mixtral"))
     assert "already quantized" in generate_error(damaged, "static-gptq", "bits=3", "group_size=32")
     assert "(2, 3, 4, 8)" in generate_error(checkpoints("mixtral"), "static-rtn", "bits=6", "group_size=32")
+
+
+def test_quantize_defaults_to_the_bundled_model_with_a_group_size_that_fits(tmp_path):
+    """No --model, no --group-size: the bundled demo model (hidden 128, expert width 64), whose
+    widths 128 does not divide, gets group size 64, the largest standard one dividing both, and
+    a note saying so."""
+    out = tmp_path / "q"
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "quantize", "--method", "rtn", "--output", str(out),
+                           "--calib-samples", "2", "--calib-len", "16", "--quiet"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert "group_size 128 does not divide the expert widths 128/64" in proc.stderr
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["group_size"] == 64
