@@ -3,6 +3,7 @@ latency is exact and checked against numbers computed by hand below."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -141,3 +142,21 @@ def test_overhead_is_small():
     records = Runner(DummyEngine(DummyConfig(max_num_seqs=256)), reqs).run()
     assert sum(r.finish_s is not None for r in records.requests) == 2000
     assert time.perf_counter() - t < 120  # a generous bound against hangs, not a benchmark
+
+
+def test_self_timed_tokens_never_precede_their_send():
+    """An engine that stamps its own tokens (a remote stream: RequestOutput.token_times on
+    perf_counter) lands on the run's clock exactly: a slow on_start (the telemetry sampler
+    starting) must not shift those stamps before the request was sent (it did by ~2 ms in CI)."""
+    class StampingEngine(DummyEngine):
+        def step(self):
+            out = super().step()
+            now = time.perf_counter()
+            outs = tuple(dataclasses.replace(o, token_times=tuple(now for _ in o.new_token_ids)) for o in out.outputs)
+            return dataclasses.replace(out, outputs=outs)
+
+    reqs = [Request(f"r{i}", (1, 2, 3), 2, arrival_s=0.0) for i in range(4)]
+    records = Runner(StampingEngine(DummyConfig(base_ms=1)), reqs).run(on_start=lambda: time.sleep(0.05))
+    assert all(r.finish_s is not None for r in records.requests)
+    for rec in records.requests:
+        assert rec.sent_s <= rec.token_times_s[0] and rec.finish_s == rec.token_times_s[-1], rec.request_id
