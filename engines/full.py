@@ -17,7 +17,6 @@ import torch
 from engines.base import EngineError
 from engines.common.device import resolve_device, resolve_dtype
 from engines.moegen.engine import PlanPredictor, layer_major, plan_stats
-from engines.moegen.hardware import model_shape
 from engines.moegen.plan import MoEGenConfig, held_plan, loaded_shape, make_plan, placement_claims, plan_hardware
 from engines.pagedweight.controller import PageBudget, PagedController
 from engines.pagedweight.engine import (
@@ -33,6 +32,7 @@ from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeEngine
 from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.memory import KVSizing, kv_cache_blocks
+from engines.runtime.shape import model_shape
 
 
 @dataclass(frozen=True)

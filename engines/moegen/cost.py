@@ -34,7 +34,7 @@ expert that runs, counted). Left out: the Python between calls beyond that overh
 scheduler's per-sequence bookkeeping (on this CPU ~10% of a 256-sequence decode step).
 For multi-head latent attention (DeepSeek-V3) weight and KV bytes are exact, but the attention
 terms are approximate: ModelShape's q_size/kv_size/heads/head_dim stand for the absorbed form
-(hardware.model_shape), so FLOPs per attended key, the projections' FLOPs and the activations
+(runtime/shape.py), so FLOPs per attended key, the projections' FLOPs and the activations
 crossing to host attention are close to, not equal to, what the runtime computes and moves.
 
 `choose_plan` enumerates KV placements (device when it fits the budget, host, stream and split
@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from engines.runtime.shape import ModelShape
 
 PLACEMENTS = ("device", "host", "stream", "split")
 STREAMED = ("stream", "split")  # KV in the host tier, copied to the device per micro-batch
@@ -126,35 +128,6 @@ def _log_interpolate(points: tuple[tuple[int, float], ...], x: float, default):
             w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
             return v0 + w * (v1 - v0)
     return pts[-1][1]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    moe_layers: int
-    experts: int  # per MoE layer
-    top_k: int
-    hidden: int
-    q_size: int  # heads x head_dim
-    kv_size: int  # KV heads x head_dim
-    heads: int
-    head_dim: int
-    intermediate: int  # routed expert
-    vocab: int
-    dense_bytes: int  # every dense tensor on the device (embedding once)
-    layer_dense_bytes: int  # dense bytes one layer reads (attention, norms, router, shared/dense MLP)
-    head_bytes: int  # LM head (+ final norm)
-    expert_bytes: int  # one routed expert
-    kv_bytes_per_token: int  # all layers, K and V
-    dtype_bytes: int
-
-    @property
-    def expert_flops_per_token(self) -> int:
-        return 2 * 3 * self.hidden * self.intermediate
-
-    @property
-    def total_experts(self) -> int:
-        return self.moe_layers * self.experts
 
 
 @dataclass(frozen=True)

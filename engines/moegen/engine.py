@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engines.base import EngineError
-from engines.moegen.cost import STREAMED, BatchPlan, Hardware, ModelShape, step_cost
+from engines.moegen.cost import STREAMED, BatchPlan, Hardware, step_cost
 from engines.moegen.executor import HostAttention, LayerMajorExecutor, StreamAttention
 from engines.moegen.plan import MoEGenConfig, loaded_shape, make_plan, plan_claims, plan_hardware
 from engines.moegen.streaming import StreamingBackend
@@ -25,6 +25,7 @@ from engines.runtime.executor import Executor
 from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.scheduler import Scheduler
+from engines.runtime.shape import ModelShape
 from engines.runtime.transfer import TransferLedger
 
 

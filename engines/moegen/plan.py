@@ -21,9 +21,10 @@ from engines.moegen.cost import (
     decode_cost,
     staging_bytes,
 )
-from engines.moegen.hardware import device_name, hardware, model_shape
+from engines.moegen.hardware import device_name, hardware
 from engines.runtime.budget import Claim, budget_error
 from engines.runtime.engine import Loaded, RuntimeConfig
+from engines.runtime.shape import model_shape
 
 
 @dataclass(frozen=True)

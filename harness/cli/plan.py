@@ -50,11 +50,12 @@ def plan(
     from engines.common.peaks import cpu_model
     from engines.common.sizes import format_size, parse_size
     from engines.moegen.cost import Workload, candidate_plans
-    from engines.moegen.hardware import hardware, model_shape
+    from engines.moegen.hardware import hardware
     from engines.moegen.plan import make_plan, seq_blocks
     from engines.registry import build_config, engine_class, list_engines, parse_set_options
     from engines.runtime.checkpoint import read_json
     from engines.runtime.config import parse_config
+    from engines.runtime.shape import model_shape
     from harness.hw import datasheet_for, peaks_for
 
     cls = engine_class(engine)

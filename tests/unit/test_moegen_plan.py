@@ -342,8 +342,8 @@ GPT_OSS_120B = {
     (GPT_OSS_120B, 116.8, 36 * 2 * 8 * 64 * 2),
 ])
 def test_model_shape_counts_the_published_parameters_and_kv_bytes(raw, params_b, kv_per_token):
-    from engines.moegen.hardware import model_shape
     from engines.runtime.config import parse_config
+    from engines.runtime.shape import model_shape
 
     shape = model_shape(parse_config(raw, "config.json"), 2)  # bf16
     params = (shape.dense_bytes + shape.total_experts * shape.expert_bytes) / 2
