@@ -5,7 +5,8 @@
 
 Each folder holds config.json, model.safetensors, the tokenizer and training.json
 (docs/demo_model.md). `resolve_model` turns a name into its folder wherever a model folder
-is expected; a path that exists wins over a name.
+is expected, a config-only preset's name too (engines/common/presets.py: mixtral-8x7b,
+deepseek-v3, ...; config.json only, for `--simulate`); a path that exists wins over a name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from engines.base import ModelLoadError
+from engines.common.presets import PRESETS
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_model"
 DEMO_FINE_MODEL_DIR = Path(__file__).resolve().parents[1] / "demo_fine_model"
@@ -34,7 +36,12 @@ def demo_model_path(name: str = "demo") -> Path:
 
 
 def resolve_model(model: str | None) -> str | None:
-    """A bundled model's name -> its folder; a path that exists, or anything else, unchanged."""
-    if model in DEMO_MODELS and not Path(model).expanduser().exists():
+    """A bundled model's name -> its folder (the demo models, and the config-only presets of
+    engines/common/presets.py for `--simulate`); a path that exists, or anything else, unchanged."""
+    if model is None or Path(model).expanduser().exists():
+        return model
+    if model in DEMO_MODELS:
         return str(demo_model_path(model))
+    if model in PRESETS:
+        return str(PRESETS[model])
     return model
