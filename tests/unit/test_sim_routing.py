@@ -1,0 +1,177 @@
+"""engines/sim/routing.py: shapes, determinism, popularity vs the Zipf law, locality, replay, specs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engines.sim.routing import (
+    ReplayRouting,
+    RoutingRecorder,
+    SyntheticRouting,
+    UniformRouting,
+    routing_source,
+    write_routing_trace,
+)
+
+
+def _distinct(ids: np.ndarray) -> bool:
+    s = np.sort(ids, axis=1)
+    return not (s[:, 1:] == s[:, :-1]).any()
+
+
+def _decode(src, layer, n_req, steps, e, k):
+    """n_req requests decoding one token per call; returns ids [steps, n_req, k]."""
+    return np.stack([src.route(layer, [(f"r{i}", s) for i in range(n_req)], e, k) for s in range(steps)])
+
+
+@pytest.mark.parametrize("e,k", [(8, 2), (256, 8), (8, 8), (64, 6)])
+def test_shape_distinct_and_uniform_shares(e, k):
+    src = UniformRouting(seed=3)
+    ids = src.route(0, [("a", i) for i in range(4000)], e, k)
+    assert ids.shape == (4000, k) and ids.dtype == np.int64
+    assert _distinct(ids) and ids.min() >= 0 and ids.max() < e
+    shares = np.bincount(ids.ravel(), minlength=e) / ids.size
+    # Binomial sd of a share 1/e over 4000*k slots; 5 sd
+    sd = np.sqrt((1 / e) * (1 - 1 / e) / ids.size)
+    assert np.abs(shares - 1 / e).max() < 5 * sd + 1e-12
+
+
+def test_determinism_by_seed():
+    keys = [(f"r{i}", 0) for i in range(64)]
+    for make in (lambda s: UniformRouting(s), lambda s: SyntheticRouting(skew=1.0, locality=0.4, seed=s)):
+        a, b, c = make(7), make(7), make(8)
+        ra = [a.route(layer, keys, 64, 4) for layer in range(3)]
+        rb = [b.route(layer, keys, 64, 4) for layer in range(3)]
+        rc = [c.route(layer, keys, 64, 4) for layer in range(3)]
+        assert all((x == y).all() for x, y in zip(ra, rb, strict=True))
+        assert any((x != y).any() for x, y in zip(ra, rc, strict=True))
+
+
+@pytest.mark.parametrize("e,k,skew", [(8, 2, 1.0), (64, 4, 0.8)])
+def test_synthetic_popularity_matches_zipf(e, k, skew):
+    src = SyntheticRouting(skew=skew, locality=None, seed=1)
+    layer = 5
+    ids = src.route(layer, [("x", i) for i in range(100_000 // k)], e, k)
+    assert _distinct(ids)
+    counts = np.bincount(ids.ravel(), minlength=e)
+    # Hand-computed law: shares by rank r proportional to r^-skew, in a per-layer order of experts.
+    ranks = np.arange(1, e + 1, dtype=float)
+    law = ranks**-skew / (ranks**-skew).sum()
+    assert k * law.max() <= 1  # no capping in these cases
+    got = np.sort(counts / counts.sum())[::-1]
+    # Each expert's share within 4 binomial sd of the law (slots are not independent within a row,
+    # systematic sampling makes them less variable, so this is conservative).
+    sd = np.sqrt(law * (1 - law) / counts.sum())
+    assert (np.abs(got - law) < 4 * sd + 1e-4).all(), (got, law)
+    # and it is the per-layer permutation the source says
+    stated = src.expected_shares(layer, e, k)  # the law in the source's per-layer order of experts
+    assert np.allclose(np.sort(stated)[::-1], law, atol=1e-12)
+    per_sd = np.sqrt(stated * (1 - stated) / counts.sum())
+    assert (np.abs(counts / counts.sum() - stated) < 4 * per_sd + 1e-4).all()
+    # a different layer has a different popular expert order
+    other = src.expected_shares(layer + 1, e, k)
+    assert not np.allclose(other, src.expected_shares(layer, e, k))
+
+
+def test_given_popularity_vector():
+    pop = np.array([5.0, 1, 1, 1, 0, 2, 0, 0])
+    src = SyntheticRouting(popularity=pop, locality=None, seed=2)
+    ids = src.route(0, [("x", i) for i in range(50_000)], 8, 2)
+    shares = np.bincount(ids.ravel(), minlength=8) / ids.size
+    assert np.allclose(shares, pop / pop.sum(), atol=0.01)
+    assert shares[4] == shares[6] == shares[7] == 0
+
+
+@pytest.mark.parametrize("e,k,q", [(8, 2, 0.3), (256, 8, 0.5), (64, 4, 0.0), (32, 4, 0.9)])
+def test_locality_reuse_rate(e, k, q):
+    src = SyntheticRouting(skew=0.6, locality=q, seed=4)
+    ids = _decode(src, 1, n_req=50, steps=200, e=e, k=k)
+    assert all(_distinct(ids[s]) for s in range(len(ids)))
+    # overlap |A_t ∩ A_{t-1}| / k counted independently of the source's own counters
+    a, b = ids[1:], ids[:-1]
+    overlap = (a[:, :, :, None] == b[:, :, None, :]).any(axis=3).sum(axis=2) / k
+    measured = overlap.mean()
+    sd = np.sqrt(q * (1 - q) / (k * overlap.size))
+    assert abs(measured - q) < 5 * sd + 1e-3, (measured, q)
+    assert abs(src.describe()["measured_reuse"] - measured) < 1e-9
+
+
+def test_locality_within_a_prefill_chunk_and_resets():
+    src = SyntheticRouting(skew=0.0, locality=0.7, seed=5)
+    ids = src.route(0, [("p", i) for i in range(4000)], 16, 4)  # one request, consecutive positions
+    overlap = (ids[1:, :, None] == ids[:-1, None, :]).any(axis=2).sum(axis=1) / 4
+    assert abs(overlap.mean() - 0.7) < 0.03
+    src.route(0, [("p", 10_000)], 16, 4)  # a jump: no previous token
+    assert src.describe()["locality_resets"] == 1
+
+
+def test_state_is_bounded():
+    src = SyntheticRouting(skew=0.0, locality=0.5, seed=6, stale_calls=8, prune_every=4)
+    for s in range(100):  # a new batch of requests every call, each seen once
+        src.route(0, [(f"s{s}-{i}", 0) for i in range(10)], 16, 2)
+    d = src.describe()
+    assert d["live_states"] <= 10 * (8 + 4 + 1)
+    assert d["states_dropped"] > 0
+
+
+def test_family_defaults_describe():
+    mix = SyntheticRouting(num_layers=32, model_type="mixtral", seed=0)
+    mix.route(0, [("a", 0)], 8, 2)
+    mix.route(31, [("a", 0)], 8, 2)
+    d = mix.describe()
+    assert "2401.04088" in d["sources"]["locality"]
+    # Table 5 'first or second choice' ~46% at layer 0 -> q = 1 - sqrt(0.54)
+    assert abs(d["locality_per_layer"][0] - (1 - 0.54**0.5)) < 1e-3
+    ds = SyntheticRouting(model_type="deepseek_v3", seed=0)
+    assert ds.describe()["note"] == "no published measurement; uniform-ish default"
+
+
+def test_replay_round_trip(tmp_path):
+    gen = SyntheticRouting(skew=1.0, locality=0.3, seed=9)
+    rec = RoutingRecorder()
+    truth = {}
+    for s in range(5):
+        keys = [(f"q{i}", s) for i in range(20)]
+        for layer in range(3):
+            ids = gen.route(layer, keys, 32, 4)
+            rec.add(layer, keys, ids)
+            for key, row in zip(keys, ids, strict=True):
+                truth[(layer, *key)] = row
+    path = rec.write(tmp_path / "trace.parquet")
+    rep = ReplayRouting(path, seed=1)
+    keys = [(f"q{i}", 2) for i in range(20)] + [("unknown", 0), ("q1", 99)]
+    out = rep.route(1, keys, 32, 4)
+    for key, row in zip(keys[:20], out[:20], strict=True):
+        assert (row == truth[(1, *key)]).all()
+    assert _distinct(out[20:]) and out.shape == (22, 4)
+    d = rep.describe()
+    assert (d["replay_hits"], d["replay_misses"]) == (20, 2)
+    assert d["fallback"]["kind"] == "uniform"
+    # write_routing_trace writes the same format
+    p2 = write_routing_trace(tmp_path / "t2.parquet", [("a", 0, 0, [3, 1]), ("a", 1, 0, [2, 0])])
+    assert (ReplayRouting(p2).route(0, [("a", 1), ("a", 0)], 4, 2) == [[2, 0], [3, 1]]).all()
+    with pytest.raises(ValueError, match="top_k"):
+        ReplayRouting(p2).route(0, [("a", 1)], 4, 3)
+
+
+def test_specs_and_errors(tmp_path):
+    assert isinstance(routing_source("uniform", None, 8, 0), UniformRouting)
+    s = routing_source("synthetic:skew=1.2,locality=0.3", "mixtral", 8, 0, top_k=2)
+    assert isinstance(s, SyntheticRouting) and s.skew == 1.2 and s.locality_at(0) == 0.3
+    assert s.describe()["sources"] == {"skew": "given", "locality": "given"}
+    assert isinstance(routing_source("synthetic", "mixtral", 8, 0), SyntheticRouting)
+    for bad in ("", "zipf", "synthetic:skew=abc", "synthetic:foo=1", "synthetic:locality=2", "replay:", "uniform:3"):
+        with pytest.raises(ValueError) as ei:
+            routing_source(bad, None, 8, 0)
+        msg = str(ei.value)
+        assert "\n" not in msg and "valid:" in msg and repr(bad) in msg
+    missing = tmp_path / "nope.parquet"
+    with pytest.raises(ValueError) as ei:
+        routing_source(f"replay:{missing}", None, 8, 0)
+    assert str(missing) in str(ei.value) and "\n" not in str(ei.value)
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("not parquet")
+    with pytest.raises(ValueError) as ei:
+        routing_source(f"replay:{junk}", None, 8, 0)
+    assert str(junk) in str(ei.value) and "\n" not in str(ei.value)
