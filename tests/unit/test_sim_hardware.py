@@ -1,0 +1,137 @@
+"""engines/sim/hardware.py: the built-in profiles load with every number positive and sourced,
+curves interpolate in log size, a user's TOML inherits and overrides, bad fields are one line,
+and `pwbench hw list` / `hw show` print them."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from engines.sim.hardware import EFFICIENCY_KEYS, Curve, cpu_profile, list_profiles, load_profile
+
+GPUS = ("h200", "h100-sxm", "h100-pcie", "a100-80gb", "l40s", "l4", "rtx-6000-ada", "a10g")
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path / "cache"))  # no `pwbench hw` measurement unless a test writes one
+
+
+def test_every_builtin_loads_positive_sourced_and_curves_in_range():
+    names = {p.name for p in list_profiles()}
+    assert names >= {*GPUS, "cpu"}
+    for p in list_profiles():
+        for field in ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s",
+                      "host_memory_bytes", "host_memory_bytes_per_s", "host_flops_per_s", "step_overhead_s"):
+            assert getattr(p, field) > 0, (p.name, field)
+            assert p.sources.get(field), (p.name, field)  # every number names where it comes from
+        assert p.flops() > 0 and all(v > 0 for v in p.flops_per_s.values())
+        assert p.link_pinned_bytes_per_s <= p.link_bytes_per_s  # measured never above the theory
+        assert set(p.efficiency) == set(EFFICIENCY_KEYS)
+        for key, curve in p.efficiency.items():
+            assert curve.source and curve.basis == EFFICIENCY_KEYS[key][1]
+            assert all(0 < e <= 1 for _, e in curve.points), (p.name, key)
+            for size in (0.5, 1, 7, 300, 5000, 1e9):
+                assert 0 < curve.at(size) <= 1
+
+
+def test_datasheet_numbers_as_the_brief_gives_them():
+    # ../shared/BRIEF.md: H200 141 GB at 4.8 TB/s; H100 SXM 80 GB at 3.35 TB/s, ~989 TFLOP/s bf16;
+    # A100 80 GB 2.0 TB/s, 312 TFLOP/s; L4 24 GB, 300 GB/s, ~121 TFLOP/s; pinned Gen5 ~55, Gen4 ~25 GB/s.
+    h200, h100, a100, l4 = (load_profile(n) for n in ("h200", "h100-sxm", "a100-80gb", "l4"))
+    assert (h200.memory_bytes, h200.memory_bytes_per_s, h200.flops("bfloat16")) == (141e9, 4.8e12, 989e12)
+    assert (h100.memory_bytes, h100.memory_bytes_per_s, h100.flops()) == (80e9, 3.35e12, 989e12)
+    assert a100.flops() == 312e12 and abs(a100.memory_bytes_per_s - 2.0e12) < 0.05e12
+    assert (l4.memory_bytes, l4.memory_bytes_per_s, l4.flops()) == (24e9, 300e9, 121e12)
+    assert h100.link_pinned_bytes_per_s == 55e9 and a100.link_pinned_bytes_per_s == 25e9
+
+
+def test_curve_is_log_interpolated_and_flat_beyond():
+    c = Curve(((1, 0.2), (100, 0.8)), "hand")
+    assert c.at(0.01) == 0.2 and c.at(1e6) == 0.8
+    assert math.isclose(c.at(10), 0.5)  # halfway in log10 between 1 and 100
+    assert math.isclose(c.at(1000 ** 0.5), 0.2 + 0.6 * math.log(1000 ** 0.5) / math.log(100))
+
+
+def test_user_toml_inherits_and_overrides(tmp_path):
+    f = tmp_path / "my-h100.toml"
+    f.write_text('inherit = "h100-sxm"\nname = "my-h100"\ndescription = "our H100, slower HBM"\n'
+                 'memory_bytes_per_s = 3.0e12\n[sources]\nmemory_bytes_per_s = "our stream benchmark"\n'
+                 '[efficiency.copy]\npoints = [[1e6, 0.5], [1e8, 0.9]]\nsource = "our nvbandwidth run"\n')
+    base = load_profile("h100-sxm")
+    p = load_profile(str(f))
+    assert (p.name, p.memory_bytes_per_s) == ("my-h100", 3.0e12)
+    assert p.sources["memory_bytes_per_s"] == "our stream benchmark"
+    assert p.flops_per_s == base.flops_per_s and p.efficiency["gemm"] == base.efficiency["gemm"]  # inherited
+    assert p.efficiency["copy"].points == ((1e6, 0.5), (1e8, 0.9))
+    assert p.efficiency["copy"].at(1e7) == pytest.approx(0.7)
+    o = load_profile(str(f), {"memory_bytes_per_s": 2.5e12, "efficiency.gemm": [[1, 0.3], [512, 0.8]],
+                              "flops_per_s.bfloat16": 800e12})
+    assert o.memory_bytes_per_s == 2.5e12 and o.flops() == 800e12
+    assert o.efficiency["gemm"].points == ((1, 0.3), (512, 0.8)) and "override" in o.efficiency["gemm"].source
+    assert "override" in o.sources["memory_bytes_per_s"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ('inherit = "h100-sxm"\nmemory_bytes_per_s = -1\n', "memory_bytes_per_s"),
+    ('inherit = "h100-sxm"\nhbm_bytes_per_s = 3e12\n', "hbm_bytes_per_s"),
+    ('inherit = "h100-sxm"\n[efficiency.gemm]\npoints = [[1, 1.5]]\nsource = "x"\n', "efficiency.gemm.points"),
+    ('inherit = "h100-sxm"\n[efficiency.gemmm]\npoints = [[1, 0.5]]\nsource = "x"\n', "efficiency.gemmm"),
+    ('inherit = "h100-sxm"\n[efficiency.copy]\npoints = [[1, 0.5]]\n', "efficiency.copy.source"),
+    ('inherit = "no-such-gpu"\n', "inherit"),
+    ('name = "alone"\n', "description"),
+])
+def test_bad_field_is_one_line_naming_file_and_field(tmp_path, body, field):
+    f = tmp_path / "bad.toml"
+    f.write_text(body)
+    with pytest.raises(ValueError) as err:
+        load_profile(str(f))
+    msg = str(err.value)
+    assert "\n" not in msg and str(f) in msg and repr(field) in msg, msg
+
+
+def test_bad_override_and_unknown_name():
+    with pytest.raises(ValueError, match="'memory_bytes_per_sec'"):
+        load_profile("h100-sxm", {"memory_bytes_per_sec": 1e12})
+    with pytest.raises(ValueError, match="h100-sxm"):  # the message lists the built-ins
+        load_profile("h100")
+
+
+def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
+    from engines.common.peaks import cache_path, cpu_model
+
+    assumed = cpu_profile()
+    assert "assumed" in assumed.sources["memory_bytes_per_s"] and assumed.default_dtype == "float32"
+    m = {"memory_bandwidth_bytes_per_s": 30e9, "matmul_flops_per_s": 200e9, "op_overhead_s": 4e-6,
+         "matmul_flops_at_rows": {"1": 2e9, "512": 180e9, "1024": 200e9}, "decode_attention_bytes_per_s": 9e9,
+         "prefill_attention_flops_per_s": 50e9, "measured_at": "2025-01-01T00:00:00"}
+    cache_path().parent.mkdir(parents=True)
+    cache_path().write_text(json.dumps({cpu_model(): m}))
+    p = load_profile("cpu")
+    assert (p.memory_bytes_per_s, p.flops("float32"), p.op_overhead_s) == (30e9, 200e9, 4e-6)
+    assert "measured" in p.sources["memory_bytes_per_s"] and "2025-01-01" in p.sources["memory_bytes_per_s"]
+    # 1 row of a 1024 x 1024 float32 matmul: 2 x 1024^2 FLOPs over 4 x (1024^2 + 2 x 1024) bytes at 30 GB/s
+    bound = 2 * 1024 * 1024 / (4 * (1024 * 1024 + 2 * 1024)) * 30e9
+    assert p.efficiency["gemm"].at(1) == pytest.approx(2e9 / bound, abs=1e-4)
+    assert p.efficiency["attention_decode"].at(64) == pytest.approx(9e9 / 30e9, abs=1e-4)
+    assert p.efficiency["attention_prefill"].at(128) == pytest.approx(50e9 / 200e9, abs=1e-4)
+
+
+def test_pwbench_hw_list_and_show():
+    from harness.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["hw", "list", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = {r["name"]: r for r in json.loads(out.output.strip().splitlines()[-1])}
+    assert set(rows) >= {*GPUS, "cpu"}
+    assert rows["h100-sxm"]["memory_tb_per_s"] == 3.35 and rows["h100-sxm"]["tflops"] == 989
+    table = runner.invoke(app, ["hw", "list"])
+    assert table.exit_code == 0 and any(line.split()[:2] == ["h200", "141"] for line in table.output.splitlines())
+    show = runner.invoke(app, ["hw", "show", "l4"])
+    assert show.exit_code == 0 and "NVIDIA L4 datasheet" in show.output and "efficiency.copy" in show.output
+    bad = runner.invoke(app, ["hw", "show", "h100"])
+    assert bad.exit_code == 2 and "unknown hardware profile 'h100'" in bad.output
