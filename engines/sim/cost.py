@@ -1,0 +1,355 @@
+"""The simulator's per-step cost model: a step's duration from what it did (no torch).
+
+A step is priced module by module as a roofline with efficiencies, as MoE-Lightning's
+hierarchical roofline (arXiv 2411.11217) and moegen's plan (engines/moegen/cost.py) do: each
+module takes max(bytes / (bandwidth x efficiency), FLOPs / (peak x efficiency)), where the
+efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the module's size.
+
+- GEMMs: "gemm" and "grouped_gemm" are fractions of the GEMM's roofline bound (the profile's
+  basis, engines/sim/hardware.py), so a GEMM reading W weight bytes for F FLOPs over r rows takes
+  max(W / bandwidth, F / peak) / eff(r) (its activations' bytes are left out of W: a few
+  percent at decode, nothing where it is compute-bound).
+- Dense weights (`StepWork.dense_bytes_read`, the LM head split off) are read once per step,
+  with FLOPs 2 x their parameters x the step's tokens (every dense weight is one multiply-add per
+  token: projections, router, shared experts, dense MLPs), "gemm" over the step's tokens.
+- LM head over `logit_rows` rows (a GEMM), plus greedy sampling reading the logits ("sample",
+  optional, a fraction of memory_bytes_per_s over rows).
+- Each expert that ran (`ExpertRun`): its stored bytes and 2 x 3 x D x I FLOPs per token routed
+  to it, "grouped_gemm" over its rows; quantized (bits below the model dtype's) its bytes at
+  "dequant_gemm_{b}" (nearest b) of the bandwidth instead: dequant kernels are bandwidth-bound
+  at decode.
+- Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
+  "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
+  "gemm" over the query heads sharing a KV read); prefill, causal, chunk x (context + chunk / 2)
+  x 4 x heads x head_dim FLOPs per layer at "attention_prefill" over the chunk, against reading
+  the context's KV and writing the chunk's.
+- This runtime's kernels as counts (facts about engines/runtime, shared with moegen's model):
+  activations through the elementwise kernels ("elementwise" over the step's tokens) and a
+  dispatch overhead per torch call (`profile.op_overhead_s`: the cpu profile's, measured; GPU
+  profiles fold launch costs into step_overhead_s). "elementwise" (optional) is a fraction of
+  memory_bytes_per_s over the step's tokens.
+- Copies: h2d and d2h bytes at link_pinned_bytes_per_s x "copy" over bytes per transfer; the two
+  directions run at once (PCIe is full duplex). With `copies_overlap` the copies run beside
+  compute at the "copy_overlap" share of their speed (over bytes per transfer), except one
+  transfer (the step's first: nothing to run beside), which is waited for: the step takes
+  first + max(compute, the rest); without, copies add.
+  On a shared processor (the `cpu` profile: the "link" is a memcpy on the same cores, as in
+  moegen's model) both directions and compute add up, always.
+- `step_overhead_s` once per step.
+
+`roofline_s` is the bytes the step must read (dense + experts that ran + KV attended, prefill
+contexts included) at memory_bytes_per_s; every module's time is at least its bytes at that
+rate (efficiencies are at most 1), so `seconds >= roofline_s`.
+
+Differences from moegen's plan model by design: no micro-batches, rings or host attention (the
+simulated engine's own control code decides placements, the step reports its copies); experts
+priced one by one (uneven loads cost more than moegen's even split); dense FLOPs from every
+dense parameter (moegen counts the attention projections only).
+
+Interpolation: the curves' points are read once and interpolated here in log(size), flat beyond
+the points, as `Curve.at` does (a few lines duplicated from engines/moegen/cost.py's
+`_log_interpolate`: engines/sim may not import engines.moegen). Memos by (tokens, bytes, bits)
+and by context make `step()` one dict lookup per expert run and per decode sequence; an
+executor may pass alike experts of a layer as one run with `count` (measured: ~0.1 ms for a
+Mixtral-8x7B decode step, ~5-8 ms for 11,600 separate DeepSeek-V3 runs, ~0.7 ms aggregated, on
+this loaded 2-core machine).
+
+VERSION: bump when a formula, a default or a counted constant changes what `step()` returns for
+the same profile, shape and StepWork (results of different versions are not comparable);
+refactors that keep every number do not bump.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from engines.runtime.shape import ModelShape
+
+# Python-level torch calls per layer of a step (180) plus 2 per attention call group (decode,
+# prefill), and per expert that runs (8); counted by moegen over this runtime's decode steps
+# (engines/moegen/cost.py OPS_PER_LAYER / OPS_PER_EXPERT, duplicated: no import of engines.moegen).
+OPS_PER_LAYER = 180
+OPS_PER_ATTENTION_GROUP = 2
+OPS_PER_EXPERT = 8
+# Activation elements the elementwise kernels read and write per layer, counted from
+# engines/runtime/model.py and experts.py (duplicated from engines/moegen/cost.py ACT_*): per
+# token 14 x hidden + 6 x (q + kv) + q; per expert assignment 6 x hidden + 5 x intermediate.
+ACT_PER_TOKEN_HIDDEN, ACT_PER_TOKEN_QKV, ACT_PER_ASSIGNMENT_HIDDEN, ACT_PER_ASSIGNMENT_INTERMEDIATE = 14, 6, 6, 5
+
+# Curves the model reads; an absent one is taken as efficiency 1.0 and said in assumptions().
+CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elementwise", "sample", "copy",
+          "copy_overlap")
+_MEMO_LIMIT = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRun:
+    """An expert that ran this step, as stored: `tokens` routed to it, `nbytes` read, `bits` per
+    weight; `count` (added to the design's fields): this many experts of the layer ran alike, so
+    an executor may aggregate a large model's runs (cost is the same as `count` separate runs)."""
+
+    layer: int
+    tokens: int
+    nbytes: int
+    bits: float
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class StepWork:
+    prefill: tuple[tuple[int, int], ...] = ()  # (chunk tokens, tokens already in context before it) per chunk
+    decode_contexts: tuple[int, ...] = ()  # context per decode sequence (tokens attended incl. the new one)
+    experts: tuple[ExpertRun, ...] = ()
+    dense_bytes_read: int = 0  # dense weights the step reads (LM head included)
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_transfers: int = 0
+    d2h_transfers: int = 0
+    copies_overlap: bool = False  # copies run beside compute (prefetch/streaming) or are waited for
+    kv_bytes_per_token: int = 0  # all layers
+    logit_rows: int = 0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    seconds: float
+    # Seconds per part; every part but "link_busy" (the copies' whole time, hidden or not) sums
+    # to `seconds`: dense, head, experts, attention, activations, dispatch, overhead, copies
+    # (the copy time not hidden under compute).
+    parts: dict[str, float] = field(default_factory=dict)
+    roofline_s: float = 0.0  # bytes the step must read / memory_bytes_per_s (never above seconds)
+
+
+class _Interp:
+    """A curve's (size, efficiency) points, interpolated linearly in log(size), flat beyond."""
+
+    __slots__ = ("xs", "logs", "ys", "flat")
+
+    def __init__(self, points: Any) -> None:
+        pts = sorted((float(x), float(y)) for x, y in points)
+        if not pts:
+            pts = [(1.0, 1.0)]
+        self.xs = [x for x, _ in pts]
+        self.logs = [math.log(x) for x in self.xs]
+        self.ys = [y for _, y in pts]
+        self.flat = len(set(self.ys)) == 1
+
+    def at(self, x: float) -> float:
+        ys = self.ys
+        if self.flat or x <= self.xs[0]:
+            return ys[0]
+        i = bisect_right(self.xs, x)
+        if i >= len(ys):
+            return ys[-1]
+        lo, hi = self.logs[i - 1], self.logs[i]
+        return ys[i - 1] + (math.log(x) - lo) / (hi - lo) * (ys[i] - ys[i - 1])
+
+
+class _Memo(dict):
+    """A dict that computes a missing value with `fn` and keeps it."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+        self.kv_bytes_per_token = 0
+
+    def __missing__(self, key: Any) -> float:
+        value = self[key] = self.fn(key)
+        return value
+
+
+def _bits_key(efficiency: dict[str, Any], bits: float) -> str | None:
+    """The dequant_gemm_{b} curve nearest `bits` (ties to the wider), None if the profile has none."""
+    widths = sorted(int(k.rsplit("_", 1)[1]) for k in efficiency
+                    if k.startswith("dequant_gemm_") and k.rsplit("_", 1)[1].isdigit())
+    if not widths:
+        return None
+    return f"dequant_gemm_{min(widths, key=lambda b: (abs(b - bits), -b))}"
+
+
+class CostModel:
+    VERSION: ClassVar[str] = "1"
+
+    def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
+        if dtype not in profile.flops_per_s:
+            raise ValueError(f"hardware profile {profile.name!r} has no FLOP rate for dtype {dtype!r} "
+                             f"(flops_per_s has {sorted(profile.flops_per_s)}); add it or pick one of those")
+        self.profile, self.shape, self.dtype = profile, shape, dtype
+        self.bw = float(profile.memory_bytes_per_s)
+        self.peak = float(profile.flops_per_s[dtype])
+        self.link = float(profile.link_pinned_bytes_per_s)
+        self.op_overhead_s = float(getattr(profile, "op_overhead_s", 0.0) or 0.0)
+        shared = getattr(profile, "shared_processor", None)
+        self.shared = bool(shared) if shared is not None else profile.name == "cpu"
+        eff = profile.efficiency
+        self.missing = [k for k in CURVES if k not in eff]
+        self.curves = {k: _Interp(eff[k].points if k in eff else ()) for k in CURVES}
+        self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
+        s = shape
+        self.dtype_bits = 8 * s.dtype_bytes
+        self.head_params = s.head_bytes / s.dtype_bytes
+        self.layer_params = s.layer_dense_bytes / s.dtype_bytes
+        kv_heads = s.kv_size / s.head_dim if s.head_dim else 1.0
+        # Query heads sharing one KV read (GQA group; MLA: every head reads the one latent).
+        self.query_group = max(1.0, s.heads / max(1.0, kv_heads))
+        self.attn_flops_per_key = 4 * s.heads * s.head_dim * s.layers  # scores and values, all layers
+        self.act_per_token = (ACT_PER_TOKEN_HIDDEN * s.hidden + ACT_PER_TOKEN_QKV * (s.q_size + s.kv_size)
+                              + s.q_size) * s.dtype_bytes * s.layers
+        self.act_per_assignment = (ACT_PER_ASSIGNMENT_HIDDEN * s.hidden
+                                   + ACT_PER_ASSIGNMENT_INTERMEDIATE * s.intermediate) * s.dtype_bytes
+        self._expert_memo = _Memo(lambda key: self._expert_s(*key))
+        self._decode_memo = _Memo(lambda ctx: self._decode_s(ctx, self._decode_memo.kv_bytes_per_token))
+
+    # -- modules --------------------------------------------------------------------------
+    def _expert_s(self, tokens: int, nbytes: int, bits: float) -> float:
+        c = self.curves
+        flops = self.shape.expert_flops_per_token * tokens
+        eff = c["grouped_gemm"].at(tokens)
+        if bits < self.dtype_bits and self.dequant:
+            bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
+        else:
+            bw_eff = eff
+        return max(nbytes / (self.bw * bw_eff), flops / (self.peak * eff))
+
+    def _decode_s(self, context: int, kv_bytes_per_token: int) -> float:
+        nbytes = context * kv_bytes_per_token
+        flops = self.attn_flops_per_key * context
+        return max(nbytes / (self.bw * self.curves["attention_decode"].at(context)),
+                   flops / (self.peak * self.curves["gemm"].at(self.query_group)))
+
+    def step(self, work: StepWork) -> StepCost:
+        s, c, bw, peak = self.shape, self.curves, self.bw, self.peak
+        decode = len(work.decode_contexts)
+        prefill_tokens = sum(n for n, _ in work.prefill)
+        T = decode + prefill_tokens
+        kvb = work.kv_bytes_per_token
+        read = float(work.dense_bytes_read)
+        dense = head = experts = attention = activations = dispatch = 0.0
+        if T:
+            # Dense layers and the LM head (split off what the step reports).
+            head_bytes = min(s.head_bytes, work.dense_bytes_read)
+            layer_bytes = work.dense_bytes_read - head_bytes
+            dense = max(layer_bytes / bw, 2 * T * self.layer_params * s.layers / peak) / c["gemm"].at(T)
+            rows = work.logit_rows
+            if rows:
+                head = max(head_bytes / bw, 2 * rows * self.head_params / peak) / c["gemm"].at(rows)
+                head += rows * s.vocab * s.dtype_bytes / (bw * c["sample"].at(rows))
+            else:  # no row sampled: the head is not run, but the step reports its bytes read
+                head = head_bytes / bw / c["gemm"].at(1)
+            # Experts, memoised by (tokens, bytes, bits): their cost does not depend on the layer.
+            memo = self._expert_memo
+            if len(memo) > _MEMO_LIMIT:
+                memo.clear()
+            get = memo.__getitem__
+            assignments = n_runs = 0
+            for r in work.experts:
+                n, t = r.count, r.tokens
+                experts += get((t, r.nbytes, r.bits)) * n
+                assignments += t * n
+                read += r.nbytes * n
+                n_runs += n
+            # Attention.
+            dmemo = self._decode_memo
+            if dmemo.kv_bytes_per_token != kvb or len(dmemo) > _MEMO_LIMIT:
+                dmemo.clear()
+                dmemo.kv_bytes_per_token = kvb
+            attention = sum(map(dmemo.__getitem__, work.decode_contexts))
+            read += sum(work.decode_contexts) * kvb
+            for chunk, ctx in work.prefill:
+                if chunk <= 0:
+                    continue
+                flops = self.attn_flops_per_key * chunk * (ctx + chunk / 2)
+                attention += max((ctx + chunk) * kvb / bw, flops / (peak * c["attention_prefill"].at(chunk)))
+                read += ctx * kvb
+            # This runtime's elementwise kernels and per-call dispatch.
+            ew = bw * c["elementwise"].at(T)
+            activations = (T * self.act_per_token + assignments * self.act_per_assignment) / ew
+            if self.op_overhead_s:
+                groups = (1 if decode else 0) + (1 if prefill_tokens else 0)
+                dispatch = self.op_overhead_s * ((OPS_PER_LAYER + OPS_PER_ATTENTION_GROUP * groups) * s.layers
+                                                 + OPS_PER_EXPERT * n_runs)
+        else:
+            read = 0.0  # no token computed: nothing read
+        compute = dense + head + experts + attention + activations + dispatch
+        # Copies.
+        h2d = d2h = 0.0
+        if work.h2d_bytes:
+            h2d = work.h2d_bytes / (self.link * c["copy"].at(work.h2d_bytes / max(1, work.h2d_transfers)))
+        if work.d2h_bytes:
+            d2h = work.d2h_bytes / (self.link * c["copy"].at(work.d2h_bytes / max(1, work.d2h_transfers)))
+        if self.shared:
+            busy = h2d + d2h
+            exposed = busy
+        else:
+            busy = max(h2d, d2h)
+            exposed = busy
+            if work.copies_overlap and busy:
+                transfers = max(1, work.h2d_transfers + work.d2h_transfers)
+                first = busy / transfers  # the step's first copy has nothing to run beside
+                rest = (busy - first) / c["copy_overlap"].at((work.h2d_bytes + work.d2h_bytes) / transfers)
+                busy = first + rest
+                exposed = first + max(0.0, rest - compute)
+        overhead = float(self.profile.step_overhead_s) if (T or busy) else 0.0
+        seconds = compute + exposed + overhead
+        parts = {"dense": dense, "head": head, "experts": experts, "attention": attention,
+                 "activations": activations, "dispatch": dispatch, "overhead": overhead, "copies": exposed,
+                 "link_busy": busy}
+        return StepCost(seconds, parts, read / bw)
+
+    def assumptions(self) -> dict[str, Any]:
+        """Every number the model uses and where it comes from, for the result folder."""
+        p = self.profile
+        eff = p.efficiency
+        curves = {k: {"points": [list(pt) for pt in eff[k].points], "source": eff[k].source}
+                  for k in sorted(eff)}
+        for k in self.missing:
+            curves[k] = {"points": [[1.0, 1.0]], "source": "not in the profile: efficiency 1.0 assumed"}
+        sources = dict(getattr(p, "sources", {}) or {})
+        return {
+            "cost_model": "engines/sim/cost.py", "version": self.VERSION,
+            "profile": p.name, "description": getattr(p, "description", ""), "dtype": self.dtype,
+            "memory_bytes_per_s": self.bw, "flops_per_s": self.peak, "link_pinned_bytes_per_s": self.link,
+            "step_overhead_s": float(p.step_overhead_s),
+            "op_overhead_s": self.op_overhead_s,
+            "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
+            else "profile has no op_overhead_s: per-call dispatch not counted (launches in step_overhead_s)",
+            "quantized_experts": "dequant_gemm_{b} curves of the profile" if self.dequant
+            else "profile has no dequant_gemm curve: quantized experts priced as full-width GEMMs",
+            "shared_processor": self.shared,
+            "shared_processor_rule": "copies are memcpys on the compute cores: they add, never overlap" if self.shared
+            else "h2d and d2h run at once (full duplex); with copies_overlap one transfer is waited for and the "
+                 "rest runs beside compute at copy_overlap x its speed: first + max(compute, rest)",
+            "efficiency": curves, "sources": sources,
+            "counts": {"ops_per_layer": OPS_PER_LAYER, "ops_per_attention_group": OPS_PER_ATTENTION_GROUP,
+                       "ops_per_expert": OPS_PER_EXPERT,
+                       "source": "torch calls counted over this runtime's decode steps (engines/moegen/cost.py)",
+                       "activation_elements_per_token": "14 hidden + 6 (q + kv) + q per layer",
+                       "activation_elements_per_assignment": "6 hidden + 5 intermediate",
+                       "activation_source": "engines/runtime/model.py and experts.py, counted"},
+            "formulas": {
+                "module": "max(bytes / (memory_bytes_per_s x eff), FLOPs / (flops_per_s x eff))",
+                "gemm": "max(weight bytes / memory_bytes_per_s, FLOPs / flops_per_s) / eff(rows) (eff: a "
+                        "fraction of the roofline bound)",
+                "dense": "dense_bytes_read less the LM head, 2 x dense params x T FLOPs, gemm(T)",
+                "head": "LM head bytes, 2 x logit_rows x (hidden + 1) x vocab FLOPs, gemm(rows); argmax reads "
+                        "the logits at sample(rows) x memory_bytes_per_s",
+                "experts": "per expert that ran: nbytes and 6 x hidden x intermediate x tokens FLOPs at "
+                           "grouped_gemm(rows); bits < the dtype's: nbytes at dequant_gemm_{nearest bits}(rows) "
+                           "x memory_bytes_per_s",
+                "activations": "elements counted per token and per assignment x dtype bytes at elementwise(T) "
+                               "x memory_bytes_per_s",
+                "dispatch": "op_overhead_s x (180 + 2 per attention group) per layer + 8 per expert that ran",
+                "decode_attention": "context x kv_bytes_per_token at attention_decode(context); 4 x heads x "
+                                    "head_dim x context x layers FLOPs at gemm(query heads per KV head)",
+                "prefill_attention": "chunk x (context + chunk/2) x 4 x heads x head_dim x layers FLOPs at "
+                                     "attention_prefill(chunk); (context + chunk) x kv_bytes_per_token at the "
+                                     "bandwidth",
+                "copies": "bytes / (link_pinned_bytes_per_s x copy(bytes per transfer))",
+                "roofline": "(dense_bytes_read + experts' nbytes + KV attended) / memory_bytes_per_s",
+            },
+            "left_out": "the scheduler's Python per sequence; kernel fusion beyond this runtime's; MLA "
+                        "attention FLOPs are those of the absorbed shape (engines/runtime/shape.py)",
+        }

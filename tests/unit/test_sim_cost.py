@@ -1,0 +1,275 @@
+"""The simulator's cost model (engines/sim/cost.py) and the cpu calibration (engines/sim/calibrate.py).
+
+Oracles: step times computed by hand on a hand-made profile; moegen's independently written
+and measured-against cost model (engines/moegen/cost.py) on the bundled model; the roofline
+bound over random steps; the measurement dict's own ratios for the calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engines.runtime.config import parse_config
+from engines.runtime.shape import ModelShape, model_shape
+from engines.sim.calibrate import cpu_rates, fit_cpu_curves
+from engines.sim.cost import CostModel, ExpertRun, StepWork, _Interp
+from engines.sim.hardware import Curve, HardwareProfile
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def flat(eff: float) -> Curve:
+    return Curve(((1.0, eff),), "test")
+
+
+def profile(name: str = "toy", *, bw: float = 1e9, peak: float = 1e12, link: float = 1e8, op: float = 1e-6,
+            step: float = 5e-6, dtype: str = "bfloat16", **curves: Curve) -> HardwareProfile:
+    eff = {"gemm": flat(0.5), "grouped_gemm": flat(0.25), "attention_decode": flat(0.8),
+           "attention_prefill": flat(0.4), "elementwise": flat(0.5), "sample": flat(0.5), "copy": flat(0.5),
+           "copy_overlap": flat(0.5), **curves}
+    return HardwareProfile(name=name, description="hand-made", memory_bytes=1 << 30, memory_bytes_per_s=bw,
+                           flops_per_s={dtype: peak}, link_bytes_per_s=link, link_pinned_bytes_per_s=link,
+                           host_memory_bytes=1 << 30, host_memory_bytes_per_s=bw, host_flops_per_s=peak,
+                           step_overhead_s=step, efficiency=eff, sources={}, default_dtype=dtype, op_overhead_s=op)
+
+
+# One layer, one expert: hidden 4, q = kv = 4 (one head of 4), intermediate 8, vocab 10, bf16.
+TINY = ModelShape(layers=1, moe_layers=1, experts=1, top_k=1, hidden=4, q_size=4, kv_size=4, heads=1, head_dim=4,
+                  intermediate=8, vocab=10, dense_bytes=0, layer_dense_bytes=200, head_bytes=88, expert_bytes=192,
+                  kv_bytes_per_token=16, dtype_bytes=2)
+TINY_WORK = StepWork(decode_contexts=(10,), experts=(ExpertRun(0, 1, 192, 16.0),), dense_bytes_read=288,
+                     kv_bytes_per_token=16, logit_rows=1)
+# By hand, one decode token (bandwidth 1e9 B/s, 1e12 FLOP/s):
+#   dense     max(200 B / 1e9, 2 x 100 params / 1e12) / gemm 0.5                       =   400 ns
+#   head      max(88 B / 1e9, 2 x 44 params / 1e12) / 0.5 = 176 ns; argmax 10 x 2 B / (1e9 x 0.5) = 40 ns
+#   expert    max(192 B / (1e9 x 0.25), 2 x 3 x 4 x 8 FLOPs / (1e12 x 0.25))            =   768 ns
+#   attention 10 tokens x 16 B / (1e9 x 0.8) (FLOPs 160 / (1e12 x 0.5): less)           =   200 ns
+#   activations ((14 x 4 + 6 x 8 + 4) + (6 x 4 + 5 x 8)) x 2 B / (1e9 x 0.5) = 344 B x 2 ns =   688 ns
+#   dispatch  1 us x (180 + 2 + 8)                                                      =   190 us
+#   overhead                                                                            =     5 us
+TINY_COMPUTE = (400 + 216 + 768 + 200 + 688) * 1e-9 + 190e-6
+
+
+def test_tiny_step_by_hand():
+    cost = CostModel(profile(), TINY, "bfloat16").step(TINY_WORK)
+    assert cost.parts["dense"] == pytest.approx(400e-9)
+    assert cost.parts["head"] == pytest.approx(216e-9)
+    assert cost.parts["experts"] == pytest.approx(768e-9)
+    assert cost.parts["attention"] == pytest.approx(200e-9)
+    assert cost.parts["activations"] == pytest.approx(688e-9)
+    assert cost.parts["dispatch"] == pytest.approx(190e-6)
+    assert cost.seconds == pytest.approx(TINY_COMPUTE + 5e-6)
+    assert cost.roofline_s == pytest.approx((288 + 192 + 160) / 1e9)
+    assert sum(v for k, v in cost.parts.items() if k != "link_busy") == pytest.approx(cost.seconds)
+
+
+def test_prefill_attention_by_hand():
+    # A 6-token chunk after 4 cached tokens: 6 x (4 + 3) pairs x 4 x 1 x 4 FLOPs = 672 at 1e12 x 0.4
+    # = 1.68 ns; reading 4 and writing 6 tokens' KV: 160 B / 1e9 = 160 ns (the larger).
+    model = CostModel(profile(), TINY, "bfloat16")
+    work = StepWork(prefill=((6, 4),), kv_bytes_per_token=16)
+    assert model.step(work).parts["attention"] == pytest.approx(160e-9)
+    fast = CostModel(profile(bw=1e15), TINY, "bfloat16")
+    assert fast.step(work).parts["attention"] == pytest.approx(max(672 / 0.4e12, 160 / 1e15))
+    assert model.step(work).roofline_s == pytest.approx(4 * 16 / 1e9)  # the cached context is read
+
+
+def test_copies_add_overlap_or_share_the_processor():
+    # h2d 1000 B in 2 transfers, d2h 500 B in 1, at 1e8 x copy 0.5: 20 us and 10 us.
+    copies = dict(h2d_bytes=1000, h2d_transfers=2, d2h_bytes=500, d2h_transfers=1)
+    base = CostModel(profile(), TINY, "bfloat16")
+    waited = base.step(replace(TINY_WORK, **copies))
+    assert waited.seconds == pytest.approx(TINY_COMPUTE + 5e-6 + 20e-6)  # full duplex: the longer direction
+    # Overlapped: one transfer (20 us / 3) waited for, the rest at half speed beside compute (190 us: hidden).
+    over = base.step(replace(TINY_WORK, copies_overlap=True, **copies))
+    assert over.seconds == pytest.approx(TINY_COMPUTE + 5e-6 + 20e-6 / 3)
+    assert over.parts["link_busy"] == pytest.approx(20e-6 / 3 + 2 * (20e-6 * 2 / 3))
+    # Without the dispatch overhead compute (2.272 us) is shorter than the copies: they show.
+    lean = CostModel(profile(op=0.0), TINY, "bfloat16")
+    c = (400 + 216 + 768 + 200 + 688) * 1e-9
+    rest = 2 * 20e-6 * 2 / 3
+    assert lean.step(replace(TINY_WORK, copies_overlap=True, **copies)).seconds == \
+        pytest.approx(c + 5e-6 + 20e-6 / 3 + (rest - c))
+    # The cpu profile: copies are memcpys on the compute cores, both directions add, never overlap.
+    cpu = CostModel(profile("cpu"), TINY, "bfloat16")
+    for overlap in (False, True):
+        assert cpu.step(replace(TINY_WORK, copies_overlap=overlap, **copies)).seconds == \
+            pytest.approx(TINY_COMPUTE + 5e-6 + 30e-6)
+
+
+# mistralai/Mixtral-8x7B-v0.1 config.json (Hugging Face), the fields the shape reads.
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+           "vocab_size": 32000, "tie_word_embeddings": False, "max_position_embeddings": 32768,
+           "rms_norm_eps": 1e-5, "rope_theta": 1e6, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def test_quantized_experts_cheaper_than_bf16_at_decode_on_a_gpu():
+    # H100 SXM: 3.35 TB/s HBM, 989 TFLOP/s bf16 dense (NVIDIA datasheet); curves as hand-made
+    # estimates (4-bit dequant kernels near memory speed at decode, as Marlin reports).
+    h100 = profile("h100-test", bw=3.35e12, peak=989e12, link=55e9, op=0.0, step=20e-6,
+                   grouped_gemm=Curve(((1, 0.5), (64, 0.7), (512, 0.8)), "test"),
+                   dequant_gemm_4=Curve(((1, 0.7), (64, 0.6), (512, 0.3)), "test"),
+                   dequant_gemm_8=Curve(((1, 0.75), (512, 0.4)), "test"))
+    shape = model_shape(parse_config(MIXTRAL, "Mixtral-8x7B config"), 2)
+    model = CostModel(h100, shape, "bfloat16")
+    params = shape.expert_bytes // 2
+    for tokens in (1, 4, 16):
+        bf16 = model.step(StepWork(experts=(ExpertRun(0, tokens, shape.expert_bytes, 16.0),) * 64,
+                                   decode_contexts=(512,) * tokens, kv_bytes_per_token=shape.kv_bytes_per_token))
+        q4_bytes = int(params * 4.25 / 8)
+        q4 = model.step(StepWork(experts=(ExpertRun(0, tokens, q4_bytes, 4.25),) * 64,
+                                 decode_contexts=(512,) * tokens, kv_bytes_per_token=shape.kv_bytes_per_token))
+        assert q4.parts["experts"] < bf16.parts["experts"] / 2
+        assert q4.seconds < bf16.seconds
+
+
+@st.composite
+def step_works(draw):
+    runs = tuple(ExpertRun(draw(st.integers(0, 3)), draw(st.integers(1, 600)), draw(st.integers(1, 10**9)),
+                           draw(st.sampled_from([2.0, 3.1, 4.25, 8.5, 16.0])))
+                 for _ in range(draw(st.integers(0, 12))))
+    h2d, d2h = draw(st.integers(0, 10**10)), draw(st.integers(0, 10**10))
+    return StepWork(
+        prefill=tuple(draw(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 10**5)), max_size=3))),
+        decode_contexts=tuple(draw(st.lists(st.integers(1, 10**5), max_size=40))),
+        experts=runs, dense_bytes_read=draw(st.integers(0, 10**11)),
+        h2d_bytes=h2d, d2h_bytes=d2h, h2d_transfers=draw(st.integers(1 if h2d else 0, 50)),
+        d2h_transfers=draw(st.integers(1 if d2h else 0, 50)), copies_overlap=draw(st.booleans()),
+        kv_bytes_per_token=draw(st.integers(1, 10**6)), logit_rows=draw(st.integers(0, 64)))
+
+
+curves = st.lists(st.tuples(st.floats(1, 1e6), st.floats(0.01, 1.0)), min_size=1, max_size=4,
+                  unique_by=lambda p: p[0]).map(lambda pts: Curve(tuple(sorted(pts)), "random"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(work=step_works(), name=st.sampled_from(["cpu", "gpu"]), gemm=curves, grouped=curves, dq=curves,
+       att=curves, overlap=curves)
+def test_never_below_the_roofline(work, name, gemm, grouped, dq, att, overlap):
+    shape = TINY if name == "cpu" else replace(TINY, layers=4, hidden=4096, intermediate=1536, q_size=4096,
+                                               kv_size=512, heads=32, head_dim=128, vocab=150000,
+                                               layer_dense_bytes=10**8, head_bytes=10**9)
+    p = profile(name, bw=3e12, peak=1e15, gemm=gemm, grouped_gemm=grouped, dequant_gemm_4=dq,
+                attention_decode=att, copy_overlap=overlap)
+    cost = CostModel(p, shape, "bfloat16").step(work)
+    assert cost.seconds >= cost.roofline_s * (1 - 1e-12)
+    assert sum(v for k, v in cost.parts.items() if k != "link_busy") == pytest.approx(cost.seconds)
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=curves, x=st.floats(0.01, 1e7))
+def test_interpolation_is_the_curves(c, x):
+    assert _Interp(c.points).at(x) == pytest.approx(c.at(x), rel=1e-12)
+
+
+# A `pwbench hw --device cpu` measurement dict (harness/hw.py `measure`), with rates of the order
+# docs/moegen.md reports for these CPUs.
+MEASURED = {
+    "measured_at": "2025-01-01T00:00:00", "memory_bandwidth_bytes_per_s": 20e9, "matmul_flops_per_s": 150e9,
+    "matmul_flops_at_rows": {"1": 5e9, "2": 9e9, "4": 17e9, "8": 30e9, "32": 80e9, "128": 120e9, "512": 140e9,
+                             "1024": 150e9},
+    "argmax_bytes_per_s": 8e9, "elementwise_bytes_per_s": 12e9,
+    "elementwise_bytes_per_s_at_tokens": {"256": 12e9, "8192": 5e9},
+    "decode_attention_bytes_per_s": 5e9, "prefill_attention_flops_per_s": 30e9,
+    "skinny_matmul_bytes_per_s": 15e9, "op_overhead_s": 3.4e-6,
+}
+
+
+def test_calibrate_efficiency_is_measured_over_peak():
+    fit = fit_cpu_curves(MEASURED)
+    n, bw, peak = 1024, 20e9, 150e9
+    # rows 8: bound = FLOPs / bytes x bandwidth = 2 x 8 x n^2 / (4 x (n^2 + 16 n)) x 20e9 (< the peak)
+    bound8 = 2 * 8 * n * n / (4 * (n * n + 16 * n)) * bw
+    gemm = dict(fit["gemm"]["points"])
+    assert gemm[8] == pytest.approx(30e9 / bound8)
+    assert gemm[512] == pytest.approx(140e9 / 150e9)  # compute-bound there: over the peak
+    assert gemm[1024] == pytest.approx(1.0)
+    assert fit["grouped_gemm"]["points"] == fit["gemm"]["points"]
+    assert fit["attention_decode"]["points"] == [[64, 5e9 / bw]]
+    assert fit["attention_prefill"]["points"] == [[128, 30e9 / peak]]
+    assert fit["elementwise"]["points"] == [[256.0, 12e9 / bw], [8192.0, 5e9 / bw]]
+    assert fit["sample"]["points"] == [[256, 8e9 / bw]]
+    assert cpu_rates(MEASURED) == {"memory_bytes_per_s": bw, "flops_per_s": {"float32": peak},
+                                   "link_pinned_bytes_per_s": bw / 2, "op_overhead_s": 3.4e-6}
+    for c in fit.values():  # every curve is one a profile takes
+        Curve(tuple(map(tuple, c["points"])), c["source"])
+        assert all(0 < e <= 1 for _, e in c["points"]) and c["source"]
+    # A cache-resident kernel faster than the copy bandwidth is clipped, and says so.
+    fast = fit_cpu_curves({**MEASURED, "elementwise_bytes_per_s_at_tokens": {"256": 30e9}})["elementwise"]
+    assert fast["points"] == [[256.0, 1.0]] and "clipped" in fast["source"]
+    with pytest.raises(ValueError, match="memory_bandwidth_bytes_per_s.*rerun `pwbench hw"):
+        fit_cpu_curves({**MEASURED, "memory_bandwidth_bytes_per_s": 0})
+
+
+def cpu_profile_from(m: dict) -> HardwareProfile:
+    rates = cpu_rates(m)
+    eff = {k: Curve(tuple(map(tuple, c["points"])), c["source"]) for k, c in fit_cpu_curves(m).items()}
+    return replace(profile("cpu", bw=rates["memory_bytes_per_s"], peak=rates["flops_per_s"]["float32"],
+                           link=rates["link_pinned_bytes_per_s"], op=rates["op_overhead_s"], step=0.0,
+                           dtype="float32"), efficiency={"copy_overlap": flat(1.0), **eff})
+
+
+@pytest.mark.parametrize(("model", "seqs"), [("demo", 1), ("demo", 4), ("demo", 16), ("demo", 64), ("demo", 256),
+                                             ("mixtral", 4), ("mixtral", 8), ("mixtral", 128), ("mixtral", 512)])
+def test_cpu_decode_step_matches_moegen(model, seqs):
+    """The same `pwbench hw` measurements through moegen's model (all experts resident, KV on
+    the device) and this one give the same decode step within a few percent (Mixtral at batches
+    whose rows per expert and per step were measured). By design they differ in: dense FLOPs
+    (every dense parameter here, the attention projections there), GEMM bytes at decode
+    (moegen's skinny_matmul rate, here the matmul curve's roofline fraction), and between
+    measured row counts (here the efficiency against the roofline bound is interpolated, there
+    the FLOP/s: ~20% apart at 16 rows with these numbers)."""
+    from engines.moegen.cost import BatchPlan, decode_cost
+    from engines.moegen.hardware import hardware
+
+    path = REPO / "engines" / "demo_model" / "config.json"
+    raw = json.loads(path.read_text()) if model == "demo" else MIXTRAL
+    mc = parse_config(raw, str(path))
+    shape = model_shape(mc, 4)
+    context = 200
+    hw = hardware("test-cpu", on_cpu=True, link_bytes_per_s=None, peaks=MEASURED)
+    plan = BatchPlan("device", seqs, seqs, 0, shape.total_experts, 1 << 30)
+    expected = decode_cost(shape, hw, plan, seqs, context).total_s
+    # Assignments spread evenly over the experts, as moegen's model assumes.
+    active = min(shape.experts, seqs * shape.top_k)
+    runs = tuple(ExpertRun(layer, seqs * shape.top_k // active, shape.expert_bytes, 32.0)
+                 for layer in range(shape.moe_layers) for _ in range(active))
+    # The engine's dense bytes read: every dense tensor but the embedding table (tied: it is the head).
+    embed = 0 if mc.tie_word_embeddings else shape.vocab * shape.hidden * 4
+    work = StepWork(decode_contexts=(context,) * seqs, experts=runs, dense_bytes_read=shape.dense_bytes - embed,
+                    kv_bytes_per_token=shape.kv_bytes_per_token, logit_rows=seqs)
+    got = CostModel(cpu_profile_from(MEASURED), shape, "float32").step(work).seconds
+    assert got == pytest.approx(expected, rel=0.03)
+
+
+def test_aggregated_runs_cost_as_separate_ones():
+    model = CostModel(profile(), TINY, "bfloat16")
+    runs = (*[ExpertRun(0, 3, 192, 16.0)] * 3, ExpertRun(0, 1, 48, 4.0))
+    separate = model.step(replace(TINY_WORK, experts=runs))
+    together = model.step(replace(TINY_WORK, experts=(ExpertRun(0, 3, 192, 16.0, count=3), runs[-1])))
+    assert together.seconds == pytest.approx(separate.seconds)
+    assert together.parts == pytest.approx(separate.parts) and together.roofline_s == separate.roofline_s
+
+
+def test_bad_dtype_is_one_line():
+    with pytest.raises(ValueError, match=r"no FLOP rate for dtype 'float8'.*\['bfloat16'\]") as err:
+        CostModel(profile(), TINY, "float8")
+    assert "\n" not in str(err.value)
+
+
+def test_assumptions_name_every_number():
+    model = CostModel(replace(profile(), efficiency={"gemm": flat(0.5)}), TINY, "bfloat16")
+    a = model.assumptions()
+    assert a["version"] == CostModel.VERSION and a["memory_bytes_per_s"] == 1e9 and a["op_overhead_s"] == 1e-6
+    assert a["efficiency"]["gemm"]["points"] == [[1.0, 0.5]]
+    assert "1.0 assumed" in a["efficiency"]["grouped_gemm"]["source"]
+    json.dumps(a)
+    assert math.isfinite(model.step(TINY_WORK).seconds)
