@@ -25,9 +25,10 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   the context's KV and writing the chunk's.
 - This runtime's kernels as counts (facts about engines/runtime, shared with moegen's model):
   activations through the elementwise kernels ("elementwise" over the step's tokens) and a
-  dispatch overhead per torch call (`profile.op_overhead_s`: the cpu profile's, measured; GPU
-  profiles fold launch costs into step_overhead_s). "elementwise" (optional) is a fraction of
-  memory_bytes_per_s over the step's tokens.
+  dispatch overhead per torch call (`profile.op_overhead_s`). On the cpu profile dispatch adds
+  to compute (the same cores); on a device launches are asynchronous, so the host's dispatch
+  runs beside the device's work and only what exceeds it shows (part "dispatch").
+  "elementwise" (optional) is a fraction of memory_bytes_per_s over the step's tokens.
 - Copies: h2d and d2h bytes at link_pinned_bytes_per_s x "copy" over bytes per transfer; the two
   directions run at once (PCIe is full duplex). With `copies_overlap` the copies run beside
   compute at the "copy_overlap" share of their speed (over bytes per transfer), except one
@@ -273,7 +274,12 @@ class CostModel:
                                                  + OPS_PER_EXPERT * n_runs)
         else:
             read = 0.0  # no token computed: nothing read
-        compute = dense + head + experts + attention + activations + dispatch
+        compute = dense + head + experts + attention + activations
+        if self.shared:  # the same cores dispatch and compute
+            compute += dispatch
+        else:  # launches are asynchronous: the host dispatches while the device computes
+            dispatch = max(0.0, dispatch - compute)
+            compute += dispatch
         # Copies.
         h2d = d2h = 0.0
         if work.h2d_bytes:
@@ -341,7 +347,8 @@ class CostModel:
                            "x memory_bytes_per_s",
                 "activations": "elements counted per token and per assignment x dtype bytes at elementwise(T) "
                                "x memory_bytes_per_s",
-                "dispatch": "op_overhead_s x (180 + 2 per attention group) per layer + 8 per expert that ran",
+                "dispatch": "op_overhead_s x (180 + 2 per attention group) per layer + 8 per expert that ran; "
+                            "added on a shared processor, else only what exceeds the device's compute",
                 "decode_attention": "context x kv_bytes_per_token at attention_decode(context); 4 x heads x "
                                     "head_dim x context x layers FLOPs at gemm(query heads per KV head)",
                 "prefill_attention": "chunk x (context + chunk/2) x 4 x heads x head_dim x layers FLOPs at "
