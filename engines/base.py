@@ -206,6 +206,9 @@ class Engine(ABC):
     # Has a cost-model plan `pwbench plan` prints: its config_cls extends engines/moegen/plan.py's
     # MoEGenConfig, and its start runs make_plan over it.
     plannable: ClassVar[bool] = False
+    # Runs under --simulate: its control path (scheduler, KV, budget, expert residency) has a
+    # simulated counterpart on the meta device (engines/sim).
+    simulates: ClassVar[bool] = False
 
     @abstractmethod
     def start(self) -> None: ...

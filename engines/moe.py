@@ -31,6 +31,7 @@ class MoEEngine(RuntimeEngine):
     config_cls = MoEEngineConfig
     prompt_logits = True
     float32_reference = True
+    simulates = True
 
     def load(self, cfg: MoEEngineConfig) -> Loaded:
         opened = self.open(cfg)

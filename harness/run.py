@@ -177,9 +177,11 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         make_runner(runner)
         runner.warmup(warmup_requests(args, info, demo))
         sampler = TelemetrySampler(runner.now, args.telemetry_hz)
+        simulation = getattr(engine, "simulation", None)  # a simulated run: no machine to sample
 
         def started() -> None:
-            sampler.start()
+            if simulation is None:
+                sampler.start()
             if on_start is not None:
                 on_start()
 
@@ -198,7 +200,8 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         requests = parquet_rows(path)  # read from the file a batch at a time by every summary below
         # The peaks of the device the engine ran on: a `--device cpu` run on a GPU host is
         # measured against the CPU, not the GPU NVML sees.
-        peaks = peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name())
+        peaks = (simulation.peaks() if simulation is not None
+                 else peaks_for(sampler.gpu_name if info.device.startswith("cuda") else _cpu_name()))
         summary = summarize(requests, records.steps, args.slo, info.model_stats, peaks)
         summary["memory"].update(weight_bytes=info.weight_bytes, kv_cache_bytes=info.kv_cache_bytes,
                                  kv_capacity_tokens=info.kv_capacity_tokens)
@@ -239,6 +242,7 @@ def _execute(args: RunArgs, model: str | None, stream: PartialRun, make_runner: 
         "engine_notes": notes,
         "quality": quality,
         **({"fidelity_skipped": fidelity["skipped"]} if "skipped" in fidelity else {}),
+        **({"simulated": simulation.describe()} if simulation is not None else {}),
         **extra,
     }
     stream.finish(run, records.steps, sampler.samples, tables)

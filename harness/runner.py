@@ -85,6 +85,9 @@ class Runner:
         unfinished ones and memory stays bounded however many requests the run sends."""
         if closed_loop and not concurrency:
             raise ValueError("a closed-loop run needs concurrency >= 1")
+        virtual = getattr(engine, "virtual_clock", None)
+        if virtual is not None:  # a simulated engine: its steps move this clock, and so do waits
+            clock, sleep = virtual.now, virtual.advance
         self.engine, self.clock, self.on_step, self.sleep = engine, clock, on_step, sleep
         self.on_record, self.keep_records = on_record, keep_records
         self._finished_count = 0

@@ -106,10 +106,25 @@ class OffloadBackend(HostTierBackend):
         """The slots' buffers, weights and biases (allocated once, full or not)."""
         return sum(s.nbytes() for s in self.slot_buffers.values())
 
+    @property
+    def copies_overlap(self) -> bool:
+        return self.predictor is not None
+
     def slots(self, layer: int) -> int:
         return len(self.slot_buffers[layer])
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
+        return self._run(layer, x, d)
+
+    def simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
+        """The same hits, misses, victims and copies as `forward`, no compute (--simulate). With
+        prefetch on, the prediction is `upcoming` (the next MoE layer's experts the simulator
+        routes, most tokens first): an exact predictor, where the measured one guesses."""
+        self._run(layer, None, d, upcoming)
+
+    def _run(self, layer: int, x: Tensor | None, d: Dispatch,
+             upcoming: tuple[int, list[int]] | None = None) -> Tensor | None:
+        """`forward`'s decisions in order; with x None (a simulated step) every compute is skipped."""
         self._count(layer, d)
         self._tick += 1
         cache, rows = self.caches[layer], segments(d)
@@ -122,9 +137,9 @@ class OffloadBackend(HostTierBackend):
         pending = set(needed)
         queue = self._fetch(layer, missing, pending)
         if self.predictor is not None:
-            self._prefetch(layer, x)
-        xs = x[d.token_index]
-        out = torch.empty_like(xs)
+            self._prefetch(self.predictor(layer, x) if x is not None else upcoming)
+        xs = x[d.token_index] if x is not None else None
+        out = torch.empty_like(xs) if xs is not None else None
         order = [e for e in needed if e not in missing] + missing
         for e in order:
             if e not in cache.slot_of:  # slots ran out at issue: one has been freed since
@@ -133,10 +148,11 @@ class OffloadBackend(HostTierBackend):
             if handle is not None:
                 handle.wait()
             slot = cache.slot_of[e]
-            out[rows[e]] = self.slot_buffers[layer].run(slot, xs[rows[e]])
+            if xs is not None:
+                out[rows[e]] = self.slot_buffers[layer].run(slot, xs[rows[e]])
             cache.touch(e, self._tick)
             pending.discard(e)
-        return combine(x, d, out)
+        return combine(x, d, out) if x is not None else None
 
     def step_stats(self) -> dict[str, int]:
         stats = dict(self._stats)
@@ -163,8 +179,7 @@ class OffloadBackend(HostTierBackend):
         cache.loading[expert] = self.copies.h2d(pairs, tag="experts")
         return True
 
-    def _prefetch(self, layer: int, x: Tensor) -> None:
-        guess = self.predictor(layer, x)
+    def _prefetch(self, guess: tuple[int, list[int]] | None) -> None:
         if guess is None:
             return
         nxt, experts = guess

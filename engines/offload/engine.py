@@ -106,6 +106,7 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
 
 class OffloadEngine(RuntimeEngine):
     name = "offload"
+    simulates = True
     config_cls = OffloadConfig
 
     def load(self, cfg: OffloadConfig) -> Loaded:

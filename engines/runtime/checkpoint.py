@@ -69,8 +69,10 @@ def read_json(path: Path) -> Any:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """Validate the folder layout and parse its config; reads no tensor data yet."""
+def open_checkpoint(path: str | Path, config_only: bool = False) -> Checkpoint:
+    """Validate the folder layout and parse its config; reads no tensor data yet. With
+    `config_only` (a simulated run, whose weights are shapes on the meta device) the folder
+    needs only config.json; weight files, if any, are not opened."""
     root = Path(path).expanduser()
     if not root.exists():
         raise ModelLoadError(f"model folder {root} does not exist")
@@ -85,7 +87,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     gen_path = root / "generation_config.json"
     generation = read_json(gen_path) if gen_path.is_file() else None
     config = parse_config(raw, str(config_path), generation)
-    return Checkpoint(root, config, raw, _key_files(root))
+    return Checkpoint(root, config, raw, {} if config_only else _key_files(root))
 
 
 def _key_files(root: Path) -> dict[str, Path]:
@@ -105,6 +107,9 @@ def _key_files(root: Path) -> dict[str, Path]:
                 return {key: single for key in f.keys()}
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"cannot read {single}: {exc}") from None
+    if not any(root.glob("*.safetensors")) and not any(root.glob("*.bin")):
+        raise ModelLoadError(f"{root} holds config.json but no weights: a config-only model runs only simulated "
+                             "(add --simulate HARDWARE, e.g. --simulate h100-sxm; `pwbench hw list` shows them)")
     if any(root.glob("*.bin")):
         raise ModelLoadError(f"{root} holds PyTorch .bin weights; pwbench reads safetensors only "
                              "(re-save with save_pretrained)")
@@ -180,6 +185,34 @@ class TensorReader:
         return self.get(prefix + ".weight", shape)
 
 
+class ShapeReader(TensorReader):
+    """Every tensor config.json implies, as an empty tensor on the meta device: the weights of a
+    simulated run (shapes and bytes, no data; --simulate). Layout probes answer for the fused
+    layout (`experts.gate_up_proj`), and for MXFP4 blocks when the config says MXFP4."""
+
+    def has(self, key: str) -> bool:
+        if key.endswith("gate_up_proj_blocks"):
+            return is_mxfp4(self.ckpt.config)
+        return key.endswith("experts.gate_up_proj")
+
+    def _read(self, key: str, shape: tuple[int, ...] | None) -> Tensor | None:
+        self.used.add(key)
+        if shape is not None:
+            return torch.empty(shape, dtype=self.dtype, device="meta")
+        return torch.empty(self._packed_shape(key), dtype=torch.uint8, device="meta")
+
+    def _packed_shape(self, key: str) -> tuple[int, ...]:
+        """MXFP4 `*_blocks` [E, rows, cols/32, 16] and `*_scales` [E, rows, cols/32] (uint8)."""
+        cfg = self.ckpt.config
+        E, I, D = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        rows, cols = (2 * I, D) if ".gate_up_proj_" in key else (D, I)
+        if key.endswith("_blocks"):
+            return E, rows, cols // 32, 16
+        if key.endswith("_scales"):
+            return E, rows, cols // 32
+        raise ModelLoadError(f"a simulated model has no stored shape for {key}")
+
+
 # Reads one MoE layer's routed experts: (reader, config, "model.layers.N.<moe>.experts.") -> experts | None.
 ExpertLoader = Callable[[TensorReader, ModelConfig, str], Any]
 
@@ -216,8 +249,9 @@ def load_model(ckpt: Checkpoint, device: torch.device, dtype: torch.dtype, ledge
     """Every tensor of the folder, strictly: routed experts through `load_experts`, other linear
     layers plain or through `linear_format`. Raises ModelLoadError naming missing tensors and
     tensors nothing used."""
+    reader = ShapeReader if device.type == "meta" else TensorReader
     with ExitStack() as stack:
-        return _load(TensorReader(ckpt, stack, device, dtype, ledger, linear_format), load_experts)
+        return _load(reader(ckpt, stack, device, dtype, ledger, linear_format), load_experts)
 
 
 def _load(reader: TensorReader, load_experts: ExpertLoader) -> tuple[ModelWeights, dict[int, Any]]:

@@ -81,7 +81,9 @@ class CopyEngine:
         if link_gbps is not None and device.type == "cuda":
             raise ValueError("link_gbps models a link on the CPU; on CUDA copies take the real link's time")
         self.ledger, self.device = ledger, device
-        self.bytes_per_s = link_gbps * 1e9 if link_gbps is not None else None
+        # A simulated run (meta device): copies are counted, done at issue, and timed by the
+        # simulator's cost model, not by a link model.
+        self.bytes_per_s = link_gbps * 1e9 if link_gbps is not None and device.type != "meta" else None
         self._lock = threading.Lock()
         self._busy = 0.0
         self._stall = 0.0
@@ -90,6 +92,7 @@ class CopyEngine:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._jobs: queue.Queue | None = None
         self._link_free_at = 0.0
+        self._done_handle: CopyHandle | None = None  # every simulated copy's (meta device)
         if self.bytes_per_s is not None:
             self._jobs = queue.Queue()
             self._worker = threading.Thread(target=self._run_link, name="pwbench-link", daemon=True)
@@ -104,6 +107,8 @@ class CopyEngine:
     # -- the host tier -----------------------------------------------------------------------------
     def host(self, tensor: Tensor) -> Tensor:
         """`tensor` as host-tier storage: on the CPU, pinned when the device is CUDA."""
+        if self.device.type == "meta":  # a simulated run's host tier: shapes, like its device
+            return tensor
         t = tensor.detach().to("cpu")
         return t.pin_memory() if self.device.type == "cuda" else t.contiguous()
 
@@ -118,6 +123,11 @@ class CopyEngine:
     def _issue(self, pairs: list[tuple[Tensor, Tensor]], direction: str, tag: str) -> CopyHandle:
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
         self.ledger.record(direction, nbytes, tag, transfers=len(pairs))
+        if self.device.type == "meta":  # simulated: counted, nothing to move, done
+            if self._done_handle is None:
+                self._done_handle = CopyHandle(self, 0)
+                self._done_handle._done.set()
+            return self._done_handle
         handle = CopyHandle(self, nbytes)
         self._inflight.append(handle)
         if self._stream is not None:

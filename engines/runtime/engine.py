@@ -60,6 +60,15 @@ class RuntimeConfig:
     # RTN-rounded to this many bits at start and computed at full precision; None: off.
     expert_bits: int | None = None
     expert_group: int = 32  # inputs per RTN group with expert_bits; 0: one group per output row
+    # --simulate HARDWARE: a hardware profile name (`pwbench hw list`) or TOML file; the run's
+    # weights are shapes on the meta device and each step's time comes from the cost model
+    # (engines/sim). `routing`: where a simulated step's expert choices come from
+    # (uniform | synthetic[:skew=..,locality=..] | replay:PATH).
+    simulate: str | None = None
+    routing: str = "synthetic"
+    # A measured run writes every token's expert choices per MoE layer to this parquet file at
+    # stop (request_id, position, layer, experts): what `routing=replay:PATH` replays.
+    record_routing: str | None = None
     # CPU float32: the LM head and the experts that stay resident also held in MKL's packed
     # GEMM layout, so matmuls of 16+ rows skip MKL's per-call packing (same results; their
     # bytes again in host RAM, reported as prepacked_bytes, not charged to --budget).
@@ -183,12 +192,22 @@ class RuntimeEngine(Engine):
         self.config = config
         self.copies: CopyEngine | None = None
         self.parts: EngineParts | None = None
+        self.simulation: Any = None  # engines.sim.session.Simulation on a simulated run
         self._started = False
+
+    @property
+    def virtual_clock(self) -> Any:
+        """A simulated run's clock (the harness runs on it), else None."""
+        return self.simulation.clock if self.simulation is not None else None
 
     # -- the recipe's hooks ----------------------------------------------------------------------
     def open(self, cfg: Any) -> Opened:
         """Open cfg.model, check it (`check_model`), and resolve the device, dtype and ledger:
         what every recipe's `load` starts from, whatever it then reads."""
+        if self.simulation is not None:
+            opened = Opened(*self.simulation.open(cfg))
+            self.check_model(opened.checkpoint.config)
+            return opened
         device = resolve_device(cfg.device)
         checkpoint = open_checkpoint(cfg.model)
         self.check_model(checkpoint.config)
@@ -217,6 +236,14 @@ class RuntimeEngine(Engine):
             raise EngineError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
         if cfg.budget_bytes is not None and (cfg.kv_cache_gb is not None or cfg.kv_blocks is not None):
             raise EngineError("--budget sizes the KV cache from what the weights leave; drop kv_cache_gb / kv_blocks")
+        if cfg.simulate:
+            if not self.simulates:
+                raise EngineError(f"engine {self.name} cannot be simulated yet: its control path has no simulated "
+                                  "counterpart (docs/simulation.md lists the engines that have one)")
+            from engines.sim.session import Simulation  # noqa: PLC0415  (simulated runs only)
+
+            self.simulation = Simulation(cfg)
+            self.config = cfg = self.simulation.configure(cfg)
         loaded = self.load(cfg)
         self.loaded, self.checkpoint, self.weights = loaded, loaded.checkpoint, loaded.weights
         self.device, self.dtype, self.ledger = loaded.device, loaded.dtype, loaded.ledger
@@ -235,14 +262,37 @@ class RuntimeEngine(Engine):
             controller.start(self.kv, self.scheduler)
         self.model = MoEModel(mc, self.weights, self.experts, self.kv, self.ledger)
         self.prepacked_bytes = self.model.prepack() if cfg.prepack else 0
-        self.executor = parts.executor(self.model, self.kv, self.ledger)
         self._dense_bytes_read = self._dense_weight_bytes()
+        self._recorder: Any = None
+        if cfg.record_routing and self.simulation is None:
+            if parts.executor is not plain_executor:
+                raise EngineError(f"engine {self.name}: record_routing needs the flat executor (a layer-major one "
+                                  "routes micro-batches); record with an engine that runs the whole batch per layer")
+            self._record_routing()
+        if self.simulation is None:
+            self.executor = parts.executor(self.model, self.kv, self.ledger)
+        else:
+            overlap = self.experts.copies_overlap and not self.simulation.shared_processor
+            self.executor = self.simulation.make_executor(cfg, self.model, self.ledger, self.experts,
+                                                          self._dense_bytes_read, overlap)
         self._aborted: list[str] = []
         self._num_requests = 0
         self.ledger.take_step()  # loading traffic is not part of any step
         if self.copies is not None:
             self.copies.take_step()
         self._started = True
+
+    def _record_routing(self) -> None:
+        """Every MoE layer's choices of every computed token, keyed (request id, position)."""
+        from engines.sim.routing import RoutingRecorder  # noqa: PLC0415  (recording runs only)
+
+        recorder, keys = RoutingRecorder(), []
+        self._recorder, self._route_keys = recorder, keys
+
+        def record(layer: int, ids: torch.Tensor) -> None:
+            recorder.add(layer, keys, self.ledger.to_host(ids, "routing").numpy())
+
+        self.model.on_route = record
 
     def _kv_cache(self, cfg: Any, pool: KVPool) -> PagedKVCache:
         """The pool on the device (in what the budget leaves beside the weights, else as sized by
@@ -264,6 +314,9 @@ class RuntimeEngine(Engine):
     def stop(self) -> None:
         if self.copies is not None:
             self.copies.close()
+        if self._started and self._recorder is not None:
+            self._recorder.write(self.config.record_routing)
+            self._recorder = None
         if self._started:
             self.scheduler.waiting.clear()
             self.scheduler.running.clear()
@@ -322,6 +375,9 @@ class RuntimeEngine(Engine):
         self._aborted = []
         schedule = self.scheduler.schedule()
         batch = build_batch(schedule, self.kv.allocator, self.ledger)
+        if self._recorder is not None and batch is not None:
+            self._route_keys[:] = [(c.seq.request.request_id, p) for c in batch.chunks
+                                   for p in range(c.start, c.start + c.length)]
         result = self.executor.execute(batch) if batch is not None else None
         started = self._update(schedule, batch, result, outputs)
         out = self._step_output(schedule, batch, result, outputs, started)
@@ -413,7 +469,7 @@ class RuntimeEngine(Engine):
             name=self.name,
             model=str(source.path),
             architecture=mc.architecture,
-            device=str(self.device),
+            device=f"simulated {self.simulation.profile.name}" if self.simulation is not None else str(self.device),
             dtype=dtype_name(self.dtype),
             vocab_size=mc.vocab_size,
             max_model_len=self.max_model_len,
@@ -430,7 +486,8 @@ class RuntimeEngine(Engine):
         return {name: rows for c in self.parts.controllers for name, rows in c.tables().items()}
 
     def notes(self) -> list[str]:
-        return list(self.parts.notes) if self.parts is not None else []
+        sim = self.simulation.notes if self.simulation is not None else []
+        return (list(self.parts.notes) if self.parts is not None else []) + sim
 
     def _dense_weight_bytes(self) -> int:
         """Dense bytes a step reads: every dense tensor except the embedding table (a step
@@ -462,6 +519,8 @@ class RuntimeEngine(Engine):
         }
         if self.parts.stats is not None:
             stats.update(self.parts.stats())
+        if self.simulation is not None:
+            stats.update(self.simulation.stats())
         return stats
 
     def _check_started(self) -> None:

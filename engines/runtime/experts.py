@@ -141,6 +141,11 @@ class ExpertBackend(ABC):
     def __init__(self) -> None:
         self._stats: Counter[str] = Counter()
 
+    @property
+    def copies_overlap(self) -> bool:
+        """--simulate: this backend's copies run beside compute (prefetch), not waited for."""
+        return False
+
     @abstractmethod
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor: ...
 
@@ -173,6 +178,13 @@ class ExpertBackend(ABC):
         then reset."""
         stats, self._stats = self._stats, Counter()
         return {"expert_bytes_read": stats["expert_bytes_read"]}
+
+    def simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
+        """A simulated step (--simulate): what `forward` decides and counts for `d`'s experts, with
+        no compute (`d` carries only counts; `upcoming` is the next MoE layer and its experts,
+        most tokens first, for a backend that prefetches). Backends whose experts always stay
+        resident just count; one that moves experts runs its residency decisions and copies."""
+        self._count(layer, d)
 
     def _count(self, layer: int, d: Dispatch) -> None:
         """Record the experts `d` runs in `layer` (backends call this from forward)."""

@@ -52,6 +52,9 @@ class MoEModel:
         self.config, self.weights, self.experts, self.kv, self.ledger = config, weights, experts, kv, ledger
         self.inv_freq, self.rope_scale = rope_frequencies(config.rope_spec, weights.embed.device)
         self._lm_head: PackedWeight | None = None  # prepack
+        # Sees each MoE layer's expert choices (layer, ids [T, top_k]) as they are made: the
+        # routing recorder of a measured run (RuntimeConfig.record_routing); None: off.
+        self.on_route: Callable[[int, Tensor], None] | None = None
 
     @torch.inference_mode()
     def forward(self, token_ids: Tensor, positions: Tensor, attn: AttentionBatch, logit_rows: Tensor) -> ForwardResult:
@@ -151,6 +154,8 @@ class MoEModel:
                                         cfg.norm_topk_prob, cfg.routed_scaling_factor)
         else:
             ids, weights = route(h, w.router, cfg.top_k, cfg.norm_topk_prob, w.router_bias)
+        if self.on_route is not None:
+            self.on_route(i, ids)
         counts = self.ledger.to_host(torch.bincount(ids.flatten(), minlength=cfg.num_experts), "routing").tolist()
         y = self.experts.forward(i, h, dispatch(ids, weights, counts))
         if w.shared is not None:

@@ -56,9 +56,13 @@ class TransferLedger:
             counter[f"{direction}:count"] += transfers
             counter[f"{direction}:{tag}"] += nbytes
 
+    def peek_step(self) -> TransferCounts:
+        """Counts since the previous take_step, without resetting them."""
+        c = self._step
+        return TransferCounts(c["h2d:bytes"], c["d2h:bytes"], c["h2d:count"], c["d2h:count"])
+
     def take_step(self) -> TransferCounts:
         """Counts since the previous call (one engine step), then reset."""
-        c = self._step
-        counts = TransferCounts(c["h2d:bytes"], c["d2h:bytes"], c["h2d:count"], c["d2h:count"])
+        counts = self.peek_step()
         self._step = Counter()
         return counts

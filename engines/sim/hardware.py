@@ -182,10 +182,11 @@ def _profile_table(p: HardwareProfile) -> dict[str, Any]:
     return table
 
 
-def _number(where: str, field: str, value: Any, integer: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+def _number(where: str, field: str, value: Any, integer: bool = False, zero: bool = False) -> float:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > 0 or (zero and value == 0)))
     if not ok:
-        kind = "a positive integer" if integer else "a positive number"
+        kind = "a positive integer" if integer else ("a number >= 0" if zero else "a positive number")
         raise _bad(where, field, f"must be {kind}, got {value!r}", f"write e.g. {field} = 1.5e12")
     if integer:
         if isinstance(value, float) and value != int(value):
@@ -242,7 +243,7 @@ def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
         kw[f] = _number(where, f, table[f], integer=True)
     for f in _FLOATS:
         if f in table:
-            kw[f] = _number(where, f, table[f])
+            kw[f] = _number(where, f, table[f], zero=f in ("op_overhead_s", "step_overhead_s"))
     flops = table["flops_per_s"]
     if not isinstance(flops, dict) or not flops:
         raise _bad(where, "flops_per_s", "must be a table of dtype = FLOP/s", "write [flops_per_s] bfloat16 = 989e12")

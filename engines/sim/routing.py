@@ -232,14 +232,91 @@ def _inclusion(shares: np.ndarray, k: int) -> tuple[np.ndarray, bool]:
     return pi, capped
 
 
+def _alias_table(shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Walker/Vose alias table for drawing index i with probability shares[i] in O(1) per draw."""
+    e = len(shares)
+    scaled = shares / shares.sum() * e
+    prob = np.ones(e)
+    alias = np.arange(e, dtype=np.int64)
+    small = [i for i in range(e) if scaled[i] < 1.0]
+    large = [i for i in range(e) if scaled[i] >= 1.0]
+    while small and large:
+        s_, l_ = small.pop(), large.pop()
+        prob[s_] = scaled[s_]
+        alias[s_] = l_
+        scaled[l_] -= 1.0 - scaled[s_]
+        (small if scaled[l_] < 1.0 else large).append(l_)
+    # whatever is left has scaled ~1 up to rounding: keeps itself (prob 1); a zero share never does
+    zero = shares <= 0
+    prob[zero] = 0.0
+    alias[zero & (alias == np.arange(e))] = int(np.argmax(shares))
+    return prob, alias
+
+
 class _LayerPop:
-    __slots__ = ("capped", "cdf", "pi", "shares")
+    __slots__ = ("alias", "capped", "cdf", "pi", "prob", "shares")
 
     def __init__(self, shares: np.ndarray, k: int) -> None:
         self.shares = shares
         self.pi, self.capped = _inclusion(shares, k)
         self.cdf = np.cumsum(shares)
         self.cdf[-1] = 1.0
+        self.prob, self.alias = _alias_table(shares)
+
+    def draw(self, rng: np.random.Generator, shape: int | tuple[int, ...]) -> np.ndarray:
+        """iid ids with probability `shares` (alias method: one uniform per draw)."""
+        e = len(self.prob)
+        x = rng.random(shape) * e
+        i = x.astype(np.int64)
+        np.minimum(i, e - 1, out=i)
+        x -= i
+        return np.where(x < self.prob[i], i, self.alias[i])
+
+
+class _StepKeys:
+    """One step's keys mapped to request slots and chains (computed once, reused across layers)."""
+
+    __slots__ = (
+        "all_first",
+        "any_cont",
+        "cont",
+        "end",
+        "first",
+        "keys",
+        "n_inner_starts",
+        "order",
+        "pos",
+        "raw_same",
+        "raw_slot",
+        "rids",
+        "runs_ok",
+        "slot",
+        "t",
+    )
+
+
+class _LayerState:
+    """Per-layer state arrays indexed by request slot: valid, last position, last call, previous experts."""
+
+    __slots__ = ("calls", "e", "k", "last_call", "last_pos", "prev", "valid")
+
+    def __init__(self, cap: int, e: int, k: int) -> None:
+        self.calls = 0
+        self.e, self.k = e, k
+        self.valid = np.zeros(cap, dtype=bool)
+        self.last_pos = np.zeros(cap, dtype=np.int64)
+        self.last_call = np.zeros(cap, dtype=np.int64)
+        self.prev = np.zeros((cap, k), dtype=np.int64)
+
+    def grow(self, cap: int) -> None:
+        old = len(self.valid)
+        if cap <= old:
+            return
+        for name in ("valid", "last_pos", "last_call", "prev"):
+            a = getattr(self, name)
+            b = np.zeros((cap, *a.shape[1:]), dtype=a.dtype)
+            b[:old] = a
+            setattr(self, name, b)
 
 
 class SyntheticRouting:
@@ -290,8 +367,13 @@ class SyntheticRouting:
             self.sources["skew"] = "given popularity vectors"
         self._rng = np.random.default_rng([self.seed, 0x53594E])
         self._pop: dict[tuple[int, int, int], _LayerPop] = {}
-        self._state: dict[int, dict[str, tuple[int, np.ndarray, int]]] = {}
-        self._layer_calls: dict[int, int] = {}
+        # Per-request state: a registry request_id -> slot shared by all layers, per-layer arrays by slot.
+        self._slot_of: dict[str, int] = {}
+        self._slot_name: list[str | None] = []
+        self._free: list[int] = []
+        self._nvalid = np.zeros(0, dtype=np.int64)  # layers holding valid state per slot
+        self._layers: dict[int, _LayerState] = {}
+        self._step: _StepKeys | None = None  # the last keys' mapping (reused while `keys` is unchanged)
         self.stale_calls = int(stale_calls)
         self.prune_every = int(prune_every)
         self.counters = {
@@ -374,9 +456,6 @@ class SyntheticRouting:
         local = np.minimum(idx - (grp * e)[:, None], e - 1)
         return orders[grp[:, None], local].astype(np.int64)
 
-    def _draw_one(self, lp: _LayerPop, n: int) -> np.ndarray:
-        return np.minimum(np.searchsorted(lp.cdf, self._rng.random(n), side="right"), len(lp.cdf) - 1)
-
     def route(self, layer: int, keys: Sequence[tuple[str, int]], num_experts: int, top_k: int) -> np.ndarray:
         _check_shape(num_experts, top_k)
         e, k, t = int(num_experts), int(top_k), len(keys)
@@ -392,163 +471,297 @@ class SyntheticRouting:
             return self._systematic(lp, t, k)
         return self._route_local(layer, keys, lp, e, k, q)
 
+    # ---- per-request state -----------------------------------------------------------------------
+    def _new_slot(self, name: str) -> int:
+        if self._free:
+            s = self._free.pop()
+            self._slot_name[s] = name
+        else:
+            s = len(self._slot_name)
+            self._slot_name.append(name)
+            if s >= len(self._nvalid):  # grow by doubling; the layers' arrays follow in _layer_state
+                grown = np.zeros(max(64, 2 * len(self._nvalid)), dtype=np.int64)
+                grown[: len(self._nvalid)] = self._nvalid
+                self._nvalid = grown
+        self._slot_of[name] = s
+        return s
+
+    def _step_keys(self, keys: Sequence[tuple[str, int]]) -> _StepKeys:
+        """The keys' request slots and chains, in an order that groups each request's rows by position.
+
+        Computed once per step and reused by every MoE layer (the executor passes one list to all of
+        them) while the keys hold the same rows (checked by equality, so a list changed in place is
+        recomputed). The request part is also reused when only the positions changed (a decode step
+        after a decode step: the same requests in the same order)."""
+        klist = keys if type(keys) is list else list(keys)
+        prev = self._step
+        if prev is not None and prev.t == len(klist) and prev.keys == klist:
+            return prev
+        t = len(klist)
+        rids, poss = zip(*klist)
+        pos = np.array(poss, dtype=np.int64)
+        st = _StepKeys()
+        if prev is not None and prev.rids == rids:
+            st.raw_slot, st.raw_same, st.runs_ok = prev.raw_slot, prev.raw_same, prev.runs_ok
+        else:
+            local: dict[Any, int] = {}
+            for r in dict.fromkeys(rids):
+                name = r if type(r) is str else str(r)
+                s = self._slot_of.get(name)
+                local[r] = self._new_slot(name) if s is None else s
+            st.raw_slot = np.fromiter(map(local.__getitem__, rids), dtype=np.int64, count=t)
+            st.raw_same = st.raw_slot[1:] == st.raw_slot[:-1]
+            # each request's rows form one contiguous run
+            st.runs_ok = t - int(st.raw_same.sum()) == len(set(local.values()))
+        slot, same = st.raw_slot, st.raw_same
+        order = None
+        if not st.runs_ok or (same & (pos[1:] < pos[:-1])).any():  # otherwise the rows keep their order
+            order = np.lexsort((pos, slot))
+            slot, pos = slot[order], pos[order]
+            same = slot[1:] == slot[:-1]
+        cont = np.zeros(t, dtype=bool)  # the row continues the row above it (same request, position + 1)
+        cont[1:] = same & (pos[1:] == pos[:-1] + 1)
+        first = np.ones(t, dtype=bool)
+        first[1:] = ~same
+        st.keys, st.rids, st.t, st.order, st.slot, st.pos, st.cont = list(klist), rids, t, order, slot, pos, cont
+        st.first = np.flatnonzero(first)
+        st.all_first = len(st.first) == t
+        st.end = np.flatnonzero(np.append(~same, True))
+        st.n_inner_starts = int((~cont & ~first).sum())  # a jump inside one request's rows of this call
+        st.any_cont = bool(cont.any())
+        self._step = st
+        return st
+
+    def _layer_state(self, layer: int, e: int, k: int) -> _LayerState:
+        ls = self._layers.get(layer)
+        calls = 0
+        if ls is not None and (ls.e != e or ls.k != k):  # the layer's shape changed: its state is void
+            dead = np.flatnonzero(ls.valid)
+            self.counters["states_dropped"] += dead.size
+            self._drop(ls, dead)
+            calls, ls = ls.calls, None
+        if ls is None:
+            ls = self._layers[layer] = _LayerState(len(self._nvalid), e, k)
+            ls.calls = calls
+        else:
+            ls.grow(len(self._nvalid))
+        return ls
+
+    def _drop(self, ls: _LayerState, slots: np.ndarray) -> None:
+        """Invalidate `slots` (valid in `ls`); a slot that no layer holds any more is freed for reuse."""
+        if slots.size == 0:
+            return
+        ls.valid[slots] = False
+        self._nvalid[slots] -= 1
+        gone = slots[self._nvalid[slots] == 0]
+        for s in gone.tolist():
+            del self._slot_of[self._slot_name[s]]
+            self._slot_name[s] = None
+            self._free.append(s)
+        if gone.size and self._step is not None and np.isin(self._step.raw_slot, gone).any():
+            self._step = None
+
+    # ---- locality --------------------------------------------------------------------------------
+    MAX_ROUNDS = 16  # vectorised clash-fixing rounds before the row-by-row fallback
+    TRIES = 8  # popularity draws per clashing slot before an exact draw over the allowed ids
+
+    def _fresh_mask(self, n: int, e: int, k: int, q: float) -> np.ndarray:
+        f = self._rng.random((n, k)) >= q
+        if e - k < k:  # at most e-k ids lie outside the previous set: surplus fresh slots copy instead
+            f &= np.cumsum(f, axis=1) <= e - k
+        return f
+
+    def _clash_round(
+        self, lp: _LayerPop, o: np.ndarray, pv: np.ndarray, f: np.ndarray, e: int, k: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Rows o [m, k] with previous experts pv and fresh mask f: the fresh slots that repeat a
+        previous expert or an earlier slot of the row, (row, slot, new id) each, or None if none do.
+        A new id is the first of TRIES popularity draws that is neither a previous expert nor held by
+        another slot of the row; where all TRIES miss, one draw from the popularity over the allowed ids."""
+        m = len(o)
+        base = np.arange(0, m * e, e)[:, None]
+        oi = o + base
+        slots = np.arange(k, dtype=np.int16)
+        # tab[row, id]: -1 for a previous expert, else the first slot holding id, else k (free)
+        tab = np.full(m * e, k, dtype=np.int16)
+        np.minimum.at(tab, oi.ravel(), np.broadcast_to(slots, (m, k)).ravel())
+        tab[pv + base] = -1
+        rr, cc = np.nonzero(f & (tab[oi] < slots))
+        if rr.size == 0:
+            return None
+        n = rr.size
+        draws = lp.draw(self._rng, (n, self.TRIES))
+        free = tab[draws + base[rr]] == k
+        j = free.argmax(axis=1)
+        at = np.arange(n)
+        new = draws[at, j]
+        miss = np.flatnonzero(~free[at, j])
+        if miss.size:
+            allowed = tab.reshape(m, e)[rr[miss]] == k
+            w = lp.shares * allowed
+            zero = w.sum(axis=1) <= 0  # every allowed id has share 0: uniform over the allowed ones
+            w[zero] = allowed[zero]
+            cum = np.cumsum(w, axis=1)
+            u = self._rng.random(miss.size) * cum[:, -1]
+            new[miss] = np.minimum((cum <= u[:, None]).sum(axis=1), e - 1)
+        return rr, cc, new
+
+    def _fix_row(self, lp: _LayerPop, prev: list[int], fresh: np.ndarray, cand: list[int], e: int) -> list[int]:
+        """One row in order (the fallback): copied slots take prev's id, fresh ones their candidate
+        unless it is a previous expert or already in the row, then a popularity draw over the rest."""
+        banned = set(prev)
+        row = [prev[j] if not fresh[j] else -1 for j in range(len(prev))]
+        used = {v for v in row if v >= 0}
+        for j in range(len(prev)):
+            if not fresh[j]:
+                continue
+            v = int(cand[j])
+            if v in used or v in banned:
+                allowed = [x for x in range(e) if x not in used and x not in banned]
+                if not allowed:  # unreachable while fresh slots per row <= e - k; keeps the row distinct
+                    v = next(x for x in range(e) if x not in used)
+                    fresh[j] = False
+                else:
+                    w = lp.shares[allowed]
+                    w = w / w.sum() if w.sum() > 0 else np.full(len(allowed), 1 / len(allowed))
+                    v = int(allowed[int(self._rng.choice(len(allowed), p=w))])
+            row[j] = v
+            used.add(v)
+        return row
+
     def _route_local(
         self, layer: int, keys: Sequence[tuple[str, int]], lp: _LayerPop, e: int, k: int, q: float
     ) -> np.ndarray:
-        t = len(keys)
-        call = self._layer_calls.get(layer, 0) + 1
-        self._layer_calls[layer] = call
-        state = self._state.setdefault(layer, {})
-        codes: dict[str, int] = {}
-        code = np.fromiter((codes.setdefault(str(r), len(codes)) for r, _ in keys), dtype=np.int64, count=t)
-        pos = np.fromiter((p for _, p in keys), dtype=np.int64, count=t)
-        order = np.lexsort((pos, code))
-        sc, sp = code[order], pos[order]
-        start = np.ones(t, dtype=bool)
-        start[1:] = (sc[1:] != sc[:-1]) | (sp[1:] != sp[:-1] + 1)
-        names = list(codes)
-        starts = np.flatnonzero(start)
-        # A chain start continues the request's stored state when its position is exactly last+1.
-        pred_rows: list[np.ndarray] = []
-        has_pred = np.zeros(len(starts), dtype=bool)
-        for i, s in enumerate(starts.tolist()):
-            st = state.get(names[sc[s]])
-            if st is not None:
-                if st[0] == sp[s] - 1 and len(st[1]) == k:
-                    has_pred[i] = True
-                    pred_rows.append(st[1])
-                else:
-                    self.counters["locality_resets"] += 1
-        n_pred = int(has_pred.sum())
-        n = t + n_pred
-        # Augmented layout: each chain start that has a stored predecessor gets that row in front.
-        shift = np.zeros(t, dtype=np.int64)
-        shift[starts[has_pred]] = 1
-        aug_of_sorted = np.arange(t) + np.cumsum(shift)
-        is_batch = np.ones(n, dtype=bool)
-        pred_at = aug_of_sorted[starts[has_pred]] - 1
-        is_batch[pred_at] = False
-        vals = np.empty((n, k), dtype=np.int64)
-        vals[aug_of_sorted] = self._systematic(lp, t, k)
-        if n_pred:
-            vals[pred_at] = np.stack(pred_rows)
-        chain_head = np.zeros(n, dtype=bool)  # rows with no predecessor row above them
-        chain_head[pred_at] = True
-        chain_head[aug_of_sorted[starts[~has_pred]]] = True
-        fresh = np.ones((n, k), dtype=bool)
-        cont = ~chain_head
-        fresh[cont] = self._rng.random((int(cont.sum()), k)) >= q
-        rows = np.arange(n)[:, None]
-        src = np.maximum.accumulate(np.where(fresh, rows, -1), axis=0)  # last fresh row per slot
-        cols = np.arange(k)[None, :]
-        out = vals[src, cols]
-        # Redraw fresh slots that repeat a value in the row or hit the previous row's experts: two
-        # rounds of redraws from the popularity, then exact draws with the clashing values excluded;
-        # each round re-checks only the rows whose values changed (and the rows after them).
-        check = np.flatnonzero(is_batch)
-        for it in range(64):
-            bad = self._bad(out, fresh, cont, check, k)
-            rr, cc = np.nonzero(bad)
-            if rr.size == 0:
-                break
-            br = check[rr]
-            if it < 2:
-                vals[br, cc] = self._draw_one(lp, br.size)
-            else:
-                vals[br, cc] = self._draw_excluding(lp, out, br, cont)
-            changed = np.zeros(n, dtype=bool)
-            changed[br] = True
-            affected = changed[src].any(axis=1)
-            aff = np.flatnonzero(affected)
-            out[aff] = vals[src[aff], cols]
-            nxt = np.zeros(n, dtype=bool)
-            nxt[1:] = affected[:-1]
-            check = np.flatnonzero((affected | (nxt & cont)) & is_batch)
+        sk = self._step_keys(keys)
+        ls = self._layer_state(layer, e, k)
+        ls.calls += 1
+        call = ls.calls
+        t, slot, pos = sk.t, sk.slot, sk.pos
+        # A request's first row continues its stored state when its position is exactly last+1.
+        if sk.all_first:
+            had = ls.valid[slot]
+            match = had & (ls.last_pos[slot] == pos - 1)
+            pred = np.flatnonzero(match)
         else:
-            out = self._sequential_fix(out, vals, fresh, cont, is_batch, src, lp, k, e)
-        result_sorted = out[aug_of_sorted]
-        reused = int((~fresh[cont & is_batch]).sum())
-        n_cont = int((cont & is_batch).sum())
-        self.counters["rows_with_previous"] += n_cont
-        self.counters["reused_slots"] += reused
-        self.counters["slots_with_previous"] += n_cont * k
-        # State: each request's last row (chains are position-ordered within a request).
-        end = np.ones(t, dtype=bool)
-        end[:-1] = sc[1:] != sc[:-1]
-        for s, r, p in zip(np.flatnonzero(end).tolist(), sc[end].tolist(), sp[end].tolist(), strict=True):
-            state[names[r]] = (p, result_sorted[s], call)
+            fi = sk.first
+            fs = slot[fi]
+            had = ls.valid[fs]
+            match = had & (ls.last_pos[fs] == pos[fi] - 1)
+            pred = fi[match]  # rows whose previous token is the stored state
+        self.counters["locality_resets"] += int(had.sum()) - pred.size + sk.n_inner_starts
+        if sk.any_cont:
+            out, fresh_prev, n_prev = self._chains(lp, ls, sk, pred, e, k, q)
+        else:
+            out = lp.draw(self._rng, (t, k))  # fresh candidates: iid from the popularity
+            if pred.size < t:  # rows with no previous token: k distinct ids, exact inclusion probabilities
+                nop = np.ones(t, dtype=bool)
+                nop[pred] = False
+                nop = np.flatnonzero(nop)
+                out[nop] = self._systematic(lp, nop.size, k)
+            n_prev = pred.size
+            fresh_prev = 0
+            if n_prev:
+                pv = ls.prev[slot[pred]]
+                f = self._fresh_mask(n_prev, e, k, q)
+                o = np.where(f, out[pred], pv)
+                rows = None
+                for _ in range(self.MAX_ROUNDS):
+                    if rows is None:
+                        res = self._clash_round(lp, o, pv, f, e, k)
+                    else:
+                        res = self._clash_round(lp, o[rows], pv[rows], f[rows], e, k)
+                    if res is None:
+                        break
+                    rr, cc, new = res
+                    if rows is not None:
+                        rr = rows[rr]
+                    o[rr, cc] = new
+                    rows = np.unique(rr)
+                else:
+                    self.counters["sequential_fixes"] += 1
+                    for i in range(n_prev):
+                        o[i] = self._fix_row(lp, pv[i].tolist(), f[i], o[i].tolist(), e)
+                fresh_prev = int(f.sum())
+                if n_prev == t:
+                    out = o
+                else:
+                    out[pred] = o
+        self.counters["rows_with_previous"] += n_prev
+        self.counters["slots_with_previous"] += n_prev * k
+        self.counters["reused_slots"] += n_prev * k - fresh_prev
+        # State: each request's last row of this call.
+        ends = sk.end
+        es = slot[ends]
+        was = ls.valid[es]
+        if not was.all():
+            self._nvalid[es[~was]] += 1
+            ls.valid[es] = True
+        ls.last_pos[es] = pos[ends]
+        ls.last_call[es] = call
+        ls.prev[es] = out[ends]
         if call % self.prune_every == 0:
-            limit = call - self.stale_calls
-            dead = [r for r, st in state.items() if st[2] < limit]
-            for r in dead:
-                del state[r]
-            self.counters["states_dropped"] += len(dead)
-        result = np.empty_like(result_sorted)
-        result[order] = result_sorted
+            dead = np.flatnonzero(ls.valid & (ls.last_call < call - self.stale_calls))
+            self.counters["states_dropped"] += dead.size
+            self._drop(ls, dead)
+        if sk.order is None:
+            return out
+        result = np.empty_like(out)
+        result[sk.order] = out
         return result
 
-    @staticmethod
-    def _bad(out: np.ndarray, fresh: np.ndarray, cont: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
-        """[len(rows), k]: fresh slots equal to an earlier slot, to a copied slot, or to a previous-row id."""
-        o = out[rows]
-        f = fresh[rows]
-        eq = o[:, :, None] == o[:, None, :]  # [m, j, l]
-        earlier = np.tril(np.ones((k, k), dtype=bool), -1)  # l < j
-        clash = eq & (earlier[None] | (~f[:, None, :] & ~np.eye(k, dtype=bool)[None]))
-        bad = f & clash.any(axis=2)
-        c = cont[rows]
-        if c.any():
-            ci = np.flatnonzero(c)
-            prev = out[rows[ci] - 1]
-            bad[ci] |= f[ci] & (o[ci][:, :, None] == prev[:, None, :]).any(axis=2)
-        return bad
-
-    def _draw_excluding(self, lp: _LayerPop, out: np.ndarray, br: np.ndarray, cont: np.ndarray) -> np.ndarray:
-        """One popularity-weighted id per entry, excluding its row's ids and its previous row's ids."""
-        m = br.size
-        w = np.tile(lp.shares, (m, 1))
-        r = np.arange(m)[:, None]
-        w[r, out[br]] = 0.0
-        c = cont[br]
-        if c.any():
-            w[r[c], out[br[c] - 1]] = 0.0
-        cum = np.cumsum(w, axis=1)
-        tot = cum[:, -1]
-        empty = tot <= 0  # every expert with a share is banned: fall back to uniform over the allowed ones
-        if empty.any():
-            for i in np.flatnonzero(empty).tolist():
-                allowed = np.ones(w.shape[1], dtype=bool)
-                allowed[out[br[i]]] = False
-                if cont[br[i]]:
-                    allowed[out[br[i] - 1]] = False
-                w[i] = allowed
-            cum = np.cumsum(w, axis=1)
-            tot = cum[:, -1]
-        u = self._rng.random(m) * tot
-        return np.minimum((cum <= u[:, None]).sum(axis=1), w.shape[1] - 1)
-
-    def _sequential_fix(self, out, vals, fresh, cont, is_batch, src, lp, k, e):
-        """Fallback after 64 vectorised rounds (tiny E with high skew): fix rows in order."""
-        self.counters["sequential_fixes"] += 1
+    def _chains(
+        self, lp: _LayerPop, ls: _LayerState, sk: _StepKeys, pred: np.ndarray, e: int, k: int, q: float
+    ) -> tuple[np.ndarray, int, int]:
+        """Rows where some request has several consecutive positions (prefill chunks): each row's
+        previous token is the row above it. Returns (rows [t, k], fresh slots, rows with a previous token)."""
+        t, cont, rng = sk.t, sk.cont, self._rng
+        has_prev = cont.copy()
+        has_prev[pred] = True
+        hp = np.flatnonzero(has_prev)
+        # vals[2r + 1] = row r's own candidates, vals[2r] = the stored previous experts of a `pred` row.
+        vals = np.empty((2 * t, k), dtype=np.int64)
+        vals[1::2] = lp.draw(rng, (t, k))  # fresh candidates: iid from the popularity
+        nop = np.flatnonzero(~has_prev)
+        if nop.size:  # rows with no previous token: k distinct ids, exact inclusion probabilities
+            vals[2 * nop + 1] = self._systematic(lp, nop.size, k)
+        if pred.size:
+            vals[2 * pred] = ls.prev[sk.slot[pred]]
+        fresh = np.ones((t, k), dtype=bool)
+        fresh[hp] = self._fresh_mask(hp.size, e, k, q)
+        # Each slot takes the value of the last row at or above it (same chain) where it was fresh, or
+        # the stored previous experts: src indexes vals.
+        src = np.where(fresh, (2 * np.arange(t) + 1)[:, None], -1)
+        if pred.size:
+            src[pred] = np.where(fresh[pred], (2 * pred + 1)[:, None], (2 * pred)[:, None])
+        np.maximum.accumulate(src, axis=0, out=src)
         cols = np.arange(k)[None, :]
-        for i in range(len(out)):
-            if not is_batch[i]:
-                continue
-            row = vals[src[i], np.arange(k)]
-            banned = set(out[i - 1].tolist()) if cont[i] else set()
-            used = {int(row[j]) for j in range(k) if not fresh[i, j]}
-            for j in range(k):
-                if fresh[i, j]:
-                    v = int(row[j])
-                    if v in used or v in banned:
-                        allowed = [x for x in range(e) if x not in used and x not in banned]
-                        w = lp.shares[allowed]
-                        w = w / w.sum() if w.sum() > 0 else np.full(len(allowed), 1 / len(allowed))
-                        v = int(allowed[int(self._rng.choice(len(allowed), p=w))])
-                        vals[i, j] = v
-                    used.add(v)
-            out[i] = vals[src[i], np.arange(k)]
-        return vals[src, cols]
+        out = vals[src, cols]
+        can_clash = has_prev & fresh.any(axis=1)
+        check = np.flatnonzero(can_clash)
+        for _ in range(self.MAX_ROUNDS):
+            if check.size == 0:
+                break
+            pv = np.where(cont[check][:, None], out[check - 1], vals[2 * check])
+            res = self._clash_round(lp, out[check], pv, fresh[check], e, k)
+            if res is None:
+                break
+            rr, cc, new = res
+            br = check[rr]
+            vals[2 * br + 1, cc] = new
+            # the changed slots flow down their chains until the next fresh draw in that slot
+            changed = np.zeros((2 * t, k), dtype=bool)
+            changed[2 * br + 1, cc] = True
+            aff = changed[src, cols].any(axis=1)
+            affi = np.flatnonzero(aff)
+            out[affi] = vals[src[affi], cols]
+            aff[1:] |= aff[:-1] & cont[1:]  # and the row after a changed row has a new previous token
+            check = np.flatnonzero(aff & can_clash)
+        else:
+            self.counters["sequential_fixes"] += 1
+            for i in hp.tolist():
+                prev = (out[i - 1] if cont[i] else vals[2 * i]).tolist()
+                out[i] = self._fix_row(lp, prev, fresh[i], vals[2 * i + 1].tolist(), e)
+        return out, int(fresh[hp].sum()), hp.size
 
     def describe(self) -> dict[str, Any]:
         c = dict(self.counters)
@@ -572,7 +785,8 @@ class SyntheticRouting:
             "capped_layers": capped,
             "state_rule": f"state per (layer, request) while positions continue by +1; dropped after "
             f"{self.stale_calls} calls of that layer unseen (checked every {self.prune_every})",
-            "live_states": sum(len(s) for s in self._state.values()),
+            "live_states": int(sum(int(ls.valid.sum()) for ls in self._layers.values())),
+            "tracked_requests": len(self._slot_of),
         }
         if all(v == _NO_MEASUREMENT for v in self.sources.values()):
             out["note"] = _NO_MEASUREMENT

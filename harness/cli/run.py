@@ -81,6 +81,17 @@ def run(
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N.")] = None,
     budget: Annotated[str | None, typer.Option(help=BUDGET_HELP)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Engine option key=value; repeatable.")] = None,
+    simulate: Annotated[str | None,
+                        typer.Option(help="Simulate on this hardware instead of measuring here: a profile from "
+                                          "`pwbench hw list` (e.g. h100-sxm) or a TOML file. The engine's control "
+                                          "code runs on a virtual clock with a cost model; --model may be a preset "
+                                          "name (e.g. mixtral-8x7b) or any folder with config.json. Results are "
+                                          "marked simulated (docs/simulation.md).")] = None,
+    routing: Annotated[str | None,
+                       typer.Option(help="--simulate: expert choices per token: synthetic (default: published "
+                                         "skew and locality of the model family), synthetic:skew=S,locality=L, "
+                                         "uniform, or replay:PATH (a routing.parquet a measured run recorded).")
+                       ] = None,
     find_capacity: Annotated[bool,
                              typer.Option("--find-capacity",
                                           help="After the run, search the highest request rate this engine serves "

@@ -69,12 +69,16 @@ def to_run_args(o: dict[str, Any]) -> RunArgs:
     spec_options = {k: v for k, v in spec_options.items() if v is not None}
     spec = WorkloadSpec(o["workload"], **spec_options)  # validates before the engine loads
     engine_options = {"device": o["device"], "dtype": o["dtype"], "budget_bytes": o.get("budget"),
+                      "simulate": o.get("simulate"), "routing": o.get("routing"),
                       **parse_set_options(o["set_"] or [])}
+    if o.get("routing") and not o.get("simulate"):
+        raise typer.BadParameter("--routing chooses a simulated run's expert choices; add --simulate HARDWARE")
     return RunArgs(
         workload=spec, given=frozenset(spec_options), engine=o["engine"], model=o["model"],
         engine_options={k: v for k, v in engine_options.items() if v is not None},
         output=o["output"], slo=parse_slo(o["slo"]), warmup=o["warmup"], telemetry_hz=o["telemetry_hz"],
-        quality=o["quality"], capacity=_capacity_settings(o),
+        # Quality is not simulated: a simulated run has no logits (docs/simulation.md).
+        quality=o["quality"] and not o.get("simulate"), capacity=_capacity_settings(o),
         stability_probes=o.get("stability_probes") if o.get("stability") else None,
     )
 

@@ -23,6 +23,8 @@ RULES = {
     # a technique folder stands alone; only recipes (engines/full.py) combine techniques
     **{f"engines/{t}": tuple(f"engines.{o}" for o in TECHNIQUE_FOLDERS if o != t) + RECIPES
        for t in TECHNIQUE_FOLDERS},
+    # the simulator is a part like the runtime's: it drives any technique through runtime seams
+    "engines/sim": ("engines.quant", *TECHNIQUES, *RECIPES, "harness", "workloads", "reports"),
     # the light helpers the harness may import know no engine part
     "engines/common": ("engines.runtime", "engines.quant", *TECHNIQUES, *RECIPES),
     "engines": ("harness", "workloads", "reports"),
