@@ -63,12 +63,12 @@ def _biases(engine) -> list:
 
 @pytest.mark.parametrize("name,options", [
     ("static-rtn", {"bits": 4}),  # group_size 128 is fitted to 64 (the demo's I = 64)
-    ("static-rtn", {"bits": 8, "group_size": 32}),
-    ("static-gptq", {"bits": 4}),
-    ("static-gptq", {"bits": 8, "group_size": 32}),
+    pytest.param("static-rtn", {"bits": 8, "group_size": 32}, marks=pytest.mark.slow),
+    pytest.param("static-gptq", {"bits": 4}, marks=pytest.mark.slow),
+    pytest.param("static-gptq", {"bits": 8, "group_size": 32}, marks=pytest.mark.slow),
     ("static-gptq", {"bits": 3, "group_size": 32, "sym": True, "act_order": True}),  # no zeros, a g_idx
     ("static-awq", {"bits": 4}),  # AWQ's own format
-    ("static-awq", {"bits": 8, "group_size": 32}),  # AWQ holds 4 bits only: written as GPTQ
+    pytest.param("static-awq", {"bits": 8, "group_size": 32}, marks=pytest.mark.slow),  # written as GPTQ
 ])
 def test_simulated_start_holds_what_the_quantized_folder_loads(name, options, tmp_path):
     cache = tmp_path / "cache"
