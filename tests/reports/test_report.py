@@ -205,7 +205,8 @@ def test_report_and_gate_import_no_torch(runs, tmp_path):
     assert (tmp_path / "r.html").exists()
     assert not {m for m in mods if m.split(".")[0] in ("torch", "triton", "transformers", "safetensors")}
     # the CLI's shared error types only (harness/cli/common.py), no engine runtime
-    allowed = {"engines", "engines.base", "engines.common", "engines.common.folders", "engines.common.demo"}
+    allowed = {"engines", "engines.base", "engines.common", "engines.common.folders", "engines.common.demo",
+               "engines.common.presets"}
     assert {m for m in mods if m.split(".")[0] == "engines"} <= allowed
 
 
