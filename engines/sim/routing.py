@@ -32,18 +32,32 @@ Locality (when `locality` is a number q, or a per-layer list): for a row whose p
 the same request is known, each of its k slots copies the previous token's expert in that slot with
 probability q, and every slot not copied draws a fresh expert (popularity-weighted) that is neither
 among the previous token's experts nor already in the row. So the overlap |A_t ∩ A_{t-1}| is
-Binomial(k, q) and its mean share is exactly q. Fresh draws that exclude the previous set bias the
-shares slightly away from the most popular experts when q > 0 and skew is high; the counters report
-the measured reuse. `locality=None` means independent rows (overlap only by chance, ~k/E under
-uniform popularity), and no per-request state is kept.
+Binomial(k, q) and its mean share is exactly q (when E < 2k at most E-k ids lie outside the previous
+set, and surplus fresh slots copy). Fresh draws that exclude the previous set bias the shares
+slightly away from the most popular experts when q > 0 and skew is high; the counters report the
+measured reuse. Rows without a previous token take the systematic sample above. `locality=None`
+means independent rows (overlap only by chance, ~k/E under uniform popularity), and no per-request
+state is kept.
 
-Per-request state (bounded memory): per layer, request_id -> (last position, its experts, the call
-number it was seen at). A row continues a request only when its position is exactly last+1 (rows of
-the same request inside one call chain in position order); any other position (a jump, a restart
-after preemption, a new request reusing an id) starts fresh and counts as `locality_resets`. Every
-`prune_every` calls of a layer, state not seen during the last `stale_calls` calls of that layer is
-dropped (counted as `states_dropped`): a finished or long-preempted request leaves within
-`stale_calls + prune_every` steps, so a 100k-request run holds state for the live batch only.
+How it is computed, vectorised over a call's rows: one uniform per slot decides copy or fresh and,
+for a fresh slot, draws its candidate (alias method); a table per row marks the previous experts and
+the row's ids, and each fresh slot that clashes takes the first free one of a few new popularity
+draws (rejection sampling, so the same law as a draw from the popularity over the allowed ids; an
+exact draw over them where every try is taken). Within a prefill chunk a row's previous token is the
+row above: copies flow down the chain, and the rows below a changed slot are checked again until
+none clashes (a row-by-row pass after MAX_ROUNDS rounds, counted as `sequential_fixes`).
+
+Per-request state (bounded memory): a registry request_id -> slot shared by all layers, and per
+layer arrays by slot: valid, last position, the call number it was last seen at, its experts. A row
+continues a request only when its position is exactly last+1 (rows of the same request inside one
+call chain in position order); any other position (a jump, a restart after preemption, a new
+request reusing an id) starts fresh and counts as `locality_resets`. Every `prune_every` calls of a
+layer, state not seen during the last `stale_calls` calls of that layer is dropped (counted as
+`states_dropped`), and a slot no layer holds any more is freed for reuse: a finished or
+long-preempted request leaves within `stale_calls + prune_every` steps, so a 100k-request run holds
+state for the live batch only. The mapping of a call's keys to slots and chains is computed once per
+step and reused by the step's other layers (the executor passes the same list to each) while the
+list holds the same rows.
 
 Routing trace format (what `RoutingRecorder` writes and `ReplayRouting` reads)
 -------------------------------------------------------------------------------
@@ -254,7 +268,7 @@ def _alias_table(shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _LayerPop:
-    __slots__ = ("alias", "capped", "cdf", "pi", "prob", "shares")
+    __slots__ = ("alias", "capped", "cdf", "pi", "prob", "shares", "uniform")
 
     def __init__(self, shares: np.ndarray, k: int) -> None:
         self.shares = shares
@@ -262,15 +276,23 @@ class _LayerPop:
         self.cdf = np.cumsum(shares)
         self.cdf[-1] = 1.0
         self.prob, self.alias = _alias_table(shares)
+        self.uniform = bool((shares == shares[0]).all())
 
     def draw(self, rng: np.random.Generator, shape: int | tuple[int, ...]) -> np.ndarray:
-        """iid ids with probability `shares` (alias method: one uniform per draw)."""
+        """iid ids with probability `shares`."""
+        return self.from_uniform(rng.random(shape))
+
+    def from_uniform(self, u: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """ids with probability `shares` from uniforms u * scale in [0, 1) (alias method, one uniform
+        per id; u is overwritten). Entries at or above 1 give some valid id (callers ignore them)."""
         e = len(self.prob)
-        x = rng.random(shape) * e
-        i = x.astype(np.int64)
+        u *= e * scale
+        i = u.astype(np.int64)
         np.minimum(i, e - 1, out=i)
-        x -= i
-        return np.where(x < self.prob[i], i, self.alias[i])
+        if self.uniform:
+            return i
+        u -= i
+        return np.where(u < self.prob[i], i, self.alias[i])
 
 
 class _StepKeys:
@@ -374,6 +396,7 @@ class SyntheticRouting:
         self._nvalid = np.zeros(0, dtype=np.int64)  # layers holding valid state per slot
         self._layers: dict[int, _LayerState] = {}
         self._step: _StepKeys | None = None  # the last keys' mapping (reused while `keys` is unchanged)
+        self._tab = np.empty(0, dtype=np.int8)  # _fix_rows' table, kept to spare the allocation
         self.stale_calls = int(stale_calls)
         self.prune_every = int(prune_every)
         self.counters = {
@@ -502,7 +525,8 @@ class SyntheticRouting:
         pos = np.array(poss, dtype=np.int64)
         st = _StepKeys()
         if prev is not None and prev.rids == rids:
-            st.raw_slot, st.raw_same, st.runs_ok = prev.raw_slot, prev.raw_same, prev.runs_ok
+            st.raw_slot, st.raw_same = prev.raw_slot, prev.raw_same
+            st.runs_ok, st.all_first = prev.runs_ok, prev.all_first
         else:
             local: dict[Any, int] = {}
             for r in dict.fromkeys(rids):
@@ -512,24 +536,29 @@ class SyntheticRouting:
             st.raw_slot = np.fromiter(map(local.__getitem__, rids), dtype=np.int64, count=t)
             st.raw_same = st.raw_slot[1:] == st.raw_slot[:-1]
             # each request's rows form one contiguous run
-            st.runs_ok = t - int(st.raw_same.sum()) == len(set(local.values()))
+            n_req = len(set(local.values()))
+            st.runs_ok = t - int(st.raw_same.sum()) == n_req
+            st.all_first = n_req == t  # one row per request (a decode step)
+        st.keys, st.rids, st.t, st.pos, st.slot, st.order = list(klist), rids, t, pos, st.raw_slot, None
+        self._step = st
+        if st.all_first:  # every row is its request's first and last: no chains
+            st.cont = st.first = st.end = None
+            st.n_inner_starts, st.any_cont = 0, False
+            return st
         slot, same = st.raw_slot, st.raw_same
-        order = None
         if not st.runs_ok or (same & (pos[1:] < pos[:-1])).any():  # otherwise the rows keep their order
-            order = np.lexsort((pos, slot))
-            slot, pos = slot[order], pos[order]
+            st.order = np.lexsort((pos, slot))
+            slot, pos = slot[st.order], pos[st.order]
             same = slot[1:] == slot[:-1]
         cont = np.zeros(t, dtype=bool)  # the row continues the row above it (same request, position + 1)
         cont[1:] = same & (pos[1:] == pos[:-1] + 1)
         first = np.ones(t, dtype=bool)
         first[1:] = ~same
-        st.keys, st.rids, st.t, st.order, st.slot, st.pos, st.cont = list(klist), rids, t, order, slot, pos, cont
+        st.slot, st.pos, st.cont = slot, pos, cont
         st.first = np.flatnonzero(first)
-        st.all_first = len(st.first) == t
         st.end = np.flatnonzero(np.append(~same, True))
         st.n_inner_starts = int((~cont & ~first).sum())  # a jump inside one request's rows of this call
         st.any_cont = bool(cont.any())
-        self._step = st
         return st
 
     def _layer_state(self, layer: int, e: int, k: int) -> _LayerState:
@@ -562,49 +591,104 @@ class SyntheticRouting:
             self._step = None
 
     # ---- locality --------------------------------------------------------------------------------
-    MAX_ROUNDS = 16  # vectorised clash-fixing rounds before the row-by-row fallback
+    MAX_ROUNDS = 16  # rounds of re-checking rows below changed ones in a chain before the row-by-row fallback
     TRIES = 8  # popularity draws per clashing slot before an exact draw over the allowed ids
 
-    def _fresh_mask(self, n: int, e: int, k: int, q: float) -> np.ndarray:
-        f = self._rng.random((n, k)) >= q
+    def _fresh(self, lp: _LayerPop, n: int, e: int, k: int, q: float) -> tuple[np.ndarray, np.ndarray]:
+        """[n, k] fresh mask (each slot fresh with probability 1 - q) and popularity candidates.
+
+        One uniform per slot: the slot is fresh when u < 1 - q, and then u / (1 - q) is a uniform
+        independent of that decision, which draws the candidate."""
+        u = self._rng.random((n, k))
+        f = u < 1.0 - q
         if e - k < k:  # at most e-k ids lie outside the previous set: surplus fresh slots copy instead
             f &= np.cumsum(f, axis=1) <= e - k
-        return f
+        return f, lp.from_uniform(u, 1.0 / (1.0 - q) if q < 1.0 else 1.0)
 
-    def _clash_round(
+    def _fix_rows(
         self, lp: _LayerPop, o: np.ndarray, pv: np.ndarray, f: np.ndarray, e: int, k: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Rows o [m, k] with previous experts pv and fresh mask f: the fresh slots that repeat a
-        previous expert or an earlier slot of the row, (row, slot, new id) each, or None if none do.
-        A new id is the first of TRIES popularity draws that is neither a previous expert nor held by
-        another slot of the row; where all TRIES miss, one draw from the popularity over the allowed ids."""
+        """Rows o [m, k] with previous experts pv and fresh mask f: new ids for the fresh slots that
+        repeat a previous expert or another slot of the row, as (row, slot, id) arrays, or None if
+        no slot does. With them applied every row is distinct and shares with pv only its copied slots.
+
+        Of two fresh slots with one id, which keeps it is arbitrary; new ids come from `_redraw`."""
         m = len(o)
         base = np.arange(0, m * e, e)[:, None]
         oi = o + base
-        slots = np.arange(k, dtype=np.int16)
-        # tab[row, id]: -1 for a previous expert, else the first slot holding id, else k (free)
-        tab = np.full(m * e, k, dtype=np.int16)
-        np.minimum.at(tab, oi.ravel(), np.broadcast_to(slots, (m, k)).ravel())
+        slots = np.arange(k, dtype=np.int8 if k < 127 else np.int16)
+        # tab[row * e + id]: -1 for a previous expert, else a slot holding id, else k (free). Where
+        # two slots hold one id, the one tab keeps is arbitrary and the other clashes.
+        if self._tab.size < m * e or self._tab.dtype != slots.dtype:  # a workspace kept between calls
+            self._tab = np.empty(max(m * e, 2 * self._tab.size), dtype=slots.dtype)
+        tab = self._tab[: m * e]
+        tab.fill(k)
+        tab[oi] = slots
         tab[pv + base] = -1
-        rr, cc = np.nonzero(f & (tab[oi] < slots))
-        if rr.size == 0:
+        flat = np.flatnonzero(f & (tab[oi] != slots))
+        if flat.size == 0:
             return None
+        rr, cc = np.divmod(flat, k)
+        return rr, cc, self._redraw(lp, tab, rr, cc, k, m, e)
+
+    def _redraw(
+        self, lp: _LayerPop, tab: np.ndarray, rr: np.ndarray, cc: np.ndarray, k: int, m: int, e: int
+    ) -> np.ndarray:
+        """A new id for slot cc of row rr each, free in tab (== k) and distinct within a row.
+
+        Rejection sampling: the first of a few popularity draws that is free (2 tries in a first pass
+        over many slots, TRIES after), and where a later pass finds every try taken one draw from the
+        popularity restricted to the free ids (the same law). When two slots of a row pick the same id
+        in one pass, the one tab keeps is arbitrary and the other picks again."""
         n = rr.size
-        draws = lp.draw(self._rng, (n, self.TRIES))
-        free = tab[draws + base[rr]] == k
-        j = free.argmax(axis=1)
-        at = np.arange(n)
-        new = draws[at, j]
-        miss = np.flatnonzero(~free[at, j])
-        if miss.size:
-            allowed = tab.reshape(m, e)[rr[miss]] == k
-            w = lp.shares * allowed
-            zero = w.sum(axis=1) <= 0  # every allowed id has share 0: uniform over the allowed ones
-            w[zero] = allowed[zero]
-            cum = np.cumsum(w, axis=1)
-            u = self._rng.random(miss.size) * cum[:, -1]
-            new[miss] = np.minimum((cum <= u[:, None]).sum(axis=1), e - 1)
-        return rr, cc, new
+        b = rr * e
+        new = np.empty(n, dtype=np.int64)
+        sel = np.arange(n)
+        tries = 2 if n > 256 else self.TRIES
+        while sel.size > 16:
+            draws = lp.draw(self._rng, (sel.size, tries))
+            free = tab[draws + b[sel, None]] == k
+            pick = free.argmax(axis=1)
+            at = np.arange(sel.size)
+            v = draws[at, pick]
+            ok = free[at, pick]
+            if tries < self.TRIES:  # first pass: the slots that missed go again with more tries
+                miss = sel[~ok]
+                sel, v = sel[ok], v[ok]
+            else:
+                miss = sel[:0]
+                bad = np.flatnonzero(~ok)
+                if bad.size:  # every try taken: an exact draw over the free ids
+                    allowed = tab.reshape(m, e)[rr[sel[bad]]] == k
+                    w = lp.shares * allowed
+                    zero = w.sum(axis=1) <= 0  # every free id has share 0: uniform over the free ones
+                    w[zero] = allowed[zero]
+                    cum = np.cumsum(w, axis=1)
+                    u = self._rng.random(bad.size) * cum[:, -1]
+                    v[bad] = np.minimum((cum <= u[:, None]).sum(axis=1), e - 1)
+            new[sel] = v
+            key = b[sel] + v
+            slot = cc[sel]
+            tab[key] = slot
+            lost = sel[tab[key] != slot]  # another slot of the row took the same id in this pass
+            sel = np.sort(np.concatenate((lost, miss))) if miss.size else lost
+            tries = self.TRIES
+        # the few left: one at a time, each seeing the ids taken before it
+        for i in sel.tolist():
+            row = tab[b[i] : b[i] + e]
+            for v in lp.draw(self._rng, self.TRIES).tolist():
+                if row[v] == k:
+                    break
+            else:
+                allowed = np.flatnonzero(row == k)
+                w = np.cumsum(lp.shares[allowed])
+                if w[-1] > 0:
+                    v = int(allowed[min(int(np.searchsorted(w, self._rng.random() * w[-1], side="right")), w.size - 1)])
+                else:
+                    v = int(allowed[int(self._rng.integers(allowed.size))])
+            new[i] = v
+            row[v] = cc[i]
+        return new
 
     def _fix_row(self, lp: _LayerPop, prev: list[int], fresh: np.ndarray, cand: list[int], e: int) -> list[int]:
         """One row in order (the fallback): copied slots take prev's id, fresh ones their candidate
@@ -640,65 +724,52 @@ class SyntheticRouting:
         # A request's first row continues its stored state when its position is exactly last+1.
         if sk.all_first:
             had = ls.valid[slot]
-            match = had & (ls.last_pos[slot] == pos - 1)
-            pred = np.flatnonzero(match)
+            match = ls.last_pos[slot] == pos - 1
+            match &= had
+            pred = None if match.all() else np.flatnonzero(match)  # None: every row
         else:
             fi = sk.first
             fs = slot[fi]
             had = ls.valid[fs]
-            match = had & (ls.last_pos[fs] == pos[fi] - 1)
-            pred = fi[match]  # rows whose previous token is the stored state
-        self.counters["locality_resets"] += int(had.sum()) - pred.size + sk.n_inner_starts
+            pred = fi[had & (ls.last_pos[fs] == pos[fi] - 1)]  # rows whose previous token is the stored state
+        n_prev = t if pred is None else pred.size
+        if n_prev < t:
+            self.counters["locality_resets"] += int(had.sum()) - n_prev
+        self.counters["locality_resets"] += sk.n_inner_starts
         if sk.any_cont:
-            out, fresh_prev, n_prev = self._chains(lp, ls, sk, pred, e, k, q)
-        else:
-            out = lp.draw(self._rng, (t, k))  # fresh candidates: iid from the popularity
-            if pred.size < t:  # rows with no previous token: k distinct ids, exact inclusion probabilities
-                nop = np.ones(t, dtype=bool)
-                nop[pred] = False
-                nop = np.flatnonzero(nop)
-                out[nop] = self._systematic(lp, nop.size, k)
-            n_prev = pred.size
-            fresh_prev = 0
+            out, n_fresh, n_prev = self._chains(lp, ls, sk, pred, e, k, q)
+        else:  # every row with a previous token continues a stored state (decode)
+            n_fresh = 0
             if n_prev:
-                pv = ls.prev[slot[pred]]
-                f = self._fresh_mask(n_prev, e, k, q)
-                o = np.where(f, out[pred], pv)
-                rows = None
-                for _ in range(self.MAX_ROUNDS):
-                    if rows is None:
-                        res = self._clash_round(lp, o, pv, f, e, k)
-                    else:
-                        res = self._clash_round(lp, o[rows], pv[rows], f[rows], e, k)
-                    if res is None:
-                        break
-                    rr, cc, new = res
-                    if rows is not None:
-                        rr = rows[rr]
-                    o[rr, cc] = new
-                    rows = np.unique(rr)
-                else:
-                    self.counters["sequential_fixes"] += 1
-                    for i in range(n_prev):
-                        o[i] = self._fix_row(lp, pv[i].tolist(), f[i], o[i].tolist(), e)
-                fresh_prev = int(f.sum())
-                if n_prev == t:
-                    out = o
-                else:
+                pv = ls.prev[slot if pred is None else slot[pred]]
+                f, cand = self._fresh(lp, n_prev, e, k, q)
+                o = np.where(f, cand, pv)
+                fix = self._fix_rows(lp, o, pv, f, e, k)
+                if fix is not None:
+                    o[fix[0], fix[1]] = fix[2]
+                n_fresh = int(np.count_nonzero(f))
+            if pred is None:
+                out = o
+            else:  # rows with no previous token: k distinct ids with the exact inclusion probabilities
+                out = self._systematic(lp, t, k)
+                if n_prev:
                     out[pred] = o
         self.counters["rows_with_previous"] += n_prev
         self.counters["slots_with_previous"] += n_prev * k
-        self.counters["reused_slots"] += n_prev * k - fresh_prev
+        self.counters["reused_slots"] += n_prev * k - n_fresh
         # State: each request's last row of this call.
-        ends = sk.end
-        es = slot[ends]
-        was = ls.valid[es]
-        if not was.all():
-            self._nvalid[es[~was]] += 1
+        if sk.all_first:
+            es, last, lpos = slot, out, pos
+        else:
+            ends = sk.end
+            es, last, lpos = slot[ends], out[ends], pos[ends]
+            had = ls.valid[es]
+        if not had.all():
+            self._nvalid[es[~had]] += 1
             ls.valid[es] = True
-        ls.last_pos[es] = pos[ends]
+        ls.last_pos[es] = lpos
         ls.last_call[es] = call
-        ls.prev[es] = out[ends]
+        ls.prev[es] = last
         if call % self.prune_every == 0:
             dead = np.flatnonzero(ls.valid & (ls.last_call < call - self.stale_calls))
             self.counters["states_dropped"] += dead.size
@@ -712,56 +783,77 @@ class SyntheticRouting:
     def _chains(
         self, lp: _LayerPop, ls: _LayerState, sk: _StepKeys, pred: np.ndarray, e: int, k: int, q: float
     ) -> tuple[np.ndarray, int, int]:
-        """Rows where some request has several consecutive positions (prefill chunks): each row's
-        previous token is the row above it. Returns (rows [t, k], fresh slots, rows with a previous token)."""
-        t, cont, rng = sk.t, sk.cont, self._rng
+        """Rows where a request has several consecutive positions (prefill chunks): a row's previous
+        token is the row above it. Returns (rows [t, k], fresh slots, rows with a previous token)."""
+        t, cont = sk.t, sk.cont
         has_prev = cont.copy()
         has_prev[pred] = True
-        hp = np.flatnonzero(has_prev)
+        nop = np.flatnonzero(~has_prev)
+        fresh, cand = self._fresh(lp, t, e, k, q)
+        fresh[nop] = True
         # vals[2r + 1] = row r's own candidates, vals[2r] = the stored previous experts of a `pred` row.
         vals = np.empty((2 * t, k), dtype=np.int64)
-        vals[1::2] = lp.draw(rng, (t, k))  # fresh candidates: iid from the popularity
-        nop = np.flatnonzero(~has_prev)
-        if nop.size:  # rows with no previous token: k distinct ids, exact inclusion probabilities
+        vals[1::2] = cand
+        if nop.size:  # rows with no previous token: k distinct ids with the exact inclusion probabilities
             vals[2 * nop + 1] = self._systematic(lp, nop.size, k)
         if pred.size:
             vals[2 * pred] = ls.prev[sk.slot[pred]]
-        fresh = np.ones((t, k), dtype=bool)
-        fresh[hp] = self._fresh_mask(hp.size, e, k, q)
         # Each slot takes the value of the last row at or above it (same chain) where it was fresh, or
-        # the stored previous experts: src indexes vals.
-        src = np.where(fresh, (2 * np.arange(t) + 1)[:, None], -1)
+        # the stored previous experts of the chain's first row: src indexes vals.
+        src = fresh * (2 * np.arange(t) + 2)[:, None] - 1
         if pred.size:
             src[pred] = np.where(fresh[pred], (2 * pred + 1)[:, None], (2 * pred)[:, None])
         np.maximum.accumulate(src, axis=0, out=src)
-        cols = np.arange(k)[None, :]
-        out = vals[src, cols]
-        can_clash = has_prev & fresh.any(axis=1)
-        check = np.flatnonzero(can_clash)
+        cols = np.arange(k)
+        out = vals.ravel().take(src * k + cols)
+        # First pass over every row (a row's previous token is the row above, or the stored state).
+        pv = np.empty_like(out)
+        pv[0] = out[0]
+        pv[1:] = out[:-1]
+        if pred.size:
+            pv[pred] = vals[2 * pred]
+        fix = self._fix_rows(lp, out, pv, fresh & has_prev[:, None], e, k)
+        nextb = None
         for _ in range(self.MAX_ROUNDS):
+            if fix is None:
+                break
+            br, cc, new = fix
+            # A changed slot flows down its chain until the next row where that slot is fresh.
+            if nextb is None:
+                bar = np.where(fresh | ~cont[:, None], np.arange(t)[:, None], t)
+                nextb = np.empty_like(bar)
+                nextb[-1] = t
+                nextb[:-1] = np.minimum.accumulate(bar[::-1], axis=0)[::-1][1:]
+            vals[2 * br + 1, cc] = new
+            end = nextb[br, cc]
+            span = end - br
+            offs = np.repeat(np.cumsum(span) - span, span)
+            rows = np.repeat(br, span) + (np.arange(offs.size) - offs)
+            out[rows, np.repeat(cc, span)] = np.repeat(new, span)
+            # re-check the changed rows and the row after each run (its previous token changed)
+            mark = np.zeros(t + 1, dtype=bool)
+            mark[rows] = True
+            mark[end] = True
+            check = np.flatnonzero(mark[:t] & cont)  # rows whose previous token is the row above
+            check_pred = np.flatnonzero(mark[pred]) if pred.size else pred
+            if check_pred.size:  # chain heads continuing the stored state, whose own slots changed
+                check = np.sort(np.concatenate((check, pred[check_pred])))
             if check.size == 0:
                 break
-            pv = np.where(cont[check][:, None], out[check - 1], vals[2 * check])
-            res = self._clash_round(lp, out[check], pv, fresh[check], e, k)
-            if res is None:
-                break
-            rr, cc, new = res
-            br = check[rr]
-            vals[2 * br + 1, cc] = new
-            # the changed slots flow down their chains until the next fresh draw in that slot
-            changed = np.zeros((2 * t, k), dtype=bool)
-            changed[2 * br + 1, cc] = True
-            aff = changed[src, cols].any(axis=1)
-            affi = np.flatnonzero(aff)
-            out[affi] = vals[src[affi], cols]
-            aff[1:] |= aff[:-1] & cont[1:]  # and the row after a changed row has a new previous token
-            check = np.flatnonzero(aff & can_clash)
+            pvc = out[check - 1]
+            if check_pred.size:
+                head = ~cont[check]
+                pvc[head] = vals[2 * check[head]]
+            fix = self._fix_rows(lp, out[check], pvc, fresh[check], e, k)
+            if fix is not None:
+                fix = (check[fix[0]], fix[1], fix[2])
         else:
             self.counters["sequential_fixes"] += 1
-            for i in hp.tolist():
+            for i in np.flatnonzero(has_prev).tolist():
                 prev = (out[i - 1] if cont[i] else vals[2 * i]).tolist()
                 out[i] = self._fix_row(lp, prev, fresh[i], vals[2 * i + 1].tolist(), e)
-        return out, int(fresh[hp].sum()), hp.size
+        hp_fresh = fresh[has_prev]
+        return out, int(hp_fresh.sum()), len(hp_fresh)
 
     def describe(self) -> dict[str, Any]:
         c = dict(self.counters)
