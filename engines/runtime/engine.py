@@ -170,6 +170,11 @@ class EngineParts:
     notes: list[str] = field(default_factory=list)
     info_config: Mapping[str, Any] = field(default_factory=dict)  # added to info().config
     config: Any = None  # the options as the parts run them, when the recipe changed one
+    # --simulate: the executor a simulated run uses instead of engines/sim's default
+    # (SimExecutor: routing -> experts.simulate -> flat-step cost), for a technique whose step
+    # is priced or moves weights differently (a layer-major plan). Called as
+    # sim_executor(simulation, model, kv, ledger, experts, dense_bytes_read) -> Executor.
+    sim_executor: Callable[..., Executor] | None = None
 
 
 def resident_parts(cfg: RuntimeConfig, loaded: Loaded, experts: ExpertBackend) -> EngineParts:
@@ -271,6 +276,9 @@ class RuntimeEngine(Engine):
             self._record_routing()
         if self.simulation is None:
             self.executor = parts.executor(self.model, self.kv, self.ledger)
+        elif parts.sim_executor is not None:
+            self.executor = parts.sim_executor(self.simulation, self.model, self.kv, self.ledger, self.experts,
+                                               self._dense_bytes_read)
         else:
             overlap = self.experts.copies_overlap and not self.simulation.shared_processor
             self.executor = self.simulation.make_executor(cfg, self.model, self.ledger, self.experts,
