@@ -23,7 +23,7 @@ def _model_config(model: str):
     from engines.base import EngineInfo  # noqa: PLC0415
     from engines.runtime.checkpoint import open_checkpoint  # noqa: PLC0415
 
-    cfg = open_checkpoint(model).config
+    cfg = open_checkpoint(model, config_only=True).config  # the config is all it reads
     info = EngineInfo(name="calibration", model=model, architecture=cfg.architecture, device="cpu", dtype="float32",
                       vocab_size=cfg.vocab_size, max_model_len=cfg.max_position_embeddings)
     return cfg, uses_demo_language(model, info)

@@ -68,10 +68,23 @@ class SuiteResult:
 
 
 def default_budget(model: str | None, options: dict[str, Any]) -> int:
-    """dense + BUDGET_SHARE x (experts + KV_TOKENS of KV), from the model's sizes in `moe`."""
+    """dense + BUDGET_SHARE x (experts + KV_TOKENS of KV), from the model's sizes in `moe`.
+    Simulated on a GPU profile: the device itself (its memory x gpu_memory_utilization), the
+    question a user asks of a GPU they do not have ("what fits one H100?")."""
     from engines.registry import create_engine  # noqa: PLC0415
 
-    engine = create_engine("moe", {"model": model, **{k: v for k, v in options.items() if k in ("device", "dtype")}})
+    sizes = {k: v for k, v in options.items() if k in ("device", "dtype", "simulate", "routing")}
+    if options.get("simulate"):
+        from engines.sim.hardware import load_profile  # noqa: PLC0415  (simulated suites only)
+
+        try:
+            profile = load_profile(str(options["simulate"]))
+        except ValueError as exc:
+            raise HarnessError(str(exc)) from None
+        if profile.name != "cpu":
+            return int(profile.memory_bytes * float(options.get("gpu_memory_utilization", 0.9)))
+        sizes["kv_blocks"] = 1  # sizes only: no budget for the sizing start itself
+    engine = create_engine("moe", {"model": model, **sizes})
     engine.start()
     try:
         info = engine.info()
@@ -109,8 +122,9 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
     args = _verdict_defaults(args, spec, is_demo, slo_given, say)
     if repeat < 1:
         raise HarnessError(f"--repeat must be >= 1, got {repeat}")
+    sim = args.engine_options.get("simulate")
     say(f"suite: {len(SUITE)} engines x {repeat} repeat{'s' * (repeat > 1)}, interleaved, under a device budget of "
-        f"{_bytes(budget)} -> {folder}")
+        f"{_bytes(budget)}{f', simulated on {sim}' if sim else ''} -> {folder}")
     runs: dict[str, Path] = {}
     failed: dict[str, str] = {}
     found: dict[str, float] = {}  # row -> the capacity its previous repeat found
@@ -154,6 +168,8 @@ def _verdict_defaults(args: RunArgs, spec, is_demo: bool, slo_given: bool, say: 
     if is_demo:
         targets = ", ".join(f"{k}<={v:g}" for k, v in slo.items())
         say(f"suite: demo SLO {targets}; capacity at {capacity.attainment:.0%} of {capacity.requests}-request points")
+    if args.engine_options.get("simulate"):  # no tokens are computed: nothing to probe for stability
+        return replace(args, slo=slo, capacity=capacity, stability_probes=None)
     return replace(args, slo=slo, capacity=capacity, stability_probes=args.stability_probes or STABILITY_PROBES)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 from reports import roi, verdict
-from reports.runs import LeftOut, Run, left_out
+from reports.runs import LeftOut, Run, left_out, simulated_on
 
 
 def _mark(rows: list[dict], cells: list[list[str]], flagged: dict[str, LeftOut]) -> None:
@@ -23,12 +23,22 @@ def _left_out_lines(flagged: dict[str, LeftOut]) -> list[str]:
     return [f"{v.kind}: {k}: {v.why}" for k, v in flagged.items()]
 
 
+def _simulated_line(runs: list[Run]) -> str | None:
+    """Said first when any number is simulated (profiles named), None for measured runs."""
+    sims = sorted({s for r in runs if (s := simulated_on(r.run))})
+    if not sims:
+        return None
+    return (f"SIMULATED on {', '.join(sims)} (pwbench's cost model, not measured; quality not simulated; "
+            "assumptions in run.json 'simulated')")
+
+
 def markdown(runs: list[Run], prices: roi.Prices) -> str:
     flagged = left_out(runs)
     rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows)
     _mark(rows, cells, flagged)
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    sim = _simulated_line(runs)
+    lines = ([f"**{sim}**", ""] if sim else []) + ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     _, sentence = verdict.recommend(rows, prices, set(flagged))
     lines += [""] + [f"- {t}" for t in verdict.technique_sentences(rows, prices, set(flagged))]
@@ -51,6 +61,8 @@ def print_comparison(runs: list[Run], prices: roi.Prices, as_markdown: bool = Fa
     rows = roi.executive(runs, prices, set(flagged))
     header, cells = roi.table(rows, roi.COMPACT if compact else None)
     _mark(rows, cells, flagged)
+    if sim := _simulated_line(runs):
+        console.print(sim, markup=False, style="bold yellow")
     table = Table(*[Column(h, no_wrap=i == 0) for i, h in enumerate(header)])
     for row in cells:
         table.add_row(*(escape(c) for c in row))

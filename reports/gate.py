@@ -102,7 +102,9 @@ def identity(run: dict[str, Any]) -> dict[str, Any]:
     config = run.get("config") or {}
     workload = dict(config.get("workload") or {"name": run["workload"]["name"]})
     workload.setdefault("seed", run.get("seed"))
-    return {"workload": workload, "model": Path(str(config["model"])).name if config.get("model") else None}
+    sim = run.get("simulated")
+    return {"workload": workload, "model": Path(str(config["model"])).name if config.get("model") else None,
+            "simulated": sim.get("hardware") if isinstance(sim, dict) else None}
 
 
 def differences(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]:
@@ -113,6 +115,11 @@ def differences(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[str]
            for k in sorted(set(a["workload"]) | set(b["workload"])) if a["workload"].get(k) != b["workload"].get(k)]
     if a.get("model") != b.get("model"):
         out.append(f"model={b.get('model')!r} (vs {a.get('model')!r})")
+    if a.get("simulated") != b.get("simulated"):  # measured and simulated numbers never gate each other
+        def what(side: dict[str, Any]) -> str:
+            return f"simulated on {side['simulated']}" if side.get("simulated") else "measured"
+
+        out.append(f"{what(b)} (vs {what(a)})")
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from harness.metrics import request_times
 from reports import roi, stats, verdict
-from reports.runs import Arm, Run, arms, left_out
+from reports.runs import Arm, Run, arms, left_out, simulated_on
 
 E = html.escape
 CSS = """body{font-family:system-ui,sans-serif;margin:1.5em;color:#222;max-width:1400px}
@@ -318,6 +318,24 @@ def _html_table(header: list[str], cells: list[list[str]], titles: list[list[str
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
+def _simulated_banner(runs: list[Run]) -> str:
+    """The first screen's statement that its numbers are simulated: on which hardware profile,
+    with which cost model and routing, and that quality was not simulated ('' when measured)."""
+    sims = [r.run["simulated"] for r in runs if simulated_on(r.run)]
+    if not sims:
+        return ""
+    profiles = ", ".join(sorted({f"{s.get('hardware')} ({s.get('hardware_description', '')})" for s in sims}))
+    versions = ", ".join(sorted({str(s.get("cost_model_version")) for s in sims}))
+    routing = sorted({", ".join(f"{k}={v}" for k, v in (s.get("routing") or {}).items()
+                                if k in ("kind", "skew", "locality", "path", "source")) for s in sims})
+    return ('<div class="warn" id="simulated"><b>Simulated, not measured.</b> Every number below comes from '
+            f"pwbench's cost model (version {E(versions)}) for the hardware profile {E(profiles)}, with the engines' "
+            "real control code (scheduler, KV cache, budgets, expert residency) on a virtual clock. Expert routing: "
+            f"{E('; '.join(routing))}. Quality is not simulated: the recommendation assumes every arm answers as "
+            "well as full precision; measure quality on the real model before acting on it. Every assumption and "
+            "its source: each run.json's <code>simulated</code>.</div>")
+
+
 def render(runs: list[Run], prices: roi.Prices) -> str:
     import plotly.offline
 
@@ -351,16 +369,19 @@ def render(runs: list[Run], prices: roi.Prices) -> str:
     sentences = ("<ul id='techniques'>" + "".join(f"<li>{E(t)}</li>" for t in techniques) + "</ul>") if techniques \
         else ""
     repeats = max((row["runs"].value or 0 for row in rows), default=0)
+    banner, machine = _simulated_banner(runs), str(env.get("gpu") or env.get("cpu_model"))
+    if banner:
+        machine = ", ".join(sorted({f"simulated {s}" for r in runs if (s := simulated_on(r.run))}))
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>pwbench ROI report</title>",
         f"<style>{CSS}</style><script>{plotly.offline.get_plotlyjs()}</script></head><body>",
         '<section id="executive"><h1>Can these engines serve more on the same devices?</h1>',
-        sentences,
+        banner, sentences,
         f'<div class="rec" id="recommendation"><b>Recommendation:</b> {E(sentence)}<br>'
         f'<span class="small">{E(verdict.RULE)}</span></div>',
         f'<p class="small">Workload <b>{E(str(wl.get("name")))}</b> ({E(str(wl.get("requests")))} requests, '
         f'{E(str(wl.get("arrival")))} arrivals, seed {E(str(first.get("seed")))}) on '
-        f'{E(str(env.get("gpu") or env.get("cpu_model")))}; '
+        f'{E(machine)}; '
         f'SLO {E(slo)}; device budget <b>{E(budget)}</b>; arms (engine x runs) {E(engines)}. '
         f'Inputs: <b>${prices.gpu_hour_usd:g} per device-hour</b>, target load <b>{prices.target_rps:g} req/s</b>, '
         f'utilisation <b>{prices.utilisation:g}</b> (change with --gpu-hour-usd, --target-rps, --utilisation). '

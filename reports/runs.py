@@ -77,12 +77,21 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
     return [Run(folder, check_folder(folder)) for folder in expand(paths)]
 
 
+def simulated_on(run: dict[str, Any]) -> str | None:
+    """The hardware profile a simulated run stood for (run.json `simulated`); None: measured."""
+    sim = run.get("simulated")
+    return str(sim.get("hardware")) if isinstance(sim, dict) else None
+
+
 def comparability_key(run: dict[str, Any]) -> dict[str, Any]:
-    """What must agree for two runs to be compared: workload (with seed), hardware, pwbench."""
+    """What must agree for two runs to be compared: workload (with seed), hardware, pwbench.
+    A simulated run's hardware is its profile, never the machine that simulated it: simulated
+    and measured numbers are not compared."""
     env = run.get("environment") or {}
     workload = dict((run.get("config") or {}).get("workload") or {})
-    return {"workload": workload, "hardware": [env.get("cpu_model"), env.get("gpu")],
-            "pwbench": env.get("pwbench")}
+    sim = simulated_on(run)
+    hardware = [f"simulated {sim}"] if sim is not None else [env.get("cpu_model"), env.get("gpu")]
+    return {"workload": workload, "hardware": hardware, "pwbench": env.get("pwbench")}
 
 
 def _incomparable_runs(runs: list[Run]) -> list[tuple[Run, str]]:
