@@ -38,6 +38,10 @@ def _rows(path: Path) -> Mapping[str, tuple[str, dict[str, Any]]]:
 # Row name -> (engine, options). Engine names live in data (like a sweep grid's), not in code:
 # the harness never names engines (tests/unit/test_layout.py).
 SUITE = _rows(Path(__file__).with_name("suite.toml"))
+# Row name -> options only the bundled demo model's suite takes (sizes fitted to its 2.39 MiB
+# budget and 64-wide experts; another model's engines size themselves from the budget).
+_TABLES = tomllib.loads(Path(__file__).with_name("suite.toml").read_text())
+DEMO_OPTIONS = MappingProxyType({row: dict(t.get("demo_options", {})) for row, t in _TABLES.items()})
 BUDGET_SHARE = 0.4
 KV_TOKENS = 3000  # ~4 of rag_long's demo prompts (~690 tokens) with their answers
 # Demo-model traffic for the suite, applied only to options the user did not give: few
@@ -130,6 +134,7 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
     found: dict[str, float] = {}  # row -> the capacity its previous repeat found
     for k in range(1, repeat + 1):
         for row, (engine, options) in SUITE.items():
+            options = {**options, **(DEMO_OPTIONS[row] if is_demo else {})}
             if row in failed:
                 continue  # what could not run once will not run on the next repeat either
             name = f"{row}/r{k}" if repeat > 1 else row
