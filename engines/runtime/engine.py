@@ -314,7 +314,8 @@ class RuntimeEngine(Engine):
             blocks = (kv_cache_blocks(sizing, block_bytes, device) if cfg.budget_bytes is None
                       else self.budget.kv_blocks(sizing, block_bytes, pool.weights_beside))
         else:
-            device = torch.device("cpu")  # the host tier
+            # The host tier; on a simulated run shapes only, like the device (meta).
+            device = torch.device("cpu") if self.simulation is None else self.device
             sizing = KVSizing(cfg.block_size, pool.host_gb, None, cfg.gpu_memory_utilization, cfg.max_num_seqs, longest)
             blocks = kv_cache_blocks(sizing, block_bytes, device)
         return PagedKVCache.for_model(mc, blocks, cfg.block_size, self.dtype, device)
