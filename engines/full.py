@@ -100,7 +100,8 @@ class FullEngine(RuntimeEngine):
 
         return EngineParts(
             backend, claims(plan.kv_placement, plan.staging_bytes),
-            KVPool(on_device, dense + paged.floor_bytes(), cfg.host_kv_gb), copies=backend.copies,
+            KVPool(on_device, dense + paged.floor_bytes(), 1.0 if cfg.host_kv_gb is None else cfg.host_kv_gb),
+            copies=backend.copies,
             executor=layer_major(plan, backend.copies),
             controllers=[PagedController(cfg, paged, room), PlanPredictor(shape, hw, plan, refresh=held)],
             stats=lambda: {**plan_stats(cfg, self.plan, per_expert), **paged_stats(paged), "plan_expert_bytes_at_floor":

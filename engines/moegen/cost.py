@@ -196,10 +196,14 @@ def attention_s(shape: ModelShape, hw: Hardware, on_host: bool, decode_keys: flo
 
 
 def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int, prefill_tokens: int,
-              decode_context: int, prefill_context: int, prefill_chunks: int = 0) -> StepCost:
+              decode_context: int, prefill_context: int, prefill_chunks: int = 0,
+              active_experts: float | None = None, copied_experts: float | None = None) -> StepCost:
     """One step: `decode_seqs` decode tokens attending `decode_context` keys in all (summed over
     sequences), `prefill_tokens` prompt tokens in `prefill_chunks` chunks attending
-    `prefill_context` key-query pairs in all (causal), through every layer and the LM head."""
+    `prefill_context` key-query pairs in all (causal), through every layer and the LM head.
+    `active_experts` / `copied_experts`: the experts that ran / crossed the link per MoE layer
+    (mean over the layers) when known (a simulated step's routing and ring decisions); None:
+    predicted (every expert runs once T x top_k covers them; the streamed ones cross)."""
     s, T = shape, decode_seqs + prefill_tokens
     if T == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0)
@@ -247,7 +251,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     else:
         att_t = attention_s(s, hw, False, decode_context, prefill_tokens, prefill_context)
         act_h2d = act_d2h = act_wait = 0
-    active = min(s.experts, T * s.top_k)
+    active = min(s.experts, T * s.top_k) if active_experts is None else max(active_experts, 1e-9)
     # Per layer: activations through the elementwise kernels (every token; each expert assignment).
     ew = hw.elementwise_rate(T)
     per_s = 1 / ew if ew else 0.0
@@ -259,7 +263,8 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
                     hw.matmul_flops(T * s.top_k / active)) + expert_act_t
     streamed = s.total_experts - plan.resident_experts
     per_layer_streamed = streamed / s.moe_layers if s.moe_layers else 0
-    expert_link = min(per_layer_streamed, active) * s.expert_bytes / link
+    copied = min(per_layer_streamed, active) if copied_experts is None else copied_experts
+    expert_link = copied * s.expert_bytes / link
     act_link = (act_h2d + act_d2h) / link
     overhead = hw.op_overhead_s * (OPS_PER_LAYER + 2 * micro + staged_ops + OPS_PER_EXPERT * active) + act_t
     layer_total = 0.0
@@ -290,7 +295,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     head = roof(s.head_bytes, 2 * head_rows * s.hidden * s.vocab, w_bw, hw.matmul_flops(head_rows))
     if hw.sample_bytes_per_s:  # the sampled rows' logits, read by the argmax
         head += head_rows * s.vocab * e / hw.sample_bytes_per_s
-    h2d = int(s.moe_layers * min(per_layer_streamed, active) * s.expert_bytes) + int(s.layers * (act_h2d + kv_h2d))
+    h2d = int(s.moe_layers * copied * s.expert_bytes) + int(s.layers * (act_h2d + kv_h2d))
     return StepCost(compute + head, host, link_busy, layer_total + head + first_copy, h2d)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from engines.base import EngineError
+from engines.common.device import dtype_name
 from engines.moegen.cost import STREAMED, BatchPlan, Hardware, step_cost
 from engines.moegen.executor import HostAttention, LayerMajorExecutor, StreamAttention
 from engines.moegen.plan import MoEGenConfig, loaded_shape, make_plan, plan_claims, plan_hardware
@@ -93,10 +94,40 @@ def plan_copies(loaded: Loaded, cfg: MoEGenConfig, name: str) -> CopyEngine:
         raise EngineError(f"engine {name}: {exc}") from None
 
 
+def simulated_layer_major(cfg: MoEGenConfig, plan: BatchPlan, shape: ModelShape,
+                          hw: Hardware) -> Callable[..., Executor]:
+    """The executor part of a simulated run (--simulate): the plan's control path on the meta
+    device, priced by this cost model (engines/moegen/simulate.py)."""
+
+    def build(simulation, model: MoEModel, kv: PagedKVCache, ledger: TransferLedger, experts, dense_bytes_read: int):
+        from engines.moegen.simulate import MoEGenSimExecutor  # noqa: PLC0415  (simulated runs only: engines.sim)
+
+        return MoEGenSimExecutor(simulation, cfg, model, kv, ledger, experts, dense_bytes_read, plan, shape, hw)
+
+    return build
+
+
+def machine(engine: RuntimeEngine, cfg: MoEGenConfig, loaded: Loaded, shape: ModelShape) -> tuple[Hardware, float]:
+    """The plan's machine and the host-tier KV pool's GiB: measured (peaks, host_kv_gb or 1 GiB),
+    or on --simulate the hardware profile's (its host memory sizes the pool unless host_kv_gb is given)."""
+    if engine.simulation is None:
+        return plan_hardware(cfg, loaded.device), 1.0 if cfg.host_kv_gb is None else cfg.host_kv_gb
+    from engines.moegen.simulate import host_kv_gb, sim_hardware  # noqa: PLC0415  (simulated runs only: engines.sim)
+
+    sim = engine.simulation
+    hw = sim_hardware(sim.profile, dtype_name(loaded.dtype), shape, sim.shared_processor, cfg.plan_context)
+    gb = host_kv_gb(sim.profile, shape, cfg.gpu_memory_utilization) if cfg.host_kv_gb is None else cfg.host_kv_gb
+    if cfg.host_kv_gb is None:
+        sim.notes.append(f"host-tier KV pool {gb:.1f} GiB: {sim.profile.name}'s host memory less the routed "
+                         f"experts, x gpu_memory_utilization {cfg.gpu_memory_utilization} (set host_kv_gb to change)")
+    return hw, gb
+
+
 class MoEGenEngine(RuntimeEngine):
     name = "moegen"
     config_cls = MoEGenConfig
     plannable = True
+    simulates = True
 
     def build(self, cfg: MoEGenConfig, loaded: Loaded) -> EngineParts:
         if cfg.expert_bits is not None:
@@ -104,7 +135,8 @@ class MoEGenEngine(RuntimeEngine):
                               "quantization (drop it, or use --engine moe)")
         dense, mc = loaded.experts, loaded.checkpoint.config
         per_expert = loaded.bytes_per_expert
-        shape, hw = loaded_shape(loaded, per_expert, self.name), plan_hardware(cfg, loaded.device)
+        shape = loaded_shape(loaded, per_expert, self.name)
+        hw, host_gb = machine(self, cfg, loaded, shape)
         self.plan = plan = make_plan(cfg, shape, hw, mc.max_position_embeddings, self.name)
         copies = plan_copies(loaded, cfg, self.name)
         pairs = [(i, e) for i in sorted(dense) for e in range(dense[i].num_experts)]
@@ -113,7 +145,8 @@ class MoEGenEngine(RuntimeEngine):
         block = loaded.kv_block_bytes(cfg.block_size)
         claims = plan_claims(cfg, loaded.dense_bytes, per_expert, block, mc.num_layers, mc.max_position_embeddings)
         on_device = plan.kv_placement == "device"
-        kv = KVPool(on_device, loaded.dense_bytes + backend.device_bytes(), cfg.host_kv_gb)
+        kv = KVPool(on_device, loaded.dense_bytes + backend.device_bytes(), host_gb)
         return EngineParts(backend, claims, kv, copies=copies, executor=layer_major(plan, copies),
                            controllers=[PlanPredictor(shape, hw, plan)],
-                           stats=lambda: plan_stats(cfg, plan, per_expert))
+                           stats=lambda: plan_stats(cfg, plan, per_expert),
+                           sim_executor=simulated_layer_major(cfg, plan, shape, hw))

@@ -40,7 +40,9 @@ class MoEGenConfig(RuntimeConfig):
     resident_experts: int | None = None  # experts kept on the device; None: the plan
     micro_batch: int | None = None  # sequences per decode-attention micro-batch; None: the plan
     plan_context: int = 1024  # mean tokens per sequence the plan assumes for its decode batch
-    host_kv_gb: float = 1.0  # host-tier KV pool (host placement)
+    # host-tier KV pool (host, stream, split); None: 1 GiB, or on --simulate the profile's host memory less
+    # the routed experts x gpu_memory_utilization
+    host_kv_gb: float | None = None
     host_scratch_mb: int = 256  # host memory one attention micro-batch may gather KV into
     # CPU only: model the host<->device link at this many GB/s (see engines/runtime/copies.py).
     link_gbps: float | None = None

@@ -91,7 +91,21 @@ class StreamingBackend(HostTierBackend):
         self._queue.extend((layer, e) for e in experts if (layer, e) not in self.resident)
         self._issue()
 
+    @property
+    def copies_overlap(self) -> bool:
+        return True
+
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
+        return self._run(layer, x, d)  # type: ignore[return-value]
+
+    def simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
+        """The same queue, ring and copies as `forward`, no compute (--simulate; `d` carries only
+        counts). `upcoming` is not used: the executor queues a layer ahead (`prefetch`) as it does
+        in a measured run."""
+        self._run(layer, None, d)
+
+    def _run(self, layer: int, x: Tensor | None, d: Dispatch) -> Tensor | None:
+        """`forward`'s decisions in order; with x None (a simulated step) every compute is skipped."""
         self._count(layer, d)
         rows = segments(d)
         if layer not in self._queued_layers:  # not queued ahead: copy exactly the experts with tokens
@@ -99,13 +113,14 @@ class StreamingBackend(HostTierBackend):
         else:  # queued ahead: copies not yet issued for experts that got no tokens are dropped
             self._queue = deque(k for k in self._queue if k[0] != layer or k[1] in rows)
             self._issue()
-        xs = x[d.token_index]
-        out = torch.empty_like(xs)
-        for e in rows:
-            if (layer, e) in self.resident:
-                packed = self._packed.get((layer, e))
-                out[rows[e]] = (swiglu(xs[rows[e]], *packed, clamp=self.ring.clamp) if packed is not None
-                                else self.resident[(layer, e)].run(0, xs[rows[e]]))
+        xs = x[d.token_index] if x is not None else None
+        out = torch.empty_like(xs) if xs is not None else None
+        if xs is not None:
+            for e in rows:
+                if (layer, e) in self.resident:
+                    packed = self._packed.get((layer, e))
+                    out[rows[e]] = (swiglu(xs[rows[e]], *packed, clamp=self.ring.clamp) if packed is not None
+                                    else self.resident[(layer, e)].run(0, xs[rows[e]]))
         # This layer's streamed experts are at the head of the FIFO (earlier layers are done).
         for e in range(self.num_experts(layer)):
             key = (layer, e)
@@ -118,14 +133,15 @@ class StreamingBackend(HostTierBackend):
                 t0 = time.perf_counter()
                 handle.wait()
                 self._stall += time.perf_counter() - t0
-                out[rows[e]] = self.ring.run(slot, xs[rows[e]])
+                if xs is not None:
+                    out[rows[e]] = self.ring.run(slot, xs[rows[e]])
                 self._stats["streamed_experts"] += 1
             else:  # prefetched a layer ahead, then routed no token
                 self._stats["streamed_unused"] += 1
             self._free.append(slot)
             self._issue()
         self._queued_layers.discard(layer)
-        return combine(x, d, out)
+        return combine(x, d, out) if x is not None else None
 
     def step_stats(self) -> dict[str, float]:
         """Also: experts streamed (used / unused) and, for the expert copies alone, the link's
@@ -148,6 +164,7 @@ class StreamingBackend(HostTierBackend):
         while self._queue and self._free:
             layer, e = key = self._queue.popleft()
             slot = self._free.popleft()
-            handle = self.copies.h2d(self.ring.copies(slot, self.host[layer], e), tag="experts")
-            self._stats["streamed_bytes"] += handle.nbytes
+            pairs = self.ring.copies(slot, self.host[layer], e)
+            handle = self.copies.h2d(pairs, tag="experts")
+            self._stats["streamed_bytes"] += sum(src.numel() * src.element_size() for _, src in pairs)
             self._issued[key] = (slot, handle)
