@@ -88,6 +88,7 @@ class Simulation:
                 "cost_model_version": CostModel.VERSION,
                 "cost_model": self.cost.assumptions() if self.executor is not None else {},
                 "routing": self.routing.describe() if self.routing is not None else {},
+                "totals": self.stats(),  # the run's simulated steps: seconds, roofline, parts
                 "notes": list(self.notes)}
 
     def peaks(self) -> dict[str, Any]:
