@@ -262,6 +262,26 @@ class PagedWeightBackend(ExpertBackend):
             self._check(layer, xs, out, rows, groups)
         return combine(x, d, out)
 
+    def simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
+        """`forward`'s decisions and counts with no compute (--simulate: `d` carries counts only):
+        the bytes read, the importance from the counts (no routing weights exist), the held
+        version or the move in flight each expert runs from, and an on-demand fetch, counted and
+        copied through the copy engine, for each expert at 0 bits. Not kept: the per-row widths
+        (the simulated dispatch has no rows, so `request_bits` stays empty) and the quality
+        feedback (it compares outputs)."""
+        self._count(layer, d)
+        self.importance.observe_counts(layer, d.counts)
+        missing = [e for e in segments(d) if self._resident((layer, e)) is None]
+        for e in missing:
+            self._fetch((layer, e))
+
+    @property
+    def copies_overlap(self) -> bool:
+        """--simulate: page moves are issued before a step and committed at the next boundary, so
+        their copies run beside the step's compute (demotions that copy and on-demand fetches
+        are waited for, a share the simulated step does not separate)."""
+        return True
+
     def _add_token_bits(self, rows: int, d: Dispatch, width: list[int]) -> None:
         """Add this layer's choices to each batch row's running sum, minimum and count of the
         widths its experts computed at (`width`: expert -> quarter bits per weight it ran at)."""

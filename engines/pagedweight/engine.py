@@ -23,7 +23,7 @@ from pathlib import Path
 from engines.base import EngineError
 from engines.pagedweight.backend import PagedWeightBackend
 from engines.pagedweight.controller import PageBudget, PagedController, PagedExperts
-from engines.pagedweight.importance import Importance
+from engines.pagedweight.importance import SIGNALS, Importance
 from engines.runtime.budget import OFFLOAD_FIX, Claim
 from engines.runtime.copies import CopyEngine
 from engines.runtime.engine import EngineParts, KVPool, Loaded, RuntimeConfig, RuntimeEngine, load_dense
@@ -50,6 +50,9 @@ class PagedWeightConfig(RuntimeConfig):
     # width is replaced by the largest that does, or rows are padded to whole groups (see the notes).
     group_size: int = 32
     importance_decay: float = 0.9  # EMA of each expert's routing-mass share, per step
+    # What an expert's importance is: "mass" (its share of the router's weights) or "tokens" (its
+    # share of the token assignments). A simulated run has no routing weights: it uses tokens.
+    importance_from: str = "mass"
     hysteresis: float = 0.02  # an optional re-plan must lower the expected cost by this share
     min_residence_steps: int = 8  # steps an expert keeps a width before an optional change
     transition_bytes_per_step: int | None = None  # bytes of optional page moves per step; None: any
@@ -62,6 +65,10 @@ class PagedWeightConfig(RuntimeConfig):
     calib_prompts: int = 24  # seeded random-token calibration prompts (models other than demo-language)
     calib_file: str | None = None  # JSON list of token-id prompts to calibrate on (the harness writes one)
     link_gbps: float | None = None  # CPU only: modelled host->device link (as engine offload)
+    # --simulate: where the experts' sensitivities come from (none are measured): a JSON file (a
+    # table a measured run wrote, {"layer,expert": {"bits": err}} or {"bits": err}) or an inline
+    # table "8:2e-5,4:0.008,3:0.03,2:0.11"; None: the bundled demo model's measured mean curve.
+    sim_sensitivity: str | None = None
 
 
 
@@ -120,6 +127,7 @@ def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExp
     dequantized values, are the master the calibration and the lower widths start from."""
     from engines.pagedweight.formats import Mxfp4Store, fit_group_size, make_store  # noqa: PLC0415
     from engines.pagedweight.sensitivity import load_or_measure  # noqa: PLC0415
+    from engines.pagedweight.simulated import meta_stores, simulated_sensitivity  # noqa: PLC0415
     from engines.quant.qweight import QuantFormatError  # noqa: PLC0415
 
     if cfg.budget_bytes is None:
@@ -154,14 +162,40 @@ def paged_experts(cfg: PagedWeightConfig, loaded: Loaded, name: str) -> PagedExp
         return make_store(cfg.representation, w.gate_up[e], w.down[e], widths, group_size, copies.host,
                           gate_up_bias=biases[0], down_bias=biases[1], clamp=w.clamp)
 
+    simulated = loaded.device.type == "meta"  # --simulate: shapes, no data
+    keys = [(i, e) for i, w in dense.items() for e in range(w.num_experts)]
+    signal = getattr(cfg, "importance_from", "mass")
+    if signal not in SIGNALS:
+        raise EngineError(f"engine {name}: importance_from must be one of {', '.join(SIGNALS)}, got {signal!r}")
     try:
-        stores = {(i, e): store(i, e) for i, w in dense.items() for e in range(w.num_experts)}
+        if simulated:  # the same format code on meta tensors, once per expert shape (formats.py's bytes)
+            def signature(i: int, e: int) -> tuple:
+                t = (loaded.packed[i].expert(e).tensors() if mxfp4 else
+                     {"gate_up": dense[i].gate_up[e], "down": dense[i].down[e],
+                      "gate_up_bias": None if dense[i].gate_up_bias is None else dense[i].gate_up_bias[e],
+                      "down_bias": None if dense[i].down_bias is None else dense[i].down_bias[e]})
+                return (*((k, None if v is None else (tuple(v.shape), v.dtype)) for k, v in sorted(t.items())),
+                        dense[i].clamp)
+
+            stores = meta_stores(keys, store, signature)
+        else:
+            stores = {key: store(*key) for key in keys}
     except QuantFormatError as exc:
         raise EngineError(f"engine {name}: {exc}") from None
-    sensitivity = {k: dict(v) for k, v in load_or_measure(
-        loaded.checkpoint, dense, loaded.weights, cfg.representation, widths, group_size,
-        prompts=calibration_prompts(cfg, name), device=loaded.device, dtype=loaded.dtype, exact=exact).items()}
-    importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay)
+    if simulated:
+        table, note = simulated_sensitivity(getattr(cfg, "sim_sensitivity", None), keys, widths, exact,
+                                            cfg.representation)
+        notes.append(note)
+        if signal != "tokens":
+            signal = "tokens"
+            notes.append("simulated: expert importance from routing token shares (importance_from tokens): a "
+                         "simulated router gives choices, not routing weights")
+    else:
+        table = load_or_measure(loaded.checkpoint, dense, loaded.weights, cfg.representation, widths, group_size,
+                                prompts=calibration_prompts(cfg, name), device=loaded.device, dtype=loaded.dtype,
+                                exact=exact)
+    sensitivity = {k: dict(v) for k, v in table.items()}
+    importance = Importance({i: w.num_experts for i, w in dense.items()}, cfg.importance_decay, signal=signal)
     # The lowest width whose measured error is within max_expert_error (the master's always is).
     quality = {key: min(b for b in widths if bound is None or b in exact or sensitivity[key][b] <= bound)
                for key in stores}
@@ -201,6 +235,22 @@ def paged_stats(paged: PagedExperts) -> dict[str, float]:
     return {"bytes_per_expert": max(s.nbytes(max(s.bits)) for s in paged.backend.stores.values())}
 
 
+def simulated_config(cfg: PagedWeightConfig, loaded: Loaded) -> PagedWeightConfig:
+    """The options as a simulated run (meta device) takes them: no quality feedback (it compares
+    the experts' outputs with the master's, and a simulated run computes none)."""
+    if loaded.device.type != "meta" or not cfg.feedback_every:
+        return cfg
+    return dataclasses.replace(cfg, feedback_every=0)
+
+
+def simulated_notes(loaded: Loaded) -> list[str]:
+    if loaded.device.type != "meta":
+        return []
+    return ["simulated: quality feedback off (it recomputes sampled rows with the master and compares outputs; "
+            "a simulated run computes none), so no fallbacks; request_bits is empty (a simulated step's routing "
+            "has no per-row choices) and expert_usage's routing_mass is 0 (no routing weights)"]
+
+
 def paged_load(engine: RuntimeEngine, cfg: PagedWeightConfig) -> Loaded:
     """pagedweight's and full's load: an MXFP4 checkpoint's experts as stored and their
     dequantized values (for the calibration and the lower widths); any other folder dense."""
@@ -212,11 +262,13 @@ class PagedWeightEngine(RuntimeEngine):
     name = "pagedweight"
     config_cls = PagedWeightConfig
     needs_calibration = True
+    simulates = True
 
     def load(self, cfg: PagedWeightConfig) -> Loaded:
         return paged_load(self, cfg)
 
     def build(self, cfg: PagedWeightConfig, loaded: Loaded) -> EngineParts:
+        cfg = simulated_config(cfg, loaded)
         self.paged = paged = paged_experts(cfg, loaded, self.name)
         block, dense = loaded.kv_block_bytes(cfg.block_size), loaded.dense_bytes
         claims = [*paged_claims(cfg, paged, dense, OFFLOAD_FIX), Claim("one KV block", block)]
@@ -226,6 +278,6 @@ class PagedWeightEngine(RuntimeEngine):
         kv = KVPool(on_device=True, weights_beside=dense + paged.floor_bytes())
         self.controller = PagedController(cfg, paged, room)
         return EngineParts(paged.backend, claims, kv, copies=paged.backend.copies, controllers=[self.controller],
-                           stats=lambda: paged_stats(paged), notes=list(paged.notes),
+                           stats=lambda: paged_stats(paged), notes=[*paged.notes, *simulated_notes(loaded)],
                            config=dataclasses.replace(cfg, group_size=paged.group_size,
                                                       bits=bits_text(paged.bit_widths, paged.mxfp4)))

@@ -7,6 +7,11 @@ layer's quality cost is spread by how much of its output each expert makes. Toke
 kept as an EMA of shares too, and as run totals (the per-run expert selection table).
 Before an expert is seen, its importance is the prior (calibration counts, or 1/E).
 Deterministic: the inputs are the router's choices, nothing else.
+
+`signal` chooses what importance is: "mass" (the default) or "tokens", the EMA of the expert's
+share of its layer's token assignments. A simulated run (--simulate) has routing choices but no
+routing weights (`observe_counts`), so it weighs experts by tokens; a measured run asked for
+"tokens" weighs them the same way (what the simulator's exactness test compares against).
 """
 
 from __future__ import annotations
@@ -18,14 +23,17 @@ import torch
 from engines.runtime.experts import Dispatch
 
 Key = tuple[int, int]  # (layer, expert)
+SIGNALS = ("mass", "tokens")
 
 
 class Importance:
     def __init__(self, experts_per_layer: Mapping[int, int], decay: float = 0.9,
-                 prior: Mapping[Key, float] | None = None) -> None:
+                 prior: Mapping[Key, float] | None = None, signal: str = "mass") -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"importance decay must be in [0, 1), got {decay}")
-        self.decay = decay
+        if signal not in SIGNALS:
+            raise ValueError(f"importance signal must be one of {', '.join(SIGNALS)}, got {signal!r}")
+        self.decay, self.signal = decay, signal
         self.mass: dict[Key, float] = {}
         self.tokens: dict[Key, float] = {}
         for layer, n in experts_per_layer.items():
@@ -46,6 +54,13 @@ class Importance:
             mass[e] += m
             counts[e] += n
 
+    def observe_counts(self, layer: int, counts: list[int]) -> None:
+        """Add one simulated forward's routing: token counts only (no routing weights, so the
+        layer's mass is not moved by it)."""
+        mass, seen = self._step.setdefault(layer, ([0.0] * len(counts), [0] * len(counts)))
+        for e, n in enumerate(counts):
+            seen[e] += n
+
     def end_step(self) -> None:
         """Fold this step's shares into the averages (layers that ran nothing keep theirs)."""
         a = self.decay
@@ -55,11 +70,12 @@ class Importance:
                 continue
             for e, (m, n) in enumerate(zip(mass, counts)):
                 key = (layer, e)
-                self.mass[key] = a * self.mass[key] + (1 - a) * m / total_m
+                if total_m:  # a simulated step has counts but no mass
+                    self.mass[key] = a * self.mass[key] + (1 - a) * m / total_m
                 self.tokens[key] = a * self.tokens[key] + (1 - a) * n / total_n
                 self.total_tokens[key] += n
                 self.total_mass[key] += m
         self._step = {}
 
     def __getitem__(self, key: Key) -> float:
-        return self.mass[key]
+        return self.tokens[key] if self.signal == "tokens" else self.mass[key]
