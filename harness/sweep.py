@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engines.common.demo import resolve_model
 from harness.errors import HarnessError, read_toml
 from harness.run import RunArgs, execute
 from workloads.registry import WorkloadSpec
 
 SWEEP_SCHEMA = "pwbench-sweep/1"
 SWEEP_KEYS = {"workload": str, "engines": list, "budgets": list, "rates": list, "requests": int, "seed": int,
-              "set": dict}
+              "set": dict, "model": str}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Grid:
     requests: int | None = None
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # a folder or a bundled/preset name; None: the bundled demo model
 
     def points(self) -> list[tuple[str, str, str | None, float | None]]:
         """(folder name, engine, budget, rate) for every point, in a fixed order."""
@@ -55,21 +57,26 @@ def load_grid(path: str | Path | None, **flags: Any) -> Grid:
         for key, value in data.items():
             if not isinstance(value, SWEEP_KEYS[key]):
                 raise HarnessError(f"{path}: {key} must be a {SWEEP_KEYS[key].__name__}, got {value!r}")
+    extra = flags.pop("options", None) or {}  # --simulate / --routing: engine options of every point
     data.update({k: v for k, v in flags.items() if v is not None})
+    if extra:
+        data["set"] = {**dict(data.get("set") or {}), **extra}
     try:
         rates = tuple(float(r) for r in data.get("rates") or [None] if r is not None) or (None,)
     except (TypeError, ValueError):
         raise HarnessError(f"rates must be numbers, got {data.get('rates')!r}") from None
     return Grid(workload=data.get("workload", "rag_long"), engines=tuple(data.get("engines") or ["moe"]),
                 budgets=tuple(str(b) for b in data.get("budgets") or []) or (None,), rates=rates,
-                requests=data.get("requests"), seed=int(data.get("seed", 0)), options=dict(data.get("set") or {}))
+                requests=data.get("requests"), seed=int(data.get("seed", 0)), options=dict(data.get("set") or {}),
+                model=data.get("model"))
 
 
 def settings(grid: Grid, quality: bool) -> dict[str, Any]:
     """What sweep.json records: everything that decides a point's result."""
     return {"workload": grid.workload, "engines": list(grid.engines), "budgets": list(grid.budgets),
             "rates": list(grid.rates), "requests": grid.requests, "seed": grid.seed,
-            "set": json.loads(json.dumps(grid.options, sort_keys=True, default=str)), "quality": quality}
+            "set": json.loads(json.dumps(grid.options, sort_keys=True, default=str)), "quality": quality,
+            **({"model": grid.model} if grid.model else {})}
 
 
 def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -171,8 +178,10 @@ def run_sweep(grid: Grid, folder: Path, quality: bool = True,
         spec = WorkloadSpec(grid.workload, **given)
         options = {**grid.options, **({"budget_bytes": budget} if budget else {})}
         say(f"sweep: {name}")
+        simulated = bool(options.get("simulate"))  # quality is not simulated: a simulated run has no logits
         _, result = execute(RunArgs(workload=spec, given=frozenset(given), engine=engine, engine_options=options,
-                                    output=str(target), quality=quality))
+                                    model=resolve_model(grid.model), output=str(target),
+                                    quality=quality and not simulated))
         if result["status"] != "complete":
             raise HarnessError(f"sweep point {name}: run {result['status']} ({result.get('error')}); rerun to resume")
         ran.append(name)

@@ -27,6 +27,12 @@ def sweep(
     rates: Annotated[str | None, typer.Option(help="Comma-separated request rates (req/s).")] = None,
     requests: Annotated[int | None, typer.Option(help="Requests per point.")] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for every point.")] = None,
+    model: Annotated[str | None,
+                     typer.Option(help="Model folder, or bundled/preset name (default: the demo model).")] = None,
+    simulate: Annotated[str | None,
+                        typer.Option(help="Simulate every point on this hardware profile (`pwbench hw list`) or "
+                                          "TOML file instead of measuring (docs/simulation.md).")] = None,
+    routing: Annotated[str | None, typer.Option(help="--simulate: expert routing (see `pwbench run --help`).")] = None,
     quality: Annotated[bool, typer.Option(help="Measure KL / top-1 agreement at each point.")] = True,
     force: Annotated[bool,
                      typer.Option("--force",
@@ -42,8 +48,11 @@ def sweep(
     from reports.roi import Prices
     from reports.runs import load_runs
 
+    if routing and not simulate:
+        raise typer.BadParameter("--routing chooses a simulated run's expert choices; add --simulate HARDWARE")
+    extra = {k: v for k, v in (("simulate", simulate), ("routing", routing)) if v}
     grid = load_grid(config, workload=workload, engines=_list(engines), budgets=_list(budgets), rates=_list(rates),
-                     requests=requests, seed=seed)
+                     requests=requests, seed=seed, model=model, options=extra)
 
     def say(line: str) -> None:
         typer.echo(line, err=True)

@@ -130,3 +130,23 @@ def test_a_sweep_folder_without_sweep_json_is_checked_point_by_point(tmp_path):
 def test_an_output_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "sweep").write_text("not a folder")
     assert "cannot write the sweep folder" in one_line(sweep(tmp_path))
+
+
+@pytest.mark.slow  # ~20 s on 2 busy cores: two sweeps and reports; `run --simulate` is in the default run
+def test_simulated_sweep_on_a_preset(tmp_path):
+    """--simulate and the grid's model reach every point: Mixtral-8x7B (a config-only preset) on a
+    simulated H100; the point's run.json is marked simulated, sweep.json records both, and the
+    same command again resumes (no point rerun)."""
+    (tmp_path / "grid.toml").write_text('workload = "offline_batch"\nengines = ["offload"]\nbudgets = ["60GB"]\n'
+                                        'requests = 2\nmodel = "mixtral-8x7b"\n')
+    args = ["sweep", "--config", str(tmp_path / "grid.toml"), "--simulate", "h100-sxm", "--routing", "uniform",
+            "--output", str(tmp_path / "sw")]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    settings = json.loads((tmp_path / "sw" / "sweep.json").read_text())["settings"]
+    assert settings["model"] == "mixtral-8x7b" and settings["set"] == {"simulate": "h100-sxm", "routing": "uniform"}
+    run = json.loads((tmp_path / "sw" / "offload-b60GB" / "run.json").read_text())
+    assert run["simulated"]["hardware"] == "h100-sxm" and run["quality"] is None
+    assert run["engine"]["device"] == "simulated h100-sxm" and run["summary"]["completed"] == 2
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "0 points run, 1 already complete" in again.stdout, again.output
