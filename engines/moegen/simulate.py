@@ -223,7 +223,7 @@ class MoEGenSimExecutor(SimExecutor):
                                      minlength=self.num_experts).tolist() for layer in self.moe_layers}
         experts = self.experts
         parts = self._parts(batch)
-        streamed_before = experts._stats["streamed_bytes"] if isinstance(experts, StreamingBackend) else 0
+        copied_before = self._copied_bytes()
         moe_layers = experts.layers()
         ahead = len(keys) * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward decides
         if ahead and moe_layers:
@@ -237,7 +237,7 @@ class MoEGenSimExecutor(SimExecutor):
             if i in counts:
                 experts.simulate(i, Dispatch(_NO_ROWS, _NO_ROWS, counts[i]))
                 runs.update(experts.expert_bytes(i, e) for e, n in enumerate(counts[i]) if n)
-        self.last = cost = self._price(batch, counts, runs, streamed_before)
+        self.last = cost = self._price(batch, counts, runs, self._copied_bytes() - copied_before)
         self.clock.advance(cost.seconds)
         t = self.totals
         t.steps, t.seconds, t.roofline_s = t.steps + 1, t.seconds + cost.seconds, t.roofline_s + cost.roofline_s
@@ -246,9 +246,20 @@ class MoEGenSimExecutor(SimExecutor):
         logits = torch.empty(batch.logit_rows.shape[0], 1, device="meta")
         return StepResult(logits, [self.token] * len(batch.sampled), counts)
 
-    def _price(self, batch: StepBatch, counts: dict[int, list[int]], runs: Counter, streamed_before: int) -> StepCost:
-        """moegen's step_cost for this step's batch, experts that ran and experts copied; the
-        roofline as engines/sim/cost.py counts it (dense + experts that ran + KV attended)."""
+    def _copied_bytes(self) -> int:
+        """Expert bytes the backend has copied host->device so far in this step (the ring's
+        streamed experts); a technique with another backend overrides it (engine full)."""
+        return self.experts._stats["streamed_bytes"] if isinstance(self.experts, StreamingBackend) else 0
+
+    def _priced(self, runs: Counter, copied: int) -> tuple[ModelShape, BatchPlan]:
+        """The shape and plan a step is priced with (moegen: the run's; engine full overrides it
+        with the widths and residents of the step)."""
+        return self.shape, self.plan
+
+    def _price(self, batch: StepBatch, counts: dict[int, list[int]], runs: Counter, copied_bytes: int) -> StepCost:
+        """moegen's step_cost for this step's batch, experts that ran and experts copied
+        (`copied_bytes` in the step); the roofline as engines/sim/cost.py counts it (dense +
+        experts that ran + KV attended)."""
         nd = batch.num_decode
         decodes, prefills = batch.chunks[:nd], batch.chunks[nd:]
         decode_context = sum(c.start + 1 for c in decodes)
@@ -256,9 +267,8 @@ class MoEGenSimExecutor(SimExecutor):
         prefill_context = sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in prefills)
         n_moe = max(1, len(counts))
         active = sum(n > 0 for layer in counts.values() for n in layer) / n_moe
-        copied = 0.0
-        if isinstance(self.experts, StreamingBackend):
-            copied = (self.experts._stats["streamed_bytes"] - streamed_before) / max(1, self.shape.expert_bytes) / n_moe
+        shape, plan = self._priced(runs, copied_bytes)
+        copied = copied_bytes / max(1, shape.expert_bytes) / n_moe
         hw = dataclasses.replace(
             self.hw,
             attention_bytes_per_s=self.hw.device_bytes_per_s * self._eff("attention_decode", decode_context / nd)
@@ -266,7 +276,7 @@ class MoEGenSimExecutor(SimExecutor):
             prefill_attention_flops_per_s=self.hw.device_flops_per_s * self._eff(
                 "attention_prefill", prefill_tokens / len(prefills)) if prefills else
             self.hw.prefill_attention_flops_per_s)
-        c = step_cost(self.shape, hw, self.plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
+        c = step_cost(shape, hw, plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
                       active_experts=active, copied_experts=copied)
         overhead = float(self.profile.step_overhead_s)
         kvb = self.kv_bytes_per_token
