@@ -104,3 +104,24 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     out["copy"] = {"points": [[1.0, 1.0]], "source": "one processor: a copy is a memcpy at "
                    "link_pinned_bytes_per_s = memory_bandwidth_bytes_per_s / 2 (read + write)"}
     return out
+
+
+def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: int = 2) -> tuple[float, dict[str, Any]]:
+    """The runtime's per-step time outside what the cost model prices (the scheduler's and the
+    run loop's Python per step): the median over aligned steps of measured wall time minus the
+    cost model's time for the same step (priced with step_overhead_s = 0), the first `skip`
+    steps left out (warm-up). Negative medians are clipped to 0. Returns (seconds, details).
+    ValueError (one line) when the two lists do not align or leave no step."""
+    if len(measured_s) != len(predicted_s):
+        raise ValueError(f"step overhead: {len(measured_s)} measured steps against {len(predicted_s)} simulated; "
+                         "the simulated run must replay the measured one's routing")
+    pairs = list(zip(measured_s, predicted_s))[skip:]
+    if not pairs:
+        raise ValueError(f"step overhead: no step after the first {skip}; run more steps")
+    residual = sorted(m - p for m, p in pairs)
+    mid = len(residual) // 2
+    median = residual[mid] if len(residual) % 2 else (residual[mid - 1] + residual[mid]) / 2
+    details = {"steps": len(pairs), "median_measured_s": sorted(m for m, _ in pairs)[mid],
+               "median_predicted_s": sorted(p for _, p in pairs)[mid], "median_residual_s": median,
+               "clipped": median < 0}
+    return max(0.0, median), details

@@ -15,12 +15,19 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
     dequant_gemm_B    rows (B = 2, 3, 4, 8 bits)       fraction of memory_bytes_per_s reading packed weights
     copy              bytes per transfer               fraction of link_pinned_bytes_per_s
     copy_overlap      bytes per transfer               share of copy speed kept while compute runs beside it
+    elementwise       tokens per step                  fraction of memory_bytes_per_s (optional: the cost
+                                                       model takes 1.0 without it)
+    sample            rows sampled                     fraction of memory_bytes_per_s (optional, as above)
+
+`shared_processor` (optional, default: the profile is named "cpu") says host and device are one
+processor: copies are memcpys on the compute cores and never overlap compute.
 
 No torch here: `pwbench hw list` and the cost model read profiles without it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from collections.abc import Mapping
@@ -43,13 +50,19 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     "dequant_gemm_8": ("rows", "memory_bytes_per_s"),
     "copy": ("bytes per transfer", "link_pinned_bytes_per_s"),
     "copy_overlap": ("bytes per transfer", "kept"),
+    "elementwise": ("tokens per step", "memory_bytes_per_s"),
+    "sample": ("rows", "memory_bytes_per_s"),
 }
+OPTIONAL_CURVES = frozenset({"elementwise", "sample"})  # the cost model states 1.0 where a profile has none
+REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
            "host_flops_per_s", "step_overhead_s", "op_overhead_s")
 _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
+_BOOLS = ("shared_processor",)
 _TABLES = ("flops_per_s", "efficiency", "sources")
-_FIELDS = (*_STRS, *_INTS, *_FLOATS, *_TABLES)
+_FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
+_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor")
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,9 @@ class HardwareProfile:
     default_dtype: str  # "bfloat16" on GPUs, "float32" for cpu
     op_overhead_s: float = 0.0  # per kernel/op dispatch (added to the design's fields)
     origin: str = ""  # the file (or "cpu: ...") it was read from (added)
+    # host and device are one processor (copies are memcpys on the compute cores); None: the
+    # profile is named "cpu" (engines/sim/cost.py and session.py read it so). Added.
+    shared_processor: bool | None = None
 
     def flops(self, dtype: str | None = None) -> float:
         """Dense FLOP/s at `dtype` (default_dtype when None); ValueError naming the known ones."""
@@ -175,6 +191,8 @@ def _merged(path: Path, label: str, seen: tuple[str, ...] = ()) -> tuple[dict[st
 
 def _profile_table(p: HardwareProfile) -> dict[str, Any]:
     table: dict[str, Any] = {f: getattr(p, f) for f in (*_STRS, *_INTS, *_FLOATS)}
+    if p.shared_processor is not None:
+        table["shared_processor"] = p.shared_processor
     table["flops_per_s"] = dict(p.flops_per_s)
     table["sources"] = dict(p.sources)
     table["efficiency"] = {k: {"points": [list(pt) for pt in c.points], "source": c.source}
@@ -231,7 +249,7 @@ def _curve(where: str, key: str, value: Any) -> Curve:
 
 
 def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
-    missing = [f for f in _FIELDS if f not in table and f != "op_overhead_s"]
+    missing = [f for f in _FIELDS if f not in table and f not in _OPTIONAL_FIELDS]
     if missing:
         raise _bad(where, missing[0], "is missing", "add it, or inherit from a built-in (inherit = \"h100-sxm\")")
     kw: dict[str, Any] = {}
@@ -244,6 +262,11 @@ def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
     for f in _FLOATS:
         if f in table:
             kw[f] = _number(where, f, table[f], zero=f in ("op_overhead_s", "step_overhead_s"))
+    shared = table.get("shared_processor", kw["name"] == "cpu")  # unsaid: a profile named cpu is one processor
+    if not isinstance(shared, bool):
+        raise _bad(where, "shared_processor", f"must be true or false, got {shared!r}",
+                   "write shared_processor = true (host and device are one processor) or false")
+    kw["shared_processor"] = shared
     flops = table["flops_per_s"]
     if not isinstance(flops, dict) or not flops:
         raise _bad(where, "flops_per_s", "must be a table of dtype = FLOP/s", "write [flops_per_s] bfloat16 = 989e12")
@@ -256,7 +279,7 @@ def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
         raise _bad(where, "efficiency", "must be a table of curves",
                    "write [efficiency.gemm] points = ... source = ...")
     kw["efficiency"] = {k: _curve(where, k, v) for k, v in eff.items()}
-    absent = [k for k in EFFICIENCY_KEYS if k not in kw["efficiency"]]
+    absent = [k for k in REQUIRED_CURVES if k not in kw["efficiency"]]
     if absent:
         raise _bad(where, f"efficiency.{absent[0]}", "is missing", "add the curve, or inherit it from a built-in")
     sources = table["sources"]
@@ -274,7 +297,7 @@ def _apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any], where:
         head, _, rest = str(key).partition(".")
         if head not in _FIELDS or (rest and head not in _TABLES) or (head in _TABLES and not rest):
             raise _bad(where, str(key), "is not an overridable field",
-                       f"use one of {', '.join((*_STRS, *_INTS, *_FLOATS))}, or flops_per_s.DTYPE, "
+                       f"use one of {', '.join((*_STRS, *_INTS, *_FLOATS, *_BOOLS))}, or flops_per_s.DTYPE, "
                        "efficiency.KEY, sources.FIELD")
         if not rest:
             table[head] = value
@@ -314,17 +337,61 @@ def list_profiles() -> list[HardwareProfile]:
     return [load_profile(name) for name in builtin_names()]
 
 
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else "nan"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {value!r}")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else json.dumps(key)
+
+
+def profile_toml(p: HardwareProfile, name: str | None = None, header: str = "") -> str:
+    """`p` as a profile TOML file that load_profile reads back to the same numbers, curves and
+    sources (`name` renames it; `header` becomes leading comment lines)."""
+    table = _profile_table(p)
+    if name:
+        table["name"] = name
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines.append("# schema: engines/sim/hardware.py; `pwbench run --simulate THIS_FILE` runs on it")
+    for key in (*_STRS, *_INTS, *_FLOATS, *_BOOLS):
+        if table.get(key) is not None:
+            lines.append(f"{key} = {_toml_value(table[key])}")
+    lines += ["", "[flops_per_s]"]
+    lines += [f"{_toml_key(k)} = {_toml_value(float(v))}" for k, v in table["flops_per_s"].items()]
+    lines += ["", "[sources]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table["sources"].items()]
+    for key, curve in table["efficiency"].items():
+        points = [[float(x), float(y)] for x, y in curve["points"]]
+        lines += ["", f"[efficiency.{key}]", f"points = {_toml_value(points)}",
+                  f"source = {_toml_value(curve['source'])}"]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------------------------------------
 # this machine
 
 
 def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -> dict[str, Any]:
-    """profiles/cpu.toml's assumptions with what `pwbench hw` measured here laid over them."""
+    """profiles/cpu.toml's assumptions with what `pwbench hw` measured here laid over them: the
+    peaks (engines/sim/calibrate.py `cpu_rates`) and every efficiency curve the measurements
+    fit (`fit_cpu_curves`); the rest (dequant_gemm_*, copy_overlap, step_overhead_s) stays the
+    file's, with its source. ValueError (one line) when a measured rate is not a positive number."""
+    from engines.sim.calibrate import cpu_rates, fit_cpu_curves  # noqa: PLC0415  (calibrate reads this module's keys)
+
     src = f"measured by `pwbench hw --device cpu` at {when} (cache: engines.common.peaks.cache_path())"
     table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     sources = table["sources"]
-    bw = float(m["memory_bandwidth_bytes_per_s"])  # a copy's read + write
-    peak = float(m["matmul_flops_per_s"])
+    rates = cpu_rates(m)
+    bw, peak = rates["memory_bytes_per_s"], rates["flops_per_s"]["float32"]
     table["memory_bytes_per_s"] = bw
     sources["memory_bytes_per_s"] = f"{src}: memory_bandwidth_bytes_per_s (a large copy, read + write)"
     table["flops_per_s"] = {"float32": peak}
@@ -334,34 +401,21 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
         sources["flops_per_s.bfloat16"] = f"{src}: matmul_bfloat16_flops_per_s"
     # On a CPU run host and device are one processor: the "link" is a memory copy (half the
     # read + write rate), host memory and FLOP/s are the device's.
-    table["link_bytes_per_s"] = table["link_pinned_bytes_per_s"] = bw / 2
+    table["link_bytes_per_s"] = table["link_pinned_bytes_per_s"] = rates["link_pinned_bytes_per_s"]
     sources["link_bytes_per_s"] = sources["link_pinned_bytes_per_s"] = \
         f"{src}: memory_bandwidth_bytes_per_s / 2 (host and device share one memory; a copy reads and writes)"
     table["host_memory_bytes_per_s"], table["host_flops_per_s"] = bw, peak
     sources["host_memory_bytes_per_s"] = sources["memory_bytes_per_s"]
     sources["host_flops_per_s"] = sources["flops_per_s.float32"]
-    if m.get("op_overhead_s"):
-        table["op_overhead_s"] = float(m["op_overhead_s"])
+    if "op_overhead_s" in rates:
+        table["op_overhead_s"] = rates["op_overhead_s"]
         sources["op_overhead_s"] = f"{src}: op_overhead_s (1000 tiny torch calls)"
-    eff = table["efficiency"]
-    rows = {int(r): float(f) for r, f in (m.get("matmul_flops_at_rows") or {}).items()}
-    if rows:
-        size = max(rows)  # harness/hw.py: [rows, size] x [size, size] float32, weights read from memory
-        pts = []
-        for r in sorted(rows):
-            bound = min(peak, 2 * r * size * size / (4 * (size * size + 2 * r * size)) * bw)
-            pts.append([r, round(min(1.0, max(1e-3, rows[r] / bound)), 4)])
-        curve = {"points": pts, "source": f"{src}: matmul_flops_at_rows / the roofline bound at each row count "
-                                          "(float32 weights, activations and outputs at memory_bandwidth)"}
-        eff["gemm"] = eff["grouped_gemm"] = curve
-    if m.get("decode_attention_bytes_per_s"):
-        e = min(1.0, float(m["decode_attention_bytes_per_s"]) / bw)
-        eff["attention_decode"] = {"points": [[1, round(e, 4)]], "source":
-                                   f"{src}: decode_attention_bytes_per_s / memory_bandwidth, one context (64)"}
-    if m.get("prefill_attention_flops_per_s"):
-        e = min(1.0, float(m["prefill_attention_flops_per_s"]) / peak)
-        eff["attention_prefill"] = {"points": [[1, round(e, 4)]], "source":
-                                    f"{src}: prefill_attention_flops_per_s / matmul_flops_per_s, one chunk (128)"}
+    if m.get("step_overhead_s"):  # `pwbench hw calibrate`: the runtime's per-step time outside the model
+        table["step_overhead_s"] = float(m["step_overhead_s"])
+        sources["step_overhead_s"] = f"{src}: {m.get('step_overhead_source', 'step_overhead_s')}"
+    table["shared_processor"] = True
+    sources["shared_processor"] = "one CPU: host and device are the same cores and memory"
+    table["efficiency"] = {**table["efficiency"], **fit_cpu_curves(m)}
     return table
 
 

@@ -1,5 +1,7 @@
 """`pwbench hw`: measure this machine's bandwidths and FLOP/s and cache them for efficiency metrics;
-`pwbench hw list` / `pwbench hw show NAME_OR_TOML`: the hardware profiles `--simulate` runs on."""
+`pwbench hw list` / `pwbench hw show NAME_OR_TOML`: the hardware profiles `--simulate` runs on;
+`pwbench hw calibrate [--output FILE.toml]`: measure this CPU, fit the `cpu` profile's curves
+and its per-step overhead, print them with their sources, and write them as a profile TOML."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from harness.cli.common import fail, user_errors
 
 hw_app = typer.Typer(
     help="Measure this machine's memory bandwidth, matmul FLOP/s and host<->device bandwidth; cache them. "
-    "`hw list` / `hw show NAME` print the hardware profiles --simulate uses.",
+    "`hw list` / `hw show NAME` print the hardware profiles --simulate uses; `hw calibrate` fits the cpu one.",
     invoke_without_command=True,
     no_args_is_help=False,
 )
@@ -89,18 +91,27 @@ def hw_show(
         p = load_profile(profile)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    scalars = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s",
-               "host_memory_bytes", "host_memory_bytes_per_s", "host_flops_per_s", "step_overhead_s", "op_overhead_s")
     if as_json:
-        out = {"name": p.name, "description": p.description, "default_dtype": p.default_dtype, "origin": p.origin,
-               **{k: getattr(p, k) for k in scalars}, "flops_per_s": p.flops_per_s,
-               "efficiency": {k: {"points": [list(x) for x in c.points], "basis": c.basis, "source": c.source}
-                              for k, c in p.efficiency.items()},
-               "sources": p.sources}
-        typer.echo(json.dumps(out))
+        typer.echo(json.dumps(_profile_json(p)))
         return
+    _print_profile(p)
+
+
+SCALARS = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s",
+           "host_memory_bytes", "host_memory_bytes_per_s", "host_flops_per_s", "step_overhead_s", "op_overhead_s")
+
+
+def _profile_json(p: Any) -> dict[str, Any]:
+    return {"name": p.name, "description": p.description, "default_dtype": p.default_dtype, "origin": p.origin,
+            **{k: getattr(p, k) for k in SCALARS}, "flops_per_s": p.flops_per_s,
+            "efficiency": {k: {"points": [list(x) for x in c.points], "basis": c.basis, "source": c.source}
+                           for k, c in p.efficiency.items()},
+            "sources": p.sources}
+
+
+def _print_profile(p: Any) -> None:
     typer.echo(f"{p.name}: {p.description} (default dtype {p.default_dtype}; from {p.origin})")
-    for key in scalars:
+    for key in SCALARS:
         typer.echo(f"  {key:26s} {getattr(p, key):<12.4g} {p.sources.get(key, '')}")
     for dtype, value in p.flops_per_s.items():
         src = p.sources.get(f"flops_per_s.{dtype}") or p.sources.get("flops_per_s", "")
@@ -109,6 +120,119 @@ def hw_show(
         pts = ", ".join(f"{s:g}:{e:.3g}" for s, e in curve.points)
         typer.echo(f"  efficiency.{key} (of {curve.basis}): {pts}")
         typer.echo(f"      {curve.source}")
+
+
+# `hw calibrate`'s step-overhead probe: an offline batch of the bundled model on engine moe
+# (decode-heavy, prompts of distinct tokens: no prefix sharing), measured, then simulated on
+# the cpu profile without step overhead, replaying the measured routing.
+PROBE_REQUESTS, PROBE_PROMPT, PROBE_OUTPUT = 6, 48, 40
+
+
+def _timed_steps(engine: Any, requests: list[Any], clock: Any) -> list[float]:
+    """Each step's time from its start to the next step's (the loop's own time included)."""
+    for r in requests:
+        engine.add_request(r)
+    stamps = [clock()]
+    while engine.has_unfinished():
+        engine.step()
+        stamps.append(clock())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def measure_step_overhead() -> tuple[float, str]:
+    """The runtime's per-step time that the cost model does not price (Python scheduling,
+    bookkeeping, the loop), fitted on the bundled model: (seconds, source). Steps are timed in
+    this thread's CPU time with one torch thread: on a shared machine the time a neighbour
+    holds the core is not the runtime's overhead (wall time here ran ~2x the CPU time)."""
+    import dataclasses
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from engines.base import EngineRequest
+    from engines.common.demo import demo_model_path
+    from engines.registry import create_engine
+    from engines.sim.calibrate import fit_step_overhead
+    from engines.sim.hardware import cpu_profile, profile_toml
+
+    model = str(demo_model_path())
+
+    def batch(prefix: str) -> list[Any]:
+        return [EngineRequest(f"{prefix}{i}", tuple(3 + (37 * i + 11 * j) % 1000 for j in range(PROBE_PROMPT)),
+                              PROBE_OUTPUT, ignore_eos=True) for i in range(PROBE_REQUESTS)]
+
+    with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
+        trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-no-step-overhead.toml"
+        prof.write_text(profile_toml(dataclasses.replace(cpu_profile(), step_overhead_s=0.0)))
+        measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        measured.start()
+        try:
+            _timed_steps(measured, batch("warm"), time.thread_time)  # the first calls fault pages in
+            wall = _timed_steps(measured, batch("probe"), time.thread_time)
+        finally:
+            measured.stop()
+            torch.set_num_threads(threads)
+        simulated = create_engine("moe", {"model": model, "simulate": str(prof), "routing": f"replay:{trace}"})
+        simulated.start()
+        try:
+            _timed_steps(simulated, batch("warm"), simulated.virtual_clock.now)
+            predicted = _timed_steps(simulated, batch("probe"), simulated.virtual_clock.now)
+        finally:
+            simulated.stop()
+    seconds, d = fit_step_overhead(wall, predicted)
+    source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
+              f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, one torch thread) of the "
+              f"measured CPU time per step ({d['median_measured_s'] * 1e3:.2f} ms) minus the cost model's price of "
+              f"the same step without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms): the runtime's Python "
+              "per step"
+              + (" (negative: clipped to 0)" if d["clipped"] else ""))
+    return seconds, source
+
+
+@hw_app.command("calibrate")
+@user_errors
+def hw_calibrate(
+    output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
+                                               "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
+    step_overhead: Annotated[bool, typer.Option(help="Also fit the per-step overhead on the bundled model "
+                                                "(a few seconds).")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
+) -> None:
+    """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
+    curves and per-step overhead, print the profile with every source, and optionally write it."""
+    from pathlib import Path
+
+    from engines.sim.hardware import cpu_profile, load_profile, profile_toml
+    from harness.hw import measure, save_cached
+
+    out_path = Path(output).expanduser() if output else None
+    if out_path is not None and (out_path.is_dir() or not out_path.parent.is_dir()):
+        raise fail(f"--output {output}: not a file in an existing folder; give e.g. --output my-cpu.toml")
+    result = measure("cpu")
+    save_cached(result)
+    if step_overhead:
+        result["step_overhead_s"], result["step_overhead_source"] = measure_step_overhead()
+        save_cached(result)
+    try:
+        p = cpu_profile()
+        if out_path is not None:
+            out_path.write_text(profile_toml(p, header=f"{p.description}: fitted by `pwbench hw calibrate` at "
+                                                       f"{result['measured_at']}"))
+            load_profile(str(out_path))  # reads back: the file is a valid profile
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--output {output}: cannot write ({exc.strerror})") from None
+    if as_json:
+        typer.echo(json.dumps({**_profile_json(p), "output": str(out_path) if out_path else None}))
+        return
+    _print_profile(p)
+    if out_path is not None:
+        typer.echo(f"wrote {out_path}: `pwbench run --simulate {out_path}` runs on it")
 
 
 app.add_typer(hw_app, name="hw")

@@ -1,0 +1,280 @@
+"""Validation of `--simulate` on this machine: measured vs simulated (cpu profile, replayed routing).
+
+    python -m harness.bench.simulate [--models demo,mixtral,deepseek_v3]
+                                     [--engines moe,offload,static-rtn,pagedweight,moegen,full]
+                                     [--requests 6] [--rate R] [--output-len 16]
+
+For each model (the bundled demo model, and the Mixtral- and DeepSeek-V3-shaped random models
+of harness.bench.engines.build_model, built into a temporary folder), each engine that
+simulates (`engine_class(name).simulates`; the others are skipped with a line saying so) and
+two workloads, offline (`offline_batch`: every request at t=0) and open loop (`rag_long` with
+Poisson arrivals at a moderate rate, independent turns, lengths scaled to the model), the run
+is measured (harness.run.execute, its routing recorded with `record_routing`) and then
+simulated on the `cpu` profile (`simulate="cpu"`, `routing="replay:<that trace>"`), with the
+same options and budget. One table per model: measured, simulated and the error for output
+tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-cache and
+expert-cache hit rates and mean expert bits where the engine reports them.
+
+The `cpu` profile is what `pwbench hw calibrate` (or `pwbench hw --device cpu`) cached for this
+CPU; run it first, with the same thread count (OMP_NUM_THREADS) as this benchmark.
+Results: docs/simulation-validation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "engines" / "demo_model"
+MODELS = ("demo", "mixtral", "deepseek_v3")
+ENGINES = ("moe", "offload", "static-rtn", "pagedweight", "moegen", "full")
+# Per model: offline prompt range and the rag_long length scale / Poisson rate (requests/s) that
+# keep the open-loop run moderately loaded on this CPU (a few requests in flight, no backlog).
+# The random models' static-rtn runs dominate the benchmark's time (its CPU dequantization: ~1 s
+# per decode step here), so their sizes are smaller.
+SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0},
+         "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0},
+         "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0}}
+KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
+
+
+def model_sizes(model: str) -> dict[str, int]:
+    """Dense bytes, bytes per expert, experts and KV bytes per token, from a simulated start (meta)."""
+    from engines.registry import create_engine
+
+    e = create_engine("moe", {"model": model, "simulate": "cpu", "routing": "uniform"})
+    e.start()
+    try:
+        info = e.info()
+        stats = info.model_stats
+        return {"weight_bytes": int(info.weight_bytes), "dense_bytes": int(stats["dense_weight_bytes"]),
+                "expert_bytes": int(info.weight_bytes) - int(stats["dense_weight_bytes"]),
+                "kv_bytes_per_token": int(stats["kv_bytes_per_token"]),
+                "num_experts": int(e.checkpoint.config.num_experts)}
+    finally:
+        e.stop()
+
+
+def engine_options(engine: str, sizes: dict[str, int]) -> dict[str, Any]:
+    """The same options for the measured and the simulated run. Budgeted engines get the dense
+    weights, half the experts' full-precision bytes and KV_TOKENS of KV; offload caches half the
+    experts of each layer."""
+    budget = sizes["dense_bytes"] + sizes["expert_bytes"] // 2 + KV_TOKENS * sizes["kv_bytes_per_token"]
+    return {"moe": {}, "full": {},
+            "offload": {"budget_bytes": budget, "experts_per_layer": max(1, sizes["num_experts"] // 2)},
+            "static-rtn": {"bits": 4},
+            "pagedweight": {"budget_bytes": budget},
+            "moegen": {"budget_bytes": budget}}.get(engine, {})
+
+
+def workloads(model: str, requests: int, output_len: int, rate: float | None) -> list[tuple[str, Any, frozenset]]:
+    from workloads.registry import WorkloadSpec
+
+    size = SIZES[model]
+    offline = WorkloadSpec("offline_batch", requests=requests, input_range=size["input_range"],
+                           output_tokens=output_len)
+    open_loop = WorkloadSpec("rag_long", requests=requests, scale=size["scale"], time_scale=0.1, arrival="poisson",
+                             rate=rate or size["rate"], turns="independent")
+    return [("offline", offline, frozenset()), ("rag_long", open_loop, frozenset({"scale", "time_scale"}))]
+
+
+def send_lag_ms(folder: Path) -> float | None:
+    """Mean time from a request's arrival to its send (the harness's own latency: e.g. the
+    telemetry sampler's start before an offline batch is sent), from requests.parquet."""
+    import pyarrow.parquet as pq
+
+    try:
+        t = pq.read_table(folder / "requests.parquet", columns=["arrival_s", "sent_s"]).to_pydict()
+    except (OSError, KeyError, ValueError):
+        return None
+    lags = [s - a for a, s in zip(t["arrival_s"], t["sent_s"]) if a is not None and s is not None]
+    return 1e3 * sum(lags) / len(lags) if lags else None
+
+
+def metrics(run: dict[str, Any]) -> dict[str, float | None]:
+    s = run["summary"]
+    eng = s.get("engine") or {}
+    return {
+        "output tok/s": s.get("output_tokens_per_s"),
+        "TTFT p50 ms": (s.get("ttft_ms") or {}).get("p50"), "TTFT p99 ms": (s.get("ttft_ms") or {}).get("p99"),
+        "TPOT p50 ms": (s.get("tpot_ms") or {}).get("p50"), "TPOT p99 ms": (s.get("tpot_ms") or {}).get("p99"),
+        "KV capacity tok": run["engine"].get("kv_capacity_tokens"),
+        "h2d B/out tok": eng.get("h2d_bytes_per_output_token"),
+        "prefix hit": eng.get("prefix_cache_hit_rate"),
+        "expert hit": eng.get("expert_cache_hit_rate"),
+        "mean bits": (s.get("expert_precision") or {}).get("mean_bits"),
+        "duration s": s.get("duration_s"),
+    }
+
+
+class StepClocks:
+    """Wall and this thread's CPU time of a measured run's steps (warm-up left out): their ratio is
+    the share of a core the engine got while it stepped (torch on this thread: OMP_NUM_THREADS=1).
+    On this shared machine neighbours take the rest; the cost model predicts an unshared core."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+        self.on = False
+
+    def attach(self, runner: Any) -> None:
+        engine = runner.engine
+        step = engine.step
+
+        def timed() -> Any:
+            w, c = time.perf_counter(), time.thread_time()
+            out = step()
+            if self.on:
+                self.wall += time.perf_counter() - w
+                self.cpu += time.thread_time() - c
+            return out
+
+        engine.step = timed
+
+    def start(self) -> None:
+        self.on = True
+
+    @property
+    def share(self) -> float | None:
+        return self.cpu / self.wall if self.wall > 0 else None
+
+
+def error(measured: float | None, simulated: float | None) -> float | None:
+    """Simulated vs measured, in % of the measured; None where either is absent or measured is 0."""
+    if measured is None or simulated is None or not math.isfinite(measured) or not math.isfinite(simulated):
+        return None
+    if measured == 0:
+        return 0.0 if simulated == 0 else None
+    return 100.0 * (simulated - measured) / measured
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and abs(v) < 1 and v != 0:
+        return f"{v:.3f}"
+    return f"{v:,.1f}" if isinstance(v, float) else f"{v:,}"
+
+
+def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> None:
+    keys = [k for k in metrics({"summary": {}, "engine": {}}) if k != "duration s"]
+    keys += ["send lag ms", "core share", "tok/s x share"]
+    keys = [k for k in keys if any(m.get(k) is not None or s.get(k) is not None for _, _, m, s in rows)]
+    print(f"\n## {model}: measured / simulated (error %)\n")
+    print("| engine | workload | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for engine, wl, m, s in rows:
+        cells = []
+        for k in keys:
+            e = error(m.get(k), s.get(k))
+            cells.append(f"{fmt(m.get(k))} / {fmt(s.get(k))}" + (f" ({e:+.0f}%)" if e is not None else ""))
+        print(f"| {engine} | {wl} | " + " | ".join(cells) + " |")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    from engines.base import EngineError
+    from engines.registry import engine_class
+    from engines.sim.hardware import cpu_profile
+    from harness.bench.engines import build_model
+    from harness.run import RunArgs, execute
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated engine names")
+    parser.add_argument("--requests", type=int, default=6, help="requests per workload")
+    parser.add_argument("--output-len", type=int, default=16, help="offline_batch output tokens")
+    parser.add_argument("--rate", type=float, default=None, help="rag_long requests/s (default: per model)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--slow", action="store_true",
+                        help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
+                             "its CPU dequantization costs ~1 s per decode step there)")
+    args = parser.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
+    engines = []
+    for name in (e for e in args.engines.split(",") if e):
+        try:
+            cls = engine_class(name)
+        except Exception as exc:  # noqa: BLE001  (an unknown name is the registry's one-line error)
+            raise SystemExit(f"--engines: {exc}") from None
+        if getattr(cls, "simulates", False):
+            engines.append(name)
+        else:
+            print(f"skip {name}: it cannot be simulated yet (class flag `simulates` is false)")
+    p = cpu_profile()
+    print(f"cpu profile: {p.description}; {p.memory_bytes_per_s / 1e9:.1f} GB/s, {p.flops() / 1e9:.0f} GFLOP/s, "
+          f"step overhead {p.step_overhead_s * 1e3:.2f} ms, op overhead {p.op_overhead_s * 1e6:.1f} us ({p.origin})")
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pwbench-bench-sim-") as tmp_name:
+        tmp = Path(tmp_name)
+        for arch in models:
+            if arch == "demo":
+                model = str(DEMO)
+            else:
+                model = str(tmp / f"{arch}-shaped")
+                build_model(Path(model), arch)
+            sizes = model_sizes(model)
+            rows = []
+            for engine in engines:
+                options = engine_options(engine, sizes)
+                for wl, spec, given in workloads(arch, args.requests, args.output_len, args.rate):
+                    tag = f"{arch}-{engine}-{wl}"
+                    if engine.startswith("static-") and arch != "demo" and not args.slow:
+                        print(f"{tag}: skipped (several minutes of CPU quantization and dequantization; --slow "
+                              "runs it)")
+                        continue
+                    trace = tmp / f"{tag}.routing.parquet"
+                    common = dict(workload=spec, given=given, engine=engine, model=model, warmup=args.warmup,
+                                  quality=False)
+                    clocks = StepClocks()
+                    hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
+                    try:
+                        t0 = time.perf_counter()
+                        try:
+                            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured"),
+                                                          engine_options={**options, "record_routing": str(trace)}),
+                                                  **hooks)
+                        except EngineError as exc:  # a layer-major executor (moegen) records no routing:
+                            moe_trace = tmp / f"{arch}-moe-{wl}.routing.parquet"  # replay moe's run of the same
+                            if "record_routing" not in str(exc) or not moe_trace.is_file():  # requests (greedy:
+                                raise  # the same tokens, so the same (request, position) keys)
+                            print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
+                            trace = moe_trace
+                            t0, clocks = time.perf_counter(), StepClocks()
+                            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-2"),
+                                                          engine_options=options),
+                                                  make_runner=clocks.attach, on_start=clocks.start)
+                        t1 = time.perf_counter()
+                        folder_s, simulated = execute(RunArgs(**common, engine_options={**options, "simulate": "cpu",
+                                                                                 "routing": f"replay:{trace}"},
+                                                       output=str(tmp / f"{tag}-simulated")))
+                        t2 = time.perf_counter()
+                    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why; the rest go on)
+                        print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                        continue
+                    m, s = metrics(measured), metrics(simulated)
+                    m["send lag ms"], s["send lag ms"] = send_lag_ms(folder_m), send_lag_ms(folder_s)
+                    m["core share"] = clocks.share  # of one core, while the measured run stepped
+                    if clocks.share and s["output tok/s"]:  # the simulated rate on the core share measured
+                        s["tok/s x share"] = s["output tok/s"] * clocks.share
+                        m["tok/s x share"] = m["output tok/s"]
+                    replay = (simulated.get("simulated") or {}).get("routing") or {}
+                    print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
+                          f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
+                          f"misses {replay.get('replay_misses')}")
+                    rows.append((engine, wl, m, s))
+            if rows:
+                print_table(arch, rows)
+    print(f"\nwall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
