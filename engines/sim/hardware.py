@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.common.peaks import cached_peaks, cpu_model
+from engines.sim.calibrate import cpu_rates, fit_cpu_curves
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -385,8 +386,6 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
     peaks (engines/sim/calibrate.py `cpu_rates`) and every efficiency curve the measurements
     fit (`fit_cpu_curves`); the rest (dequant_gemm_*, copy_overlap, step_overhead_s) stays the
     file's, with its source. ValueError (one line) when a measured rate is not a positive number."""
-    from engines.sim.calibrate import cpu_rates, fit_cpu_curves  # noqa: PLC0415  (calibrate reads this module's keys)
-
     src = f"measured by `pwbench hw --device cpu` at {when} (cache: engines.common.peaks.cache_path())"
     table = {k: (dict(v) if isinstance(v, dict) else v) for k, v in base.items()}
     sources = table["sources"]
