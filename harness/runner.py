@@ -122,15 +122,19 @@ class Runner:
             self._warmup_error = f"warm-up: {type(exc).__name__}: {exc}"
 
     def run(self, on_start: Callable[[], None] | None = None) -> RunRecords:
-        """The measured run; `on_start` is called once the run's clock reads 0 (the telemetry
-        sampler starts there, so its samples share the requests' time axis)."""
+        """The measured run; `on_start` is called just before the run's clock reads 0 (the
+        telemetry sampler starts there, so its samples share the requests' time axis; its first
+        sample comes a period later)."""
         self.t0 = self.clock()
-        # Engines that time their own tokens (RequestOutput.token_times) use perf_counter's
-        # clock; this maps those times onto the run's clock. Read at the same instant as t0
-        # (before on_start, which takes milliseconds): a token must never precede its send.
-        self._perf_t0 = self.t0 if self.clock is time.perf_counter else time.perf_counter()
         if on_start is not None:
             on_start()
+            # The run's clock reads 0 once on_start has returned (starting the sampler takes
+            # milliseconds): no request waits for it, so measured sends are not late by it.
+            self.t0 = self.clock()
+        # Engines that time their own tokens (RequestOutput.token_times) use perf_counter's
+        # clock; this maps those times onto the run's clock, read at the same instant as t0:
+        # a token must never precede its send.
+        self._perf_t0 = self.t0 if self.clock is time.perf_counter else time.perf_counter()
         self._self_timed: set[str] = set()
         result = RunRecords("complete", [], [], time.time())
         self._records: dict[str, RequestRecord] = {}

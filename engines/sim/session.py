@@ -39,13 +39,17 @@ class Simulation:
     @property
     def shared_processor(self) -> bool:
         """Host and device are one processor (the `cpu` profile): nothing crosses a bus."""
-        return bool(getattr(self.profile, "shared_processor", self.profile.name == "cpu"))
+        shared = getattr(self.profile, "shared_processor", None)
+        return bool(shared) if shared is not None else self.profile.name == "cpu"
 
     def configure(self, cfg: Any) -> Any:
-        """The options as a simulated run takes them: no --budget means the profile's memory x
-        gpu_memory_utilization (as vLLM sizes a real device); nothing to prepack."""
+        """The options as a simulated run takes them: no --budget on a GPU profile means its
+        memory x gpu_memory_utilization (as vLLM sizes a real device); nothing to prepack."""
         changes: dict[str, Any] = {"prepack": False}
-        if cfg.budget_bytes is None and cfg.kv_cache_gb is None and cfg.kv_blocks is None:
+        # A shared processor (the cpu profile) sizes the KV cache as a measured CPU run does
+        # (kv_cache_gb's CPU default), so the two compare; a GPU is the device's memory.
+        if (cfg.budget_bytes is None and cfg.kv_cache_gb is None and cfg.kv_blocks is None
+                and not self.shared_processor):
             changes["budget_bytes"] = int(self.profile.memory_bytes * cfg.gpu_memory_utilization)
             self.notes.append(f"device budget {changes['budget_bytes'] / 1e9:.1f} GB: {self.profile.name}'s "
                               f"{self.profile.memory_bytes / 1e9:.0f} GB x gpu_memory_utilization "
