@@ -75,6 +75,13 @@ from engines.runtime.shape import ModelShape
 OPS_PER_LAYER = 180
 OPS_PER_ATTENTION_GROUP = 2
 OPS_PER_EXPERT = 8
+# On a shared processor (the cpu profile) a quantized expert runs this runtime's torch reference
+# (engines/quant/ops.py): it dequantizes both weights to the model dtype each call (written and
+# read again: 2 x the full-width bytes through the elementwise kernels) in ~733 more torch calls,
+# counted with a TorchFunctionMode: one static-rtn decode step of 4 experts on the demo model
+# (bits 4 and 8 alike) makes 3,288 calls against engine moe's 356. On a GPU the fused Triton
+# kernel runs instead (the profile's dequant_gemm curves).
+OPS_PER_QUANTIZED_EXPERT_CPU = 733
 # Activation elements the elementwise kernels read and write per layer, counted from
 # engines/runtime/model.py and experts.py (duplicated from engines/moegen/cost.py ACT_*): per
 # token 14 x hidden + 6 x (q + kv) + q; per expert assignment 6 x hidden + 5 x intermediate.
@@ -172,7 +179,7 @@ def _bits_key(efficiency: dict[str, Any], bits: float) -> str | None:
 
 
 class CostModel:
-    VERSION: ClassVar[str] = "1"
+    VERSION: ClassVar[str] = "2"  # 2: the cpu profile prices quantized experts as the torch reference runs them
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -209,6 +216,10 @@ class CostModel:
         c = self.curves
         flops = self.shape.expert_flops_per_token * tokens
         eff = c["grouped_gemm"].at(tokens)
+        if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
+            full = self.shape.expert_bytes
+            dequant = 2 * full / (self.bw * c["elementwise"].at(tokens))
+            return dequant + max(full / (self.bw * eff), flops / (self.peak * eff))
         if bits < self.dtype_bits and self.dequant:
             bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
         else:
@@ -245,13 +256,15 @@ class CostModel:
             if len(memo) > _MEMO_LIMIT:
                 memo.clear()
             get = memo.__getitem__
-            assignments = n_runs = 0
+            assignments = n_runs = quantized_runs = 0
             for r in work.experts:
                 n, t = r.count, r.tokens
                 experts += get((t, r.nbytes, r.bits)) * n
                 assignments += t * n
                 read += r.nbytes * n
                 n_runs += n
+                if r.bits < self.dtype_bits:
+                    quantized_runs += n
             # Attention.
             dmemo = self._decode_memo
             if dmemo.kv_bytes_per_token != kvb or len(dmemo) > _MEMO_LIMIT:
@@ -271,7 +284,9 @@ class CostModel:
             if self.op_overhead_s:
                 groups = (1 if decode else 0) + (1 if prefill_tokens else 0)
                 dispatch = self.op_overhead_s * ((OPS_PER_LAYER + OPS_PER_ATTENTION_GROUP * groups) * s.layers
-                                                 + OPS_PER_EXPERT * n_runs)
+                                                 + OPS_PER_EXPERT * n_runs
+                                                 + (OPS_PER_QUANTIZED_EXPERT_CPU * quantized_runs if self.shared
+                                                    else 0))
         else:
             read = 0.0  # no token computed: nothing read
         compute = dense + head + experts + attention + activations
@@ -322,7 +337,10 @@ class CostModel:
             "op_overhead_s": self.op_overhead_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
             else "profile has no op_overhead_s: per-call dispatch not counted (launches in step_overhead_s)",
-            "quantized_experts": "dequant_gemm_{b} curves of the profile" if self.dequant
+            "quantized_experts": ("shared processor: the torch reference dequantizes each call (2 x full-width bytes "
+                                  f"at the elementwise rate, {OPS_PER_QUANTIZED_EXPERT_CPU} more torch calls), then a "
+                                  "dense GEMM") if self.shared
+            else "dequant_gemm_{b} curves of the profile" if self.dequant
             else "profile has no dequant_gemm curve: quantized experts priced as full-width GEMMs",
             "shared_processor": self.shared,
             "shared_processor_rule": "copies are memcpys on the compute cores: they add, never overlap" if self.shared
