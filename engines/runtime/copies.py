@@ -120,14 +120,30 @@ class CopyEngine:
     def d2h(self, pairs: list[tuple[Tensor, Tensor]], tag: str = "weights") -> CopyHandle:
         return self._issue(pairs, "d2h", tag)
 
+    @property
+    def simulated(self) -> bool:
+        """A simulated run (meta device): copies are counted and done at issue."""
+        return self.device.type == "meta"
+
+    def counted(self, direction: str, nbytes: int, transfers: int, tag: str = "weights") -> CopyHandle:
+        """A simulated run's copy of `transfers` tensors holding `nbytes` in all (`direction` 'h2d' or
+        'd2h'): counted as `h2d`/`d2h` count the pairs they are given, and done. Meta device only."""
+        if self.device.type != "meta":
+            raise RuntimeError("CopyEngine.counted is for a simulated run (meta device); copy pairs with h2d/d2h")
+        self.ledger.record(direction, nbytes, tag, transfers=transfers)
+        return self._done()
+
+    def _done(self) -> CopyHandle:
+        if self._done_handle is None:
+            self._done_handle = CopyHandle(self, 0)
+            self._done_handle._done.set()
+        return self._done_handle
+
     def _issue(self, pairs: list[tuple[Tensor, Tensor]], direction: str, tag: str) -> CopyHandle:
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
         self.ledger.record(direction, nbytes, tag, transfers=len(pairs))
         if self.device.type == "meta":  # simulated: counted, nothing to move, done
-            if self._done_handle is None:
-                self._done_handle = CopyHandle(self, 0)
-                self._done_handle._done.set()
-            return self._done_handle
+            return self._done()
         handle = CopyHandle(self, nbytes)
         self._inflight.append(handle)
         if self._stream is not None:

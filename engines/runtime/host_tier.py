@@ -57,6 +57,13 @@ class ExpertSlots:
         return [(dst[slot], src[expert]) for dst, src in zip(self._tensors(), _each(host))
                 if dst is not None and src is not None]
 
+    def copy_size(self, host: DenseExperts, expert: int) -> tuple[int, int]:
+        """(bytes, transfers) of `copies(slot, host, expert)`'s pairs, from shapes alone (a
+        simulated run counts a copy without slicing meta tensors)."""
+        sizes = [src[expert].numel() * src.element_size() for dst, src in zip(self._tensors(), _each(host))
+                 if dst is not None and src is not None]
+        return sum(sizes), len(sizes)
+
     def run(self, slot: int, x: Tensor) -> Tensor:
         """The expert in `slot` over its rows x [n, D] -> [n, D]."""
         gu_bias, down_bias = self.gate_up_bias, self.down_bias
@@ -90,6 +97,12 @@ class Mxfp4Slots:
         stored bytes, nothing dequantized."""
         src = host.expert(expert).tensors()
         return [(dst[slot], src[name]) for name, dst in self.parts.items()]
+
+    def copy_size(self, host: Mxfp4Experts, expert: int) -> tuple[int, int]:
+        """(bytes, transfers) of `copies(slot, host, expert)`'s pairs: the stored bytes."""
+        src = host.expert(expert).tensors()
+        sizes = [src[name].numel() * src[name].element_size() for name in self.parts]
+        return sum(sizes), len(sizes)
 
     def run(self, slot: int, x: Tensor) -> Tensor:
         """The expert in `slot` over its rows x [n, D] -> [n, D]."""

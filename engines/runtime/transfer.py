@@ -45,7 +45,15 @@ class TransferLedger:
         return tensor.to("cpu")
 
     def tensor(self, data: list, dtype: torch.dtype, tag: str = "data") -> Tensor:
-        """Build a tensor from host data and move it to the device (counted)."""
+        """Build a tensor from host data and move it to the device (counted). On the meta device
+        (a simulated run) only the shape is built: the same tensor a copy would give, the same
+        bytes counted, without making the host tensor first."""
+        if self.device.type == "meta":
+            shape = _shape(data)
+            out = torch.empty(shape, dtype=dtype, device=self.device)
+            if self.crosses_bus:
+                self.record("h2d", out.numel() * out.element_size(), tag)
+            return out
         return self.to_device(torch.tensor(data, dtype=dtype), tag)
 
     def record(self, direction: str, nbytes: int, tag: str = "data", transfers: int = 1) -> None:
@@ -66,3 +74,14 @@ class TransferLedger:
         counts = self.peek_step()
         self._step = Counter()
         return counts
+
+
+def _shape(data: list) -> tuple[int, ...]:
+    """The shape torch.tensor(data) has for nested lists of numbers (rectangular, as built here)."""
+    shape: list[int] = []
+    while isinstance(data, (list, tuple)):
+        shape.append(len(data))
+        if not data:
+            break
+        data = data[0]
+    return tuple(shape)

@@ -18,13 +18,14 @@ import torch
 
 from engines.runtime.batch import StepBatch
 from engines.runtime.executor import Executor, StepResult
-from engines.runtime.experts import Dispatch, ExpertBackend
+from engines.runtime.experts import Dispatch, ExpertBackend, StackedBackend
 from engines.runtime.model import MoEModel
 from engines.runtime.transfer import TransferLedger
 from engines.sim.clock import VirtualClock
 from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+_RUNS_MEMO = 1 << 16  # entries of the runs memo before it is cleared
 
 
 @dataclass
@@ -53,25 +54,63 @@ class SimExecutor(Executor):
         self.params_per_expert = per_expert
         self.kv_bytes_per_token = model.kv.block_bytes // model.kv.block_size
         self.last: StepCost | None = None
+        self._layer_tuple = tuple(self.moe_layers)
+        self._layer_offsets = (np.arange(len(self.moe_layers), dtype=np.int64) * self.num_experts)[:, None]
+        # A backend whose `simulate` is ExpertBackend's only counts: it never reads `upcoming`.
+        self._wants_upcoming = type(experts).simulate is not ExpertBackend.simulate
+        # One stored size per layer (StackedBackend's expert_bytes): a layer's runs differ by tokens only.
+        self._uniform_bytes = type(experts).expert_bytes is StackedBackend.expert_bytes
+        self._runs: dict[tuple[int, ...], list[ExpertRun]] = {}  # (layer, *counts) -> the layer's runs
         self.totals = SimTotals()
+
+    def route_counts(self, keys: list[tuple[str, int]]) -> dict[int, list[int]]:
+        """Tokens per expert of every MoE layer for the step's rows `keys`: all layers routed in one
+        call where the routing source has `route_layers`, else one `route` call per layer."""
+        layers, e, k = self.moe_layers, self.num_experts, self.top_k
+        route_layers = getattr(self.routing, "route_layers", None)
+        if route_layers is not None:
+            ids = route_layers(self._layer_tuple, keys, e, k).reshape(len(layers), -1)
+        else:
+            ids = np.stack([self.routing.route(layer, keys, e, k).ravel() for layer in layers]) if layers else \
+                np.empty((0, 0), dtype=np.int64)
+        ids = ids + self._layer_offsets
+        rows = np.bincount(ids.ravel(), minlength=len(layers) * e).reshape(len(layers), e).tolist()
+        return dict(zip(layers, rows))
 
     def execute(self, batch: StepBatch) -> StepResult:
         keys = [(c.seq.request.request_id, p) for c in batch.chunks for p in range(c.start, c.start + c.length)]
-        counts = {layer: np.bincount(self.routing.route(layer, keys, self.num_experts, self.top_k).ravel(),
-                                     minlength=self.num_experts).tolist() for layer in self.moe_layers}
+        counts = self.route_counts(keys)
         runs: list[ExpertRun] = []
-        for k, layer in enumerate(self.moe_layers):
+        experts, moe_layers, uniform_bytes, memo = self.experts, self.moe_layers, self._uniform_bytes, self._runs
+        simulate = experts.simulate
+        n_moe = len(moe_layers)
+        for k, layer in enumerate(moe_layers):
             layer_counts = counts[layer]
             upcoming = None
-            if k + 1 < len(self.moe_layers):
-                nxt = self.moe_layers[k + 1]
-                upcoming = nxt, sorted((e for e, c in enumerate(counts[nxt]) if c), key=lambda e: -counts[nxt][e])
-            self.experts.simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
-            # Experts of a layer with the same tokens and stored bytes cost the same: one run each.
-            alike = Counter((tokens, self.experts.expert_bytes(layer, e)) for e, tokens in enumerate(layer_counts)
-                            if tokens)
-            runs += [ExpertRun(layer, tokens, nbytes, 8 * nbytes / self.params_per_expert, count)
-                     for (tokens, nbytes), count in alike.items()]
+            if self._wants_upcoming and k + 1 < n_moe:
+                nxt = moe_layers[k + 1]
+                nc = counts[nxt]
+                upcoming = nxt, sorted((e for e, c in enumerate(nc) if c), key=lambda e: -nc[e])
+            simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
+            # Experts of a layer with the same tokens and stored bytes cost the same: one run each
+            # (in the order of each kind's first expert, as the cost model sums them).
+            if uniform_bytes:  # memoised by the layer's counts (decode steps repeat a few patterns)
+                key = (layer, *layer_counts)
+                layer_runs = memo.get(key)
+                if layer_runs is None:
+                    if len(memo) > _RUNS_MEMO:
+                        memo.clear()
+                    nbytes = experts.expert_bytes(layer, 0)
+                    bits = 8 * nbytes / self.params_per_expert
+                    alike = Counter(tokens for tokens in layer_counts if tokens)
+                    layer_runs = memo[key] = [ExpertRun(layer, tokens, nbytes, bits, count)
+                                              for tokens, count in alike.items()]
+                runs += layer_runs
+            else:
+                alike = Counter((tokens, experts.expert_bytes(layer, e)) for e, tokens in enumerate(layer_counts)
+                                if tokens)
+                runs += [ExpertRun(layer, tokens, nbytes, 8 * nbytes / self.params_per_expert, count)
+                         for (tokens, nbytes), count in alike.items()]
         moved = self.ledger.peek_step()
         work = StepWork(
             prefill=tuple((c.length, c.start) for c in batch.chunks[batch.num_decode:]),

@@ -6,6 +6,11 @@ Interface (engines/sim/executor.py calls it once per MoE layer per step)::
 
     src.route(layer, keys, num_experts, top_k) -> np.ndarray int64 [T, top_k]   # distinct ids within a row
     src.describe() -> dict                                                     # kind, parameters, sources, counters
+    src.route_layers(layers, keys, num_experts, top_k) -> int64 [L, T, top_k]  # optional: a step's layers at once
+
+The executor routes a step's MoE layers in one `route_layers` call where the source has it
+(Uniform, Synthetic: one vectorised draw, per-layer state stacked [layers, slots]; the same law per
+layer as separate `route` calls, not the same random draws), else one `route` call per layer (replay).
 
 `keys` holds one `(request_id, position)` per token row of the step, in row order.
 
@@ -142,6 +147,15 @@ class UniformRouting:
         self.calls += 1
         self.rows += len(keys)
         return _uniform_rows(self._rng, len(keys), int(num_experts), int(top_k))
+
+    def route_layers(self, layers: Sequence[int], keys: Sequence[tuple[str, int]], num_experts: int,
+                     top_k: int) -> np.ndarray:
+        """`route` for several layers of one step at once: [len(layers), T, top_k], drawn in one pass."""
+        _check_shape(num_experts, top_k)
+        n_layers, t = len(layers), len(keys)
+        self.calls += n_layers
+        self.rows += n_layers * t
+        return _uniform_rows(self._rng, n_layers * t, int(num_experts), int(top_k)).reshape(n_layers, t, int(top_k))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -295,6 +309,48 @@ class _LayerPop:
         return np.where(u < self.prob[i], i, self.alias[i])
 
 
+class _PopStack:
+    """The popularity tables and locality of the layers one call routes, stacked [L, E] (row l is
+    layers[l]'s `_LayerPop`), so one vectorised draw serves rows of several layers: `li` gives each
+    row's index into the stack."""
+
+    __slots__ = ("alias", "e", "inv", "layers", "local", "pi", "prob", "q", "shares", "uniform")
+
+    def __init__(self, layers: tuple[int, ...], pops: list[_LayerPop], qs: list[float | None]) -> None:
+        self.layers = layers
+        self.shares = np.stack([p.shares for p in pops])
+        self.pi = np.stack([p.pi for p in pops])
+        self.prob = np.stack([p.prob for p in pops]).ravel()
+        self.alias = np.stack([p.alias for p in pops]).ravel()
+        self.e = self.shares.shape[1]
+        self.uniform = all(p.uniform for p in pops)
+        self.local = qs[0] is not None  # locality is a number for every layer or for none
+        q = np.array([0.0 if x is None else x for x in qs], dtype=np.float64)
+        self.q = q
+        # a fresh slot's uniform u < 1 - q, rescaled by 1 / (1 - q) to draw its candidate
+        self.inv = np.where(q < 1.0, 1.0 / np.where(q < 1.0, 1.0 - q, 1.0), 1.0)
+
+    def from_uniform(self, u: np.ndarray, li: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+        """ids with row r's layer's popularity from uniforms u [n, c] (x scale[r]) in [0, 1) (alias
+        method, one uniform per id; u is overwritten). Entries at or above 1 give some valid id."""
+        e = self.e
+        if scale is None:
+            u *= e
+        else:
+            u *= (e * scale)[:, None]
+        i = u.astype(np.int64)
+        np.minimum(i, e - 1, out=i)
+        if self.uniform:
+            return i
+        u -= i
+        flat = i + (li * e)[:, None]
+        return np.where(u < self.prob[flat], i, self.alias[flat])
+
+    def draw(self, rng: np.random.Generator, li: np.ndarray, c: int) -> np.ndarray:
+        """[len(li), c] iid ids, row r with layer li[r]'s popularity."""
+        return self.from_uniform(rng.random((len(li), c)), li)
+
+
 class _StepKeys:
     """One step's keys mapped to request slots and chains (computed once, reused across layers)."""
 
@@ -317,27 +373,38 @@ class _StepKeys:
     )
 
 
-class _LayerState:
-    """Per-layer state arrays indexed by request slot: valid, last position, last call, previous experts."""
+class _StateStack:
+    """Per-layer state of the layers with one (E, top_k), one row per layer, columns by request
+    slot: valid, last position, the layer's call number it was last seen at, previous experts."""
 
-    __slots__ = ("calls", "e", "k", "last_call", "last_pos", "prev", "valid")
+    __slots__ = ("calls", "e", "k", "last_call", "last_pos", "prev", "row_of", "rows_cache", "valid")
 
-    def __init__(self, cap: int, e: int, k: int) -> None:
-        self.calls = 0
+    def __init__(self, e: int, k: int, cap: int) -> None:
         self.e, self.k = e, k
-        self.valid = np.zeros(cap, dtype=bool)
-        self.last_pos = np.zeros(cap, dtype=np.int64)
-        self.last_call = np.zeros(cap, dtype=np.int64)
-        self.prev = np.zeros((cap, k), dtype=np.int64)
+        self.row_of: dict[int, int] = {}
+        self.rows_cache: dict[tuple[int, ...], np.ndarray] = {}
+        self.calls = np.zeros(0, dtype=np.int64)
+        self.valid = np.zeros((0, cap), dtype=bool)
+        self.last_pos = np.zeros((0, cap), dtype=np.int64)
+        self.last_call = np.zeros((0, cap), dtype=np.int64)
+        self.prev = np.zeros((0, cap, k), dtype=np.int64)
+
+    def add_row(self, layer: int, calls: int) -> None:
+        self.row_of[layer] = len(self.calls)
+        self.rows_cache.clear()
+        self.calls = np.append(self.calls, calls)
+        for name in ("valid", "last_pos", "last_call", "prev"):
+            a = getattr(self, name)
+            setattr(self, name, np.concatenate((a, np.zeros((1, *a.shape[1:]), dtype=a.dtype))))
 
     def grow(self, cap: int) -> None:
-        old = len(self.valid)
+        old = self.valid.shape[1]
         if cap <= old:
             return
         for name in ("valid", "last_pos", "last_call", "prev"):
             a = getattr(self, name)
-            b = np.zeros((cap, *a.shape[1:]), dtype=a.dtype)
-            b[:old] = a
+            b = np.zeros((a.shape[0], cap, *a.shape[2:]), dtype=a.dtype)
+            b[:, :old] = a
             setattr(self, name, b)
 
 
@@ -394,7 +461,9 @@ class SyntheticRouting:
         self._slot_name: list[str | None] = []
         self._free: list[int] = []
         self._nvalid = np.zeros(0, dtype=np.int64)  # layers holding valid state per slot
-        self._layers: dict[int, _LayerState] = {}
+        self._states: dict[tuple[int, int], _StateStack] = {}  # (E, top_k) -> the layers' state rows
+        self._shape_of: dict[int, tuple[int, int]] = {}  # layer -> the (E, top_k) it was last routed with
+        self._pops: dict[tuple[tuple[int, ...], int, int], _PopStack] = {}
         self._step: _StepKeys | None = None  # the last keys' mapping (reused while `keys` is unchanged)
         self._tab = np.empty(0, dtype=np.int8)  # _fix_rows' table, kept to spare the allocation
         self.stale_calls = int(stale_calls)
@@ -459,40 +528,58 @@ class SyntheticRouting:
             lp = self._pop[key] = _LayerPop(shares, k)
         return lp
 
+    def _pop_stack(self, layers: tuple[int, ...], e: int, k: int) -> _PopStack:
+        key = (layers, e, k)
+        ps = self._pops.get(key)
+        if ps is None:
+            if len(self._pops) > 64:  # bounded: a run asks for one or two layer tuples
+                self._pops.clear()
+            ps = self._pops[key] = _PopStack(layers, [self._layer_pop(layer, e, k) for layer in layers],
+                                             [self.locality_at(layer) for layer in layers])
+        return ps
+
     def expected_shares(self, layer: int, num_experts: int, top_k: int) -> np.ndarray:
         """The long-run share of layer `layer`'s expert slots each expert gets (pi / top_k)."""
         return self._layer_pop(layer, num_experts, top_k).pi / top_k
 
     # ---- sampling --------------------------------------------------------------------------------
-    def _systematic(self, lp: _LayerPop, t: int, k: int) -> np.ndarray:
-        """[t, k] distinct ids with inclusion probabilities lp.pi (systematic PPS, random orders)."""
-        e = len(lp.pi)
-        g = min(self.GROUPS, t)
-        orders = self._rng.permuted(np.broadcast_to(np.arange(e), (g, e)), axis=1)
-        cum = np.cumsum(lp.pi[orders], axis=1)
+    def _systematic(self, ps: _PopStack, li: np.ndarray, k: int) -> np.ndarray:
+        """[n, k] distinct ids, row r with inclusion probabilities ps.pi[li[r]] (systematic PPS, random
+        orders: GROUPS orders per layer, a layer's rows take them round robin)."""
+        e, n = ps.e, len(li)
+        g = min(self.GROUPS, n)
+        n_layers = len(ps.pi)
+        orders = self._rng.permuted(np.broadcast_to(np.arange(e), (n_layers * g, e)), axis=1)
+        cum = np.cumsum(np.take_along_axis(np.repeat(ps.pi, g, axis=0), orders, axis=1), axis=1)
         cum *= k / cum[:, -1:]
         step = k + 1.0
-        flat = (cum + step * np.arange(g)[:, None]).ravel()
-        grp = np.arange(t) % g
-        pts = self._rng.random(t)[:, None] + np.arange(k)[None, :] + (step * grp)[:, None]
-        idx = np.searchsorted(flat, pts.ravel(), side="right").reshape(t, k)
+        flat = (cum + step * np.arange(n_layers * g)[:, None]).ravel()
+        grp = li * g + np.arange(n) % g
+        pts = self._rng.random(n)[:, None] + np.arange(k)[None, :] + (step * grp)[:, None]
+        idx = np.searchsorted(flat, pts.ravel(), side="right").reshape(n, k)
         local = np.minimum(idx - (grp * e)[:, None], e - 1)
         return orders[grp[:, None], local].astype(np.int64)
 
     def route(self, layer: int, keys: Sequence[tuple[str, int]], num_experts: int, top_k: int) -> np.ndarray:
+        return self.route_layers((layer,), keys, num_experts, top_k)[0]
+
+    def route_layers(self, layers: Sequence[int], keys: Sequence[tuple[str, int]], num_experts: int,
+                     top_k: int) -> np.ndarray:
+        """`route` for several MoE layers of one step at once: int64 [len(layers), T, top_k], layer by
+        layer the same law (and state) as separate `route` calls, drawn in one vectorised pass."""
         _check_shape(num_experts, top_k)
-        e, k, t = int(num_experts), int(top_k), len(keys)
-        self.counters["calls"] += 1
-        self.counters["rows"] += t
-        if t == 0:
-            return np.empty((0, k), dtype=np.int64)
-        lp = self._layer_pop(layer, e, k)
-        q = self.locality_at(layer)
-        if q is None:
+        layers = tuple(layers) if type(layers) is not tuple else layers
+        e, k, t, n_layers = int(num_experts), int(top_k), len(keys), len(layers)
+        self.counters["calls"] += n_layers
+        self.counters["rows"] += n_layers * t
+        if t == 0 or n_layers == 0:
+            return np.empty((n_layers, t, k), dtype=np.int64)
+        ps = self._pop_stack(layers, e, k)
+        if not ps.local:
             if self.popularity is None and self.skew == 0.0:
-                return _uniform_rows(self._rng, t, e, k)  # same shares (1/E), exact and cheaper
-            return self._systematic(lp, t, k)
-        return self._route_local(layer, keys, lp, e, k, q)
+                return _uniform_rows(self._rng, n_layers * t, e, k).reshape(n_layers, t, k)  # same shares (1/E)
+            return self._systematic(ps, np.repeat(np.arange(n_layers), t), k).reshape(n_layers, t, k)
+        return self._route_local(layers, keys, ps, e, k)
 
     # ---- per-request state -----------------------------------------------------------------------
     def _new_slot(self, name: str) -> int:
@@ -502,7 +589,7 @@ class SyntheticRouting:
         else:
             s = len(self._slot_name)
             self._slot_name.append(name)
-            if s >= len(self._nvalid):  # grow by doubling; the layers' arrays follow in _layer_state
+            if s >= len(self._nvalid):  # grow by doubling; the layers' arrays follow in _state_rows
                 grown = np.zeros(max(64, 2 * len(self._nvalid)), dtype=np.int64)
                 grown[: len(self._nvalid)] = self._nvalid
                 self._nvalid = grown
@@ -561,26 +648,38 @@ class SyntheticRouting:
         st.any_cont = bool(cont.any())
         return st
 
-    def _layer_state(self, layer: int, e: int, k: int) -> _LayerState:
-        ls = self._layers.get(layer)
-        calls = 0
-        if ls is not None and (ls.e != e or ls.k != k):  # the layer's shape changed: its state is void
-            dead = np.flatnonzero(ls.valid)
-            self.counters["states_dropped"] += dead.size
-            self._drop(ls, dead)
-            calls, ls = ls.calls, None
-        if ls is None:
-            ls = self._layers[layer] = _LayerState(len(self._nvalid), e, k)
-            ls.calls = calls
-        else:
-            ls.grow(len(self._nvalid))
-        return ls
+    def _state_rows(self, layers: tuple[int, ...], e: int, k: int) -> tuple[_StateStack, np.ndarray]:
+        """The state stack of shape (e, k) and the rows of `layers` in it (a layer whose shape changed
+        leaves its old state, dropped and counted)."""
+        st = self._states.get((e, k))
+        if st is None:
+            st = self._states[(e, k)] = _StateStack(e, k, len(self._nvalid))
+        rows = st.rows_cache.get(layers)
+        if rows is None:
+            for layer in layers:
+                if layer in st.row_of:
+                    continue
+                calls = 0
+                old = self._shape_of.get(layer)
+                if old is not None and old != (e, k):  # the layer's shape changed: its state is void
+                    ost = self._states[old]
+                    r = ost.row_of.pop(layer)
+                    ost.rows_cache.clear()
+                    dead = np.flatnonzero(ost.valid[r])
+                    self.counters["states_dropped"] += dead.size
+                    self._drop(ost, r, dead)
+                    calls = int(ost.calls[r])
+                st.add_row(layer, calls)
+                self._shape_of[layer] = (e, k)
+            rows = st.rows_cache[layers] = np.array([st.row_of[layer] for layer in layers], dtype=np.int64)
+        st.grow(len(self._nvalid))
+        return st, rows
 
-    def _drop(self, ls: _LayerState, slots: np.ndarray) -> None:
-        """Invalidate `slots` (valid in `ls`); a slot that no layer holds any more is freed for reuse."""
+    def _drop(self, st: _StateStack, row: int, slots: np.ndarray) -> None:
+        """Invalidate `slots` (valid in `row`); a slot that no layer holds any more is freed for reuse."""
         if slots.size == 0:
             return
-        ls.valid[slots] = False
+        st.valid[row, slots] = False
         self._nvalid[slots] -= 1
         gone = slots[self._nvalid[slots] == 0]
         for s in gone.tolist():
@@ -594,23 +693,25 @@ class SyntheticRouting:
     MAX_ROUNDS = 16  # rounds of re-checking rows below changed ones in a chain before the row-by-row fallback
     TRIES = 8  # popularity draws per clashing slot before an exact draw over the allowed ids
 
-    def _fresh(self, lp: _LayerPop, n: int, e: int, k: int, q: float) -> tuple[np.ndarray, np.ndarray]:
-        """[n, k] fresh mask (each slot fresh with probability 1 - q) and popularity candidates.
+    def _fresh(self, ps: _PopStack, li: np.ndarray, e: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """[n, k] fresh mask (each slot of row r fresh with probability 1 - q of its layer li[r]) and
+        popularity candidates.
 
         One uniform per slot: the slot is fresh when u < 1 - q, and then u / (1 - q) is a uniform
         independent of that decision, which draws the candidate."""
-        u = self._rng.random((n, k))
-        f = u < 1.0 - q
+        u = self._rng.random((len(li), k))
+        f = u < (1.0 - ps.q)[li][:, None]
         if e - k < k:  # at most e-k ids lie outside the previous set: surplus fresh slots copy instead
             f &= np.cumsum(f, axis=1) <= e - k
-        return f, lp.from_uniform(u, 1.0 / (1.0 - q) if q < 1.0 else 1.0)
+        return f, ps.from_uniform(u, li, ps.inv[li])
 
     def _fix_rows(
-        self, lp: _LayerPop, o: np.ndarray, pv: np.ndarray, f: np.ndarray, e: int, k: int
+        self, ps: _PopStack, li: np.ndarray, o: np.ndarray, pv: np.ndarray, f: np.ndarray, e: int, k: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Rows o [m, k] with previous experts pv and fresh mask f: new ids for the fresh slots that
-        repeat a previous expert or another slot of the row, as (row, slot, id) arrays, or None if
-        no slot does. With them applied every row is distinct and shares with pv only its copied slots.
+        """Rows o [m, k] (row r of layer li[r]) with previous experts pv and fresh mask f: new ids for
+        the fresh slots that repeat a previous expert or another slot of the row, as (row, slot, id)
+        arrays, or None if no slot does. With them applied every row is distinct and shares with pv
+        only its copied slots.
 
         Of two fresh slots with one id, which keeps it is arbitrary; new ids come from `_redraw`."""
         m = len(o)
@@ -629,12 +730,13 @@ class SyntheticRouting:
         if flat.size == 0:
             return None
         rr, cc = np.divmod(flat, k)
-        return rr, cc, self._redraw(lp, tab, rr, cc, k, m, e)
+        return rr, cc, self._redraw(ps, li, tab, rr, cc, k, m, e)
 
     def _redraw(
-        self, lp: _LayerPop, tab: np.ndarray, rr: np.ndarray, cc: np.ndarray, k: int, m: int, e: int
+        self, ps: _PopStack, li: np.ndarray, tab: np.ndarray, rr: np.ndarray, cc: np.ndarray, k: int, m: int, e: int
     ) -> np.ndarray:
-        """A new id for slot cc of row rr each, free in tab (== k) and distinct within a row.
+        """A new id for slot cc of row rr each (popularity of the row's layer li[rr]), free in tab
+        (== k) and distinct within a row.
 
         Rejection sampling: the first of a few popularity draws that is free (2 tries in a first pass
         over many slots, TRIES after), and where a later pass finds every try taken one draw from the
@@ -642,11 +744,12 @@ class SyntheticRouting:
         in one pass, the one tab keeps is arbitrary and the other picks again."""
         n = rr.size
         b = rr * e
+        lr = li[rr]
         new = np.empty(n, dtype=np.int64)
         sel = np.arange(n)
         tries = 2 if n > 256 else self.TRIES
         while sel.size > 16:
-            draws = lp.draw(self._rng, (sel.size, tries))
+            draws = ps.draw(self._rng, lr[sel], tries)
             free = tab[draws + b[sel, None]] == k
             pick = free.argmax(axis=1)
             at = np.arange(sel.size)
@@ -660,7 +763,7 @@ class SyntheticRouting:
                 bad = np.flatnonzero(~ok)
                 if bad.size:  # every try taken: an exact draw over the free ids
                     allowed = tab.reshape(m, e)[rr[sel[bad]]] == k
-                    w = lp.shares * allowed
+                    w = ps.shares[lr[sel[bad]]] * allowed
                     zero = w.sum(axis=1) <= 0  # every free id has share 0: uniform over the free ones
                     w[zero] = allowed[zero]
                     cum = np.cumsum(w, axis=1)
@@ -676,12 +779,12 @@ class SyntheticRouting:
         # the few left: one at a time, each seeing the ids taken before it
         for i in sel.tolist():
             row = tab[b[i] : b[i] + e]
-            for v in lp.draw(self._rng, self.TRIES).tolist():
+            for v in ps.draw(self._rng, lr[i : i + 1], self.TRIES)[0].tolist():
                 if row[v] == k:
                     break
             else:
                 allowed = np.flatnonzero(row == k)
-                w = np.cumsum(lp.shares[allowed])
+                w = np.cumsum(ps.shares[lr[i]][allowed])
                 if w[-1] > 0:
                     v = int(allowed[min(int(np.searchsorted(w, self._rng.random() * w[-1], side="right")), w.size - 1)])
                 else:
@@ -690,7 +793,7 @@ class SyntheticRouting:
             row[v] = cc[i]
         return new
 
-    def _fix_row(self, lp: _LayerPop, prev: list[int], fresh: np.ndarray, cand: list[int], e: int) -> list[int]:
+    def _fix_row(self, shares: np.ndarray, prev: list[int], fresh: np.ndarray, cand: list[int], e: int) -> list[int]:
         """One row in order (the fallback): copied slots take prev's id, fresh ones their candidate
         unless it is a previous expert or already in the row, then a popularity draw over the rest."""
         banned = set(prev)
@@ -706,7 +809,7 @@ class SyntheticRouting:
                     v = next(x for x in range(e) if x not in used)
                     fresh[j] = False
                 else:
-                    w = lp.shares[allowed]
+                    w = shares[allowed]
                     w = w / w.sum() if w.sum() > 0 else np.full(len(allowed), 1 / len(allowed))
                     v = int(allowed[int(self._rng.choice(len(allowed), p=w))])
             row[j] = v
@@ -714,93 +817,119 @@ class SyntheticRouting:
         return row
 
     def _route_local(
-        self, layer: int, keys: Sequence[tuple[str, int]], lp: _LayerPop, e: int, k: int, q: float
+        self, layers: tuple[int, ...], keys: Sequence[tuple[str, int]], ps: _PopStack, e: int, k: int
     ) -> np.ndarray:
+        """The locality path for `layers` at once: rows are flattened layer-major (row l * T + i is
+        layer l's row i), and every array below indexes those L * T rows."""
         sk = self._step_keys(keys)
-        ls = self._layer_state(layer, e, k)
-        ls.calls += 1
-        call = ls.calls
+        st, rows = self._state_rows(layers, e, k)
+        n_layers = len(layers)
+        st.calls[rows] += 1
+        call = st.calls[rows]
         t, slot, pos = sk.t, sk.slot, sk.pos
+        n = n_layers * t
+        rc = rows[:, None]
         # A request's first row continues its stored state when its position is exactly last+1.
         if sk.all_first:
-            had = ls.valid[slot]
-            match = ls.last_pos[slot] == pos - 1
+            had = st.valid[rc, slot]
+            match = st.last_pos[rc, slot] == pos - 1
             match &= had
             pred = None if match.all() else np.flatnonzero(match)  # None: every row
         else:
             fi = sk.first
             fs = slot[fi]
-            had = ls.valid[fs]
-            pred = fi[had & (ls.last_pos[fs] == pos[fi] - 1)]  # rows whose previous token is the stored state
-        n_prev = t if pred is None else pred.size
-        if n_prev < t:
+            had = st.valid[rc, fs]
+            lw, j = np.nonzero(had & (st.last_pos[rc, fs] == pos[fi] - 1))
+            pred = lw * t + fi[j]  # rows whose previous token is the stored state
+        n_prev = n if pred is None else pred.size
+        if n_prev < n:
             self.counters["locality_resets"] += int(had.sum()) - n_prev
-        self.counters["locality_resets"] += sk.n_inner_starts
+        self.counters["locality_resets"] += sk.n_inner_starts * n_layers
+        li_all = np.repeat(np.arange(n_layers), t)
         if sk.any_cont:
-            out, n_fresh, n_prev = self._chains(lp, ls, sk, pred, e, k, q)
+            out, n_fresh, n_prev = self._chains(ps, st, rows, sk, pred, li_all, e, k)
         else:  # every row with a previous token continues a stored state (decode)
             n_fresh = 0
             if n_prev:
-                pv = ls.prev[slot if pred is None else slot[pred]]
-                f, cand = self._fresh(lp, n_prev, e, k, q)
+                if pred is None:
+                    pv = st.prev[rc, slot].reshape(n, k)
+                    li = li_all
+                else:
+                    lw = pred // t
+                    pv = st.prev[rows[lw], slot[pred - lw * t]]
+                    li = lw
+                f, cand = self._fresh(ps, li, e, k)
                 o = np.where(f, cand, pv)
-                fix = self._fix_rows(lp, o, pv, f, e, k)
+                fix = self._fix_rows(ps, li, o, pv, f, e, k)
                 if fix is not None:
                     o[fix[0], fix[1]] = fix[2]
                 n_fresh = int(np.count_nonzero(f))
             if pred is None:
                 out = o
             else:  # rows with no previous token: k distinct ids with the exact inclusion probabilities
-                out = self._systematic(lp, t, k)
+                out = np.empty((n, k), dtype=np.int64)
+                nop = np.ones(n, dtype=bool)
+                nop[pred] = False
+                nop = np.flatnonzero(nop)
+                out[nop] = self._systematic(ps, li_all[nop], k)
                 if n_prev:
                     out[pred] = o
         self.counters["rows_with_previous"] += n_prev
         self.counters["slots_with_previous"] += n_prev * k
         self.counters["reused_slots"] += n_prev * k - n_fresh
-        # State: each request's last row of this call.
+        # State: each request's last row of this call, per layer.
+        out3 = out.reshape(n_layers, t, k)
         if sk.all_first:
-            es, last, lpos = slot, out, pos
+            es, last, lpos = slot, out3, pos
         else:
             ends = sk.end
-            es, last, lpos = slot[ends], out[ends], pos[ends]
-            had = ls.valid[es]
+            es, last, lpos = slot[ends], out3[:, ends], pos[ends]
+            had = st.valid[rc, es]
         if not had.all():
-            self._nvalid[es[~had]] += 1
-            ls.valid[es] = True
-        ls.last_pos[es] = lpos
-        ls.last_call[es] = call
-        ls.prev[es] = last
-        if call % self.prune_every == 0:
-            dead = np.flatnonzero(ls.valid & (ls.last_call < call - self.stale_calls))
-            self.counters["states_dropped"] += dead.size
-            self._drop(ls, dead)
+            np.add.at(self._nvalid, np.broadcast_to(es, had.shape)[~had], 1)
+            st.valid[rc, es] = True
+        st.last_pos[rc, es] = lpos
+        st.last_call[rc, es] = call[:, None]
+        st.prev[rc, es] = last
+        if self.prune_every > 0:
+            for li_, r in enumerate(rows.tolist()):
+                c = int(call[li_])
+                if c % self.prune_every == 0:
+                    dead = np.flatnonzero(st.valid[r] & (st.last_call[r] < c - self.stale_calls))
+                    self.counters["states_dropped"] += dead.size
+                    self._drop(st, r, dead)
         if sk.order is None:
-            return out
-        result = np.empty_like(out)
-        result[sk.order] = out
+            return out3
+        result = np.empty_like(out3)
+        result[:, sk.order] = out3
         return result
 
     def _chains(
-        self, lp: _LayerPop, ls: _LayerState, sk: _StepKeys, pred: np.ndarray, e: int, k: int, q: float
+        self, ps: _PopStack, st: _StateStack, rows: np.ndarray, sk: _StepKeys, pred: np.ndarray, li: np.ndarray,
+        e: int, k: int
     ) -> tuple[np.ndarray, int, int]:
         """Rows where a request has several consecutive positions (prefill chunks): a row's previous
-        token is the row above it. Returns (rows [t, k], fresh slots, rows with a previous token)."""
-        t, cont = sk.t, sk.cont
+        token is the row above it (within one layer's rows: a layer's first row never continues the
+        row above). Returns (rows [L * T, k], fresh slots, rows with a previous token)."""
+        t = sk.t
+        n = len(li)
+        cont = np.tile(sk.cont, n // t) if n != t else sk.cont
         has_prev = cont.copy()
         has_prev[pred] = True
         nop = np.flatnonzero(~has_prev)
-        fresh, cand = self._fresh(lp, t, e, k, q)
+        fresh, cand = self._fresh(ps, li, e, k)
         fresh[nop] = True
         # vals[2r + 1] = row r's own candidates, vals[2r] = the stored previous experts of a `pred` row.
-        vals = np.empty((2 * t, k), dtype=np.int64)
+        vals = np.empty((2 * n, k), dtype=np.int64)
         vals[1::2] = cand
         if nop.size:  # rows with no previous token: k distinct ids with the exact inclusion probabilities
-            vals[2 * nop + 1] = self._systematic(lp, nop.size, k)
+            vals[2 * nop + 1] = self._systematic(ps, li[nop], k)
         if pred.size:
-            vals[2 * pred] = ls.prev[sk.slot[pred]]
+            lw = pred // t
+            vals[2 * pred] = st.prev[rows[lw], sk.slot[pred - lw * t]]
         # Each slot takes the value of the last row at or above it (same chain) where it was fresh, or
         # the stored previous experts of the chain's first row: src indexes vals.
-        src = fresh * (2 * np.arange(t) + 2)[:, None] - 1
+        src = fresh * (2 * np.arange(n) + 2)[:, None] - 1
         if pred.size:
             src[pred] = np.where(fresh[pred], (2 * pred + 1)[:, None], (2 * pred)[:, None])
         np.maximum.accumulate(src, axis=0, out=src)
@@ -812,7 +941,7 @@ class SyntheticRouting:
         pv[1:] = out[:-1]
         if pred.size:
             pv[pred] = vals[2 * pred]
-        fix = self._fix_rows(lp, out, pv, fresh & has_prev[:, None], e, k)
+        fix = self._fix_rows(ps, li, out, pv, fresh & has_prev[:, None], e, k)
         nextb = None
         for _ in range(self.MAX_ROUNDS):
             if fix is None:
@@ -820,21 +949,21 @@ class SyntheticRouting:
             br, cc, new = fix
             # A changed slot flows down its chain until the next row where that slot is fresh.
             if nextb is None:
-                bar = np.where(fresh | ~cont[:, None], np.arange(t)[:, None], t)
+                bar = np.where(fresh | ~cont[:, None], np.arange(n)[:, None], n)
                 nextb = np.empty_like(bar)
-                nextb[-1] = t
+                nextb[-1] = n
                 nextb[:-1] = np.minimum.accumulate(bar[::-1], axis=0)[::-1][1:]
             vals[2 * br + 1, cc] = new
             end = nextb[br, cc]
             span = end - br
             offs = np.repeat(np.cumsum(span) - span, span)
-            rows = np.repeat(br, span) + (np.arange(offs.size) - offs)
-            out[rows, np.repeat(cc, span)] = np.repeat(new, span)
+            rws = np.repeat(br, span) + (np.arange(offs.size) - offs)
+            out[rws, np.repeat(cc, span)] = np.repeat(new, span)
             # re-check the changed rows and the row after each run (its previous token changed)
-            mark = np.zeros(t + 1, dtype=bool)
-            mark[rows] = True
+            mark = np.zeros(n + 1, dtype=bool)
+            mark[rws] = True
             mark[end] = True
-            check = np.flatnonzero(mark[:t] & cont)  # rows whose previous token is the row above
+            check = np.flatnonzero(mark[:n] & cont)  # rows whose previous token is the row above
             check_pred = np.flatnonzero(mark[pred]) if pred.size else pred
             if check_pred.size:  # chain heads continuing the stored state, whose own slots changed
                 check = np.sort(np.concatenate((check, pred[check_pred])))
@@ -844,17 +973,16 @@ class SyntheticRouting:
             if check_pred.size:
                 head = ~cont[check]
                 pvc[head] = vals[2 * check[head]]
-            fix = self._fix_rows(lp, out[check], pvc, fresh[check], e, k)
+            fix = self._fix_rows(ps, li[check], out[check], pvc, fresh[check], e, k)
             if fix is not None:
                 fix = (check[fix[0]], fix[1], fix[2])
         else:
             self.counters["sequential_fixes"] += 1
             for i in np.flatnonzero(has_prev).tolist():
                 prev = (out[i - 1] if cont[i] else vals[2 * i]).tolist()
-                out[i] = self._fix_row(lp, prev, fresh[i], vals[2 * i + 1].tolist(), e)
+                out[i] = self._fix_row(ps.shares[li[i]], prev, fresh[i], vals[2 * i + 1].tolist(), e)
         hp_fresh = fresh[has_prev]
         return out, int(hp_fresh.sum()), len(hp_fresh)
-
     def describe(self) -> dict[str, Any]:
         c = dict(self.counters)
         c["measured_reuse"] = c["reused_slots"] / c["slots_with_previous"] if c["slots_with_previous"] else None
@@ -877,7 +1005,7 @@ class SyntheticRouting:
             "capped_layers": capped,
             "state_rule": f"state per (layer, request) while positions continue by +1; dropped after "
             f"{self.stale_calls} calls of that layer unseen (checked every {self.prune_every})",
-            "live_states": int(sum(int(ls.valid.sum()) for ls in self._layers.values())),
+            "live_states": int(sum(int(st.valid[list(st.row_of.values())].sum()) for st in self._states.values())),
             "tracked_requests": len(self._slot_of),
         }
         if all(v == _NO_MEASUREMENT for v in self.sources.values()):

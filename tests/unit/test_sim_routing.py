@@ -277,3 +277,49 @@ def test_locality_keeps_uniform_shares(prefill):
     # binomial sd of a share 1/e, widened for the correlation copies bring ((1 + q) / (1 - q) = 3)
     sd = np.sqrt((1 / e) * (1 - 1 / e) / ids.size * 3)
     assert np.abs(shares - 1 / e).max() < 5 * sd
+
+
+def test_route_layers_per_layer_locality_and_state():
+    """route_layers routes several layers in one call: per layer, rows distinct, the reuse each layer's
+    locality asks (a depth profile: 0.1 at the first layer, 0.8 at the last), counters equal to the
+    overlap counted from the ids, and the state shared with `route` (a later single-layer call continues)."""
+    e, k, n_layers, n_req, steps = 16, 2, 4, 40, 150
+    src = SyntheticRouting(num_layers=n_layers, skew=0.5, locality=[(0.0, 0.1), (1.0, 0.8)], seed=9)
+    layers = list(range(n_layers))
+    out = []
+    for s in range(steps):
+        # one request prefills a 24-token chunk at each step beside the decoding ones
+        keys = [(f"r{i}", s) for i in range(n_req)] + [("p", 24 * s + p) for p in range(24)]
+        ids = src.route_layers(layers, keys, e, k)
+        assert ids.shape == (n_layers, len(keys), k)
+        assert all(_distinct(ids[layer]) for layer in layers) and ids.min() >= 0 and ids.max() < e
+        out.append(ids)
+    ids = np.stack(out)  # [steps, layers, rows, k]
+    dec = ids[:, :, :n_req]  # decode rows: previous token = the same request's row one step before
+    ov_dec = (dec[1:, :, :, :, None] == dec[:-1, :, :, None, :]).any(axis=4).sum(axis=3)  # [steps-1, L, n_req]
+    pre = ids[:, :, n_req:].transpose(1, 0, 2, 3).reshape(n_layers, -1, k)  # the prefill chain, in position order
+    ov_pre = (pre[:, 1:, :, None] == pre[:, :-1, None, :]).any(axis=3).sum(axis=2)  # [L, positions-1]
+    for layer in layers:
+        q = 0.1 + 0.7 * layer / (n_layers - 1)
+        ov = np.concatenate((ov_dec[:, layer].ravel(), ov_pre[layer]))
+        sd = np.sqrt(q * (1 - q) / (k * ov.size))
+        assert abs(ov.mean() / k - q) < 5 * sd + 1e-3, (layer, ov.mean() / k, q)
+    d = src.describe()
+    n_prev = n_layers * ((steps - 1) * n_req + (steps * 24 - 1))
+    assert d["rows_with_previous"] == n_prev
+    assert d["reused_slots"] == ov_dec.sum() + ov_pre.sum()
+    assert d["calls"] == steps * n_layers
+    # the next step routed one layer at a time continues the same per-layer state
+    before = d["rows_with_previous"]
+    for layer in layers:
+        src.route(layer, [(f"r{i}", steps) for i in range(n_req)], e, k)
+    assert src.describe()["rows_with_previous"] == before + n_layers * n_req
+
+
+def test_uniform_route_layers_shape_and_shares():
+    src = UniformRouting(seed=1)
+    ids = src.route_layers([0, 1, 2], [("a", i) for i in range(3000)], 8, 2)
+    assert ids.shape == (3, 3000, 2) and all(_distinct(ids[layer]) for layer in range(3))
+    shares = np.bincount(ids.ravel(), minlength=8) / ids.size
+    assert np.abs(shares - 1 / 8).max() < 5 * np.sqrt(1 / 8 * 7 / 8 / ids.size)
+    assert src.describe()["calls"] == 3 and src.describe()["rows"] == 9000
