@@ -223,6 +223,7 @@ class ResidentBackend(StackedBackend):
         super().__init__(layers)
         self._compute = compute or grouped_swiglu
         self._packed: dict[int, PackedExperts] = {}  # layer -> packed copies (prepack)
+        self._device_bytes: int | None = None
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
         self._count(layer, d)
@@ -245,4 +246,6 @@ class ResidentBackend(StackedBackend):
         return self.stacks[layer]
 
     def device_bytes(self) -> int:
-        return sum(w.nbytes() for w in self.stacks.values())
+        if self._device_bytes is None:  # the stacks never change: summed once (every step asks)
+            self._device_bytes = sum(w.nbytes() for w in self.stacks.values())
+        return self._device_bytes
