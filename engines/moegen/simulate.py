@@ -237,14 +237,7 @@ class MoEGenSimExecutor(SimExecutor):
             if i in counts:
                 experts.simulate(i, Dispatch(_NO_ROWS, _NO_ROWS, counts[i]))
                 runs.update(experts.expert_bytes(i, e) for e, n in enumerate(counts[i]) if n)
-        self.last = cost = self._price(batch, counts, runs, self._copied_bytes() - copied_before)
-        self.clock.advance(cost.seconds)
-        t = self.totals
-        t.steps, t.seconds, t.roofline_s = t.steps + 1, t.seconds + cost.seconds, t.roofline_s + cost.roofline_s
-        for name, s in cost.parts.items():
-            t.parts[name] = t.parts.get(name, 0.0) + s
-        logits = torch.empty(batch.logit_rows.shape[0], 1, device="meta")
-        return StepResult(logits, [self.token] * len(batch.sampled), counts)
+        return self.finish(batch, self._price(batch, counts, runs, self._copied_bytes() - copied_before), counts)
 
     def _copied_bytes(self) -> int:
         """Expert bytes the backend has copied host->device so far in this step (the ring's

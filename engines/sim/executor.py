@@ -120,7 +120,12 @@ class SimExecutor(Executor):
             d2h_transfers=moved.d2h_transfers, copies_overlap=self.copies_overlap,
             kv_bytes_per_token=self.kv_bytes_per_token, logit_rows=len(batch.sampled),
         )
-        self.last = cost = self.cost.step(work)
+        return self.finish(batch, self.cost.step(work), counts)
+
+    def finish(self, batch: StepBatch, cost: StepCost, counts: dict[int, list[int]]) -> StepResult:
+        """A priced step: the clock moves by its time, the totals add it; one fixed token per
+        sampled row (no logits are computed: a meta row per logit row)."""
+        self.last = cost
         self.clock.advance(cost.seconds)
         t = self.totals
         t.steps, t.seconds, t.roofline_s = t.steps + 1, t.seconds + cost.seconds, t.roofline_s + cost.roofline_s
