@@ -215,7 +215,7 @@ class FullEngine(RuntimeEngine):
         self.plan = plan = make_plan(dataclasses.replace(cfg, expert_slots=backend.fetch_slots), at_floor, hw,
                                      mc.max_position_embeddings, self.name)
         on_device = plan.kv_placement == "device"
-        if self.simulation is not None and cfg.host_kv_gb is None:
+        if self.simulation is not None and cfg.host_kv_gb is None and not self.simulation.shared_processor:
             host_gb = simulated_host_kv_gb(self.simulation, cfg, backend, on_device)
         room = PageBudget(cfg.budget_bytes, dense, block, on_device, plan.staging_bytes, cfg.kv_reserve_bytes)
 

@@ -116,8 +116,10 @@ def machine(engine: RuntimeEngine, cfg: MoEGenConfig, loaded: Loaded, shape: Mod
 
     sim = engine.simulation
     hw = sim_hardware(sim.profile, dtype_name(loaded.dtype), shape, sim.shared_processor, cfg.plan_context)
-    gb = host_kv_gb(sim.profile, shape, cfg.gpu_memory_utilization) if cfg.host_kv_gb is None else cfg.host_kv_gb
-    if cfg.host_kv_gb is None and cfg.kv_placement != "device":
+    if cfg.host_kv_gb is not None or sim.shared_processor:  # the cpu profile: 1 GiB, as a measured CPU run
+        return hw, 1.0 if cfg.host_kv_gb is None else cfg.host_kv_gb
+    gb = host_kv_gb(sim.profile, shape, cfg.gpu_memory_utilization)
+    if cfg.kv_placement != "device":
         sim.notes.append(f"host-tier KV pool {gb:.1f} GiB: {sim.profile.name}'s host memory less the routed "
                          f"experts, x gpu_memory_utilization {cfg.gpu_memory_utilization} (set host_kv_gb to change)")
     return hw, gb
