@@ -218,7 +218,7 @@ class MoEGenSimExecutor(SimExecutor):
     # -- the step -------------------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
         cfg = self.model.config
-        keys = [(c.seq.request.request_id, p) for c in batch.chunks for p in range(c.start, c.start + c.length)]
+        keys = batch.row_keys()
         counts = {layer: np.bincount(self.routing.route(layer, keys, self.num_experts, self.top_k).ravel(),
                                      minlength=self.num_experts).tolist() for layer in self.moe_layers}
         experts = self.experts

@@ -41,6 +41,11 @@ class StepBatch:
     sampled: list[tuple[Chunk, int]]  # chunk whose last row yields a token, its index in logit_rows
     prompt_rows: list[tuple[Chunk, int, int]]  # chunk, first and end index in logit_rows of prompt logits
 
+    def row_keys(self) -> list[tuple[str, int]]:
+        """(request id, token position) of each row of the flat batch, in row order: how routing
+        is recorded and replayed (engines/sim/routing.py)."""
+        return [(c.seq.request.request_id, p) for c in self.chunks for p in range(c.start, c.start + c.length)]
+
 
 def build_batch(plan: Schedule, allocator: BlockAllocator, ledger: TransferLedger) -> StepBatch | None:
     """The plan's chunks as one flat batch (None when the plan runs nothing). Advances each

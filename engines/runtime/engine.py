@@ -385,8 +385,7 @@ class RuntimeEngine(Engine):
         schedule = self.scheduler.schedule()
         batch = build_batch(schedule, self.kv.allocator, self.ledger)
         if self._recorder is not None and batch is not None:
-            self._route_keys[:] = [(c.seq.request.request_id, p) for c in batch.chunks
-                                   for p in range(c.start, c.start + c.length)]
+            self._route_keys[:] = batch.row_keys()
         result = self.executor.execute(batch) if batch is not None else None
         started = self._update(schedule, batch, result, outputs)
         out = self._step_output(schedule, batch, result, outputs, started)

@@ -190,8 +190,7 @@ class CostModel:
         self.peak = float(profile.flops_per_s[dtype])
         self.link = float(profile.link_pinned_bytes_per_s)
         self.op_overhead_s = float(getattr(profile, "op_overhead_s", 0.0) or 0.0)
-        shared = getattr(profile, "shared_processor", None)
-        self.shared = bool(shared) if shared is not None else profile.name == "cpu"
+        self.shared = profile.shared
         eff = profile.efficiency
         self.missing = [k for k in CURVES if k not in eff]
         self.curves = {k: _Interp(eff[k].points if k in eff else ()) for k in CURVES}

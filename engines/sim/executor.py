@@ -78,7 +78,7 @@ class SimExecutor(Executor):
         return dict(zip(layers, rows))
 
     def execute(self, batch: StepBatch) -> StepResult:
-        keys = [(c.seq.request.request_id, p) for c in batch.chunks for p in range(c.start, c.start + c.length)]
+        keys = batch.row_keys()
         counts = self.route_counts(keys)
         runs: list[ExpertRun] = []
         experts, moe_layers, uniform_bytes, memo = self.experts, self.moe_layers, self._uniform_bytes, self._runs

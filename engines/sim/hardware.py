@@ -107,8 +107,13 @@ class HardwareProfile:
     op_overhead_s: float = 0.0  # per kernel/op dispatch (added to the design's fields)
     origin: str = ""  # the file (or "cpu: ...") it was read from (added)
     # host and device are one processor (copies are memcpys on the compute cores); None: the
-    # profile is named "cpu" (engines/sim/cost.py and session.py read it so). Added.
+    # profile is named "cpu" (`shared` below is the one rule). Added.
     shared_processor: bool | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Host and device are one processor (copies add, never overlap); unsaid: a profile named cpu."""
+        return self.shared_processor if self.shared_processor is not None else self.name == "cpu"
 
     def flops(self, dtype: str | None = None) -> float:
         """Dense FLOP/s at `dtype` (default_dtype when None); ValueError naming the known ones."""

@@ -39,8 +39,7 @@ class Simulation:
     @property
     def shared_processor(self) -> bool:
         """Host and device are one processor (the `cpu` profile): nothing crosses a bus."""
-        shared = getattr(self.profile, "shared_processor", None)
-        return bool(shared) if shared is not None else self.profile.name == "cpu"
+        return self.profile.shared
 
     def configure(self, cfg: Any) -> Any:
         """The options as a simulated run takes them: no --budget on a GPU profile means its

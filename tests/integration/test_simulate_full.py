@@ -79,7 +79,7 @@ def _record_routing(engine, recorder: RoutingRecorder) -> None:
     execute = engine.executor.execute
 
     def recorded(batch):
-        keys[:] = [(c.seq.request.request_id, p) for c in batch.chunks for p in range(c.start, c.start + c.length)]
+        keys[:] = batch.row_keys()
         return execute(batch)
 
     engine.executor.execute = recorded
