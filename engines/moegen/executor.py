@@ -167,6 +167,32 @@ class StagedPart:
     space: int  # staging blocks the part uses (copied + blocks holding only new tokens)
 
 
+def decode_cuts(ctxs: list[int], micro_batch: int, host_share: float, block: int,
+                cap: int) -> list[tuple[int, int, int]]:
+    """The decode rows of a step (context lengths `ctxs`, shortest first) cut into parts, as
+    (lo, hi, host rows from lo): runs of at most `micro_batch` sequences, `host_share` of each
+    attended on the host, the rest cut further so each part's KV blocks fit a staging half of
+    `cap` blocks of `block` tokens. The measured executor and the simulated one cut alike."""
+    parts: list[tuple[int, int, int]] = []
+    for lo in range(0, len(ctxs), micro_batch):
+        hi = min(lo + micro_batch, len(ctxs))
+        h = round(host_share * (hi - lo))
+        a, first = lo + h, True
+        if a == hi:
+            parts.append((lo, hi, h))
+        while a < hi:
+            b, space = a, 0
+            while b < hi and space + -(-ctxs[b] // block) <= cap:
+                space += -(-ctxs[b] // block)
+                b += 1
+            if b == a:
+                raise ValueError(f"a sequence of {ctxs[a]} tokens needs {-(-ctxs[a] // block)} staging blocks; "
+                                 f"a staging half holds {cap}")
+            parts.append((lo, b, h) if first else (a, b, 0))
+            a, first = b, False
+    return parts
+
+
 class StreamAttention:
     """Device attention over a host-tier KV cache (`stream`), or a split of each decode
     micro-batch between the host and that (`split`).
@@ -214,25 +240,9 @@ class StreamAttention:
         """Cut the step into parts (decode runs of at most `micro_batch` sequences, the device
         rows of each cut further to fit a staging half; then each prefill chunk) and lay each
         out over the staging buffer. `attn` is the device layout, `host` the same on the host."""
-        B, cap = self.block_size, self.half_blocks
         ctxs = [int(c) for g in host.decodes for c in g.ctx.tolist()]
-        parts: list[StagedPart] = []
-        for lo in range(0, attn.num_decode, micro_batch):
-            hi = min(lo + micro_batch, attn.num_decode)
-            h = round(self.host_share * (hi - lo))
-            a, first = lo + h, True
-            if a == hi:
-                parts.append(self._decode_part(attn, host, lo, hi, h))
-            while a < hi:
-                b, space = a, 0
-                while b < hi and space + -(-ctxs[b] // B) <= cap:
-                    space += -(-ctxs[b] // B)
-                    b += 1
-                if b == a:
-                    raise ValueError(f"a sequence of {ctxs[a]} tokens needs {-(-ctxs[a] // B)} staging blocks; "
-                                     f"a staging half holds {cap}")
-                parts.append(self._decode_part(attn, host, lo if first else a, b, h if first else 0))
-                a, first = b, False
+        parts: list[StagedPart] = [self._decode_part(attn, host, lo, hi, h) for lo, hi, h in
+                                   decode_cuts(ctxs, micro_batch, self.host_share, self.block_size, self.half_blocks)]
         for dev_seg, seg in zip(attn.prefills, host.prefills):
             parts.append(self._prefill_part(dev_seg, seg, host.slots))
         self._parts, self._issued = parts, {}

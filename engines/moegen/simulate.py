@@ -33,6 +33,7 @@ import torch
 from engines.base import EngineError
 from engines.common.device import dtype_name
 from engines.moegen.cost import STREAMED, BatchPlan, Hardware, step_cost
+from engines.moegen.executor import decode_cuts
 from engines.moegen.streaming import StreamingBackend
 from engines.runtime.batch import StepBatch
 from engines.runtime.executor import StepResult
@@ -175,23 +176,9 @@ class MoEGenSimExecutor(SimExecutor):
             return parts
         ctxs = [c.start + 1 for c in batch.chunks[:nd]]
         share = plan.host_share if plan.kv_placement == "split" else 0.0
-        cap, parts = self.half, []
-        for lo in range(0, nd, micro):
-            hi = min(lo + micro, nd)
-            h = round(share * (hi - lo))
-            a, first = lo + h, True
-            if a == hi:
-                parts.append((h, 0, 0))
-            while a < hi:
-                b, space = a, 0
-                while b < hi and space + -(-ctxs[b] // B) <= cap:
-                    space += -(-ctxs[b] // B)
-                    b += 1
-                if b == a:
-                    raise ValueError(f"a sequence of {ctxs[a]} tokens needs {-(-ctxs[a] // B)} staging blocks; "
-                                     f"a staging half holds {cap}")
-                parts.append((h if first else 0, b - a, sum(-(-(c - 1) // B) for c in ctxs[a:b])))
-                a, first = b, False
+        cap = self.half
+        parts = [(h, hi - lo - h, sum(-(-(c - 1) // B) for c in ctxs[lo + h:hi]))
+                 for lo, hi, h in decode_cuts(ctxs, micro, share, B, cap)]
         for s, n in prefills:
             if -(-(s + n) // B) > cap:
                 raise ValueError(f"a prefill chunk reaching {s + n} tokens needs {-(-(s + n) // B)} staging blocks; "
