@@ -9,24 +9,14 @@ import time
 import pytest
 
 from engines.dummy import DummyConfig, DummyEngine
+from engines.sim.clock import VirtualClock
 from harness.metrics import percentile, summarize_requests, summarize_steps
 from harness.runner import RunLimits, Runner
 from workloads.base import Request
 
 
-class SimClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-
 def run_sim(requests, closed=False, concurrency=None, **cfg):
-    clock = SimClock()
+    clock = VirtualClock()
     engine = DummyEngine(DummyConfig(**cfg), sleep=clock.advance)
     runner = Runner(engine, requests, closed, concurrency, RunLimits(), clock=clock.now, sleep=clock.advance)
     records = runner.run()
@@ -128,7 +118,7 @@ def test_real_clock_arrivals_follow_the_schedule():
 
 
 def test_duration_bound_stops_admitting():
-    clock = SimClock()
+    clock = VirtualClock()
     reqs = [Request(f"r{i}", (1,), 1, arrival_s=0.1 * i) for i in range(10)]
     engine = DummyEngine(DummyConfig(base_ms=1), sleep=clock.advance)
     records = Runner(engine, reqs, limits=RunLimits(duration_s=0.35), clock=clock.now, sleep=clock.advance).run()
