@@ -27,7 +27,6 @@ import dataclasses
 from collections import Counter
 from typing import Any
 
-import numpy as np
 import torch
 
 from engines.base import EngineError
@@ -206,8 +205,7 @@ class MoEGenSimExecutor(SimExecutor):
     def execute(self, batch: StepBatch) -> StepResult:
         cfg = self.model.config
         keys = batch.row_keys()
-        counts = {layer: np.bincount(self.routing.route(layer, keys, self.num_experts, self.top_k).ravel(),
-                                     minlength=self.num_experts).tolist() for layer in self.moe_layers}
+        counts = self.route_counts(keys)
         experts = self.experts
         parts = self._parts(batch)
         copied_before = self._copied_bytes()

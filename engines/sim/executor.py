@@ -20,6 +20,7 @@ from engines.runtime.batch import StepBatch
 from engines.runtime.executor import Executor, StepResult
 from engines.runtime.experts import Dispatch, ExpertBackend, StackedBackend
 from engines.runtime.model import MoEModel
+from engines.runtime.shape import model_shape
 from engines.runtime.transfer import TransferLedger
 from engines.sim.clock import VirtualClock
 from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork
@@ -48,10 +49,7 @@ class SimExecutor(Executor):
         self.moe_layers = [i for i, moe in enumerate(cfg.moe_layers) if moe]
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
         self.token = next(t for t in range(cfg.vocab_size) if t not in cfg.eos_token_ids)
-        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        if cfg.expert_bias:
-            per_expert += 2 * cfg.moe_intermediate_size + cfg.hidden_size
-        self.params_per_expert = per_expert
+        self.params_per_expert = model_shape(cfg, 1).expert_bytes  # at 1 byte per weight: its parameters
         self.kv_bytes_per_token = model.kv.block_bytes // model.kv.block_size
         self.last: StepCost | None = None
         self._layer_tuple = tuple(self.moe_layers)
