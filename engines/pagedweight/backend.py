@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -54,8 +55,8 @@ class Held:
     bits: int
     parts: dict[str, Tensor]
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:  # parts are never written once committed
         return sum(t.numel() * t.element_size() for t in self.parts.values())
 
 
@@ -87,8 +88,15 @@ class PagedWeightBackend(ExpertBackend):
         self.mxfp4 = mxfp4  # the stores are an MXFP4 checkpoint's: width formats.MXFP4 is its own
         self.stores = dict(stores)
         self.copies, self.device, self.importance = copies, device, importance
-        self.held: dict[Key, Held] = {}
-        self.pending: list[Move] = []
+        self.held: dict[Key, Held] = {}  # changed only through _hold (the byte ledger follows it)
+        self.pending: list[Move] = []  # changed only through _track / _untrack
+        # The byte ledger: id(tensor) -> [references from held versions and moves in flight,
+        # bytes, the tensor], and the bytes of all of them. A part shared by two versions (the
+        # bit planes a demotion keeps) counts once; device_bytes reads it in O(1) (the arbiter
+        # asks after every demotion, and a walk over every part of 256+ experts was most of a
+        # simulated Mixtral step).
+        self._refs: dict[int, list] = {}
+        self._bytes = 0
         self.feedback_share = feedback_share
         self.seed = seed
         self.step_index = 0
@@ -120,10 +128,48 @@ class PagedWeightBackend(ExpertBackend):
     def device_bytes(self) -> int:
         """Committed versions, the buffers of moves in flight and the on-demand staging slot
         (what the device holds now, at most)."""
+        return self._bytes + self.staging_bytes
+
+    def walked_bytes(self) -> int:
+        """device_bytes by walking every part (what the ledger must equal; tests check it)."""
         held = {id(t): t for h in self.held.values() for t in h.parts.values()}
         for m in self.pending:
             held.update({id(t): t for t in m.held.parts.values()})
         return sum(t.numel() * t.element_size() for t in held.values()) + self.staging_bytes
+
+    def _ref(self, parts: Mapping[str, Tensor], n: int) -> None:
+        for t in parts.values():
+            r = self._refs.get(id(t))
+            if r is None:
+                r = self._refs[id(t)] = [0, t.numel() * t.element_size(), t]
+                self._bytes += r[1]
+            r[0] += n
+            if r[0] == 0:
+                del self._refs[id(t)]
+                self._bytes -= r[1]
+
+    def _hold(self, key: Key, version: Held | None) -> None:
+        """Make `version` the held one of `key` (None: nothing held)."""
+        if version is not None:
+            self._ref(version.parts, 1)
+            old = self.held.get(key)
+            self.held[key] = version
+        else:
+            old = self.held.pop(key, None)
+        if old is not None:
+            self._ref(old.parts, -1)
+
+    def _track(self, move: Move) -> None:
+        self._ref(move.held.parts, 1)
+        self.pending.append(move)
+
+    def _untrack(self, keep: Callable[[Move], bool]) -> list[Move]:
+        """Drop the moves in flight that `keep` refuses; returns them."""
+        gone = [m for m in self.pending if not keep(m)]
+        self.pending = [m for m in self.pending if keep(m)]
+        for m in gone:
+            self._ref(m.held.parts, -1)
+        return gone
 
     def _fetch_width(self, key: Key) -> int:
         return self.fetch_bits.get(key) or min(b for b in self.stores[key].bits if b > 0)
@@ -153,7 +199,7 @@ class PagedWeightBackend(ExpertBackend):
         have = held.parts if held is not None else {}
         if to_bits == 0:
             move = Move(key, from_bits, 0, Held(0, {}), None, 0)
-            self.held.pop(key, None)
+            self._hold(key, None)
             return move
         parts, pairs = self.stores[key].device_tensors(to_bits, self.device, have)
         new = Held(to_bits, parts)
@@ -166,20 +212,19 @@ class PagedWeightBackend(ExpertBackend):
             handle.wait()
             move.handle = None
         if move.handle is None:
-            self.held[key] = new
+            self._hold(key, new)
         else:
-            self.pending.append(move)
+            self._track(move)
         return move
 
     def commit(self) -> list[Move]:
         """At a step boundary: wait for the moves issued so far and make their versions the
         held ones (deterministic: every move issued in a step is committed at the next)."""
-        done, self.pending = self.pending, []
-        for move in done:
+        for move in self.pending:
             if move.handle is not None:
                 move.handle.wait()
-            self.held[move.key] = move.held
-        return done
+            self._hold(move.key, move.held)
+        return self._untrack(lambda m: False)
 
     def cancel(self, keys: list[Key]) -> None:
         """Drop in-flight moves of `keys` (the arbiter took their room back): the copies still
@@ -188,7 +233,7 @@ class PagedWeightBackend(ExpertBackend):
         for move in self.pending:
             if move.key in drop and move.handle is not None:
                 move.handle.wait()  # its buffers must not be reused while the link writes them
-        self.pending = [m for m in self.pending if m.key not in drop]
+        self._untrack(lambda m: m.key not in drop)
 
     def _resident(self, key: Key) -> Held | None:
         """The held version, or the one a move in flight is making (waited for); None for an

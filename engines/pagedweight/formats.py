@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -335,9 +336,18 @@ class ExpertStore:
         return swiglu(x, self.master.gate_up, self.master.down, self.bias.get("gate_up_bias"),
                       self.bias.get("down_bias"), self.clamp)
 
+    def _sized(self, key: tuple[Any, ...], size: Callable[[], int]) -> int:
+        """`size()` once per key: a store's parts never change after it is built, and the arbiter
+        asks every width's and move's bytes of every expert at every step."""
+        memo = self.__dict__.setdefault("_size_memo", {})
+        got = memo.get(key)
+        if got is None:
+            got = memo[key] = size()
+        return got
+
     def nbytes(self, bits: int) -> int:
         """Device bytes of the version at `bits`, biases included (0: not resident)."""
-        return 0 if bits == 0 else _nbytes(self.parts(bits))
+        return 0 if bits == 0 else self._sized(("n", bits), lambda: _nbytes(self.parts(bits)))
 
     def host_bytes(self) -> int:
         """The host tier's bytes for this expert (each part once, the master included)."""
@@ -351,14 +361,16 @@ class ExpertStore:
         if to_bits == 0:
             return 0
         have = self.parts(from_bits) if from_bits else {}
-        return sum(t.numel() * t.element_size() for name, t in self.parts(to_bits).items() if name not in have)
+        return self._sized(("t", from_bits, to_bits), lambda: sum(
+            t.numel() * t.element_size() for name, t in self.parts(to_bits).items() if name not in have))
 
     def freed_bytes(self, from_bits: int, to_bits: int) -> int:
         """Device bytes released by that move: the held parts the target does not use."""
         if from_bits == 0:
             return 0
         keep = self.parts(to_bits) if to_bits else {}
-        return sum(t.numel() * t.element_size() for name, t in self.parts(from_bits).items() if name not in keep)
+        return self._sized(("f", from_bits, to_bits), lambda: sum(
+            t.numel() * t.element_size() for name, t in self.parts(from_bits).items() if name not in keep))
 
     def device_tensors(self, bits: int, device: torch.device | str,
                        held: Parts | None = None) -> tuple[dict[str, Tensor], list[tuple[Tensor, Tensor]]]:

@@ -36,6 +36,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> Tensor:
+    if torch.device(device).type == "meta":  # shapes only; meta arange costs a ~3 s import of torch._refs
+        return torch.empty(head_dim // 2, dtype=torch.float32, device=device)
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
 
 
