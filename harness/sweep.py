@@ -1,11 +1,12 @@
-"""`pwbench sweep`: a grid of engines x budgets x rates, one result folder per point inside the
-sweep folder, then the HTML report over all of them.
+"""`pwbench sweep`: a grid of engines x budgets x rates (x repeats, interleaved), one result folder
+per cell inside the sweep folder, run by an executor (harness/sweep_exec.py: serial, local, ray).
 
 Resumable, for the same settings only: the folder's sweep.json records the grid and settings,
-and a rerun with others is refused (or, with force, goes to a new folder beside it). A point
+and a rerun with others is refused (or, with force, goes to a new folder beside it). A cell
 whose folder holds a complete, readable run of this grid is skipped; an interrupted, failed or
-unreadable one (harness/result_checks.py) is run again. The grid comes from flags or a TOML file
-(SWEEP_KEYS); flags win.
+unreadable one (harness/result_checks.py) is run again. sweep.json also records each cell's
+last outcome: status, error, executor and where it ran. The grid comes from flags or a TOML file
+(SWEEP_KEYS); flags win. docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from engines.common.demo import resolve_model
+from engines.registry import list_engines
 from harness.errors import HarnessError, read_toml
-from harness.run import RunArgs, execute
+from harness.run import RunArgs
+from harness.sweep_exec import CellJob, CellOutcome, Executor, SerialExecutor, cell_kind, command
 from workloads.registry import WorkloadSpec
 
 SWEEP_SCHEMA = "pwbench-sweep/1"
 SWEEP_KEYS = {"workload": str, "engines": list, "budgets": list, "rates": list, "requests": int, "seed": int,
-              "set": dict, "model": str}
+              "set": dict, "model": str, "repeats": int}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Grid:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # a folder or a bundled/preset name; None: the bundled demo model
+    repeats: int = 1  # each point this many times, interleaved (every point once, then again, ...)
 
     def points(self) -> list[tuple[str, str, str | None, float | None]]:
         """(folder name, engine, budget, rate) for every point, in a fixed order."""
@@ -48,6 +52,23 @@ class Grid:
             name = "-".join([engine, *([f"b{budget}"] if budget else []), *([f"r{rate:g}"] if rate else [])])
             out.append((re.sub(r"[^A-Za-z0-9_.-]+", "_", name), engine, budget, rate))
         return out
+
+    def cells(self) -> list[Cell]:
+        """Every cell, repeats interleaved: drift over the sweep (a busy machine) spreads over every
+        point. With repeats a cell's folder is <point>/r<k>."""
+        return [Cell(f"{name}/r{k}" if self.repeats > 1 else name, name, engine, budget, rate,
+                     k if self.repeats > 1 else None)
+                for k in range(1, self.repeats + 1) for name, engine, budget, rate in self.points()]
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str  # its folder inside the sweep folder
+    point: str
+    engine: str
+    budget: str | None
+    rate: float | None
+    repeat: int | None  # 1-based, with repeats > 1
 
 
 def load_grid(path: str | Path | None, **flags: Any) -> Grid:
@@ -65,10 +86,17 @@ def load_grid(path: str | Path | None, **flags: Any) -> Grid:
         rates = tuple(float(r) for r in data.get("rates") or [None] if r is not None) or (None,)
     except (TypeError, ValueError):
         raise HarnessError(f"rates must be numbers, got {data.get('rates')!r}") from None
-    return Grid(workload=data.get("workload", "rag_long"), engines=tuple(data.get("engines") or ["moe"]),
+    repeats = data.get("repeats", 1)
+    if not isinstance(repeats, int) or repeats < 1:
+        raise HarnessError(f"repeats must be an integer >= 1, got {repeats!r}")
+    engines = tuple(data.get("engines") or ["moe"])
+    known = {name for name, _ in list_engines()}
+    if unknown := [e for e in engines if e not in known]:  # before any cell runs (lists no engine module)
+        raise HarnessError(f"unknown engine {unknown[0]!r} in the sweep; valid engines: {', '.join(sorted(known))}")
+    return Grid(workload=data.get("workload", "rag_long"), engines=engines,
                 budgets=tuple(str(b) for b in data.get("budgets") or []) or (None,), rates=rates,
                 requests=data.get("requests"), seed=int(data.get("seed", 0)), options=dict(data.get("set") or {}),
-                model=data.get("model"))
+                model=data.get("model"), repeats=repeats)
 
 
 def settings(grid: Grid, quality: bool) -> dict[str, Any]:
@@ -76,7 +104,7 @@ def settings(grid: Grid, quality: bool) -> dict[str, Any]:
     return {"workload": grid.workload, "engines": list(grid.engines), "budgets": list(grid.budgets),
             "rates": list(grid.rates), "requests": grid.requests, "seed": grid.seed,
             "set": json.loads(json.dumps(grid.options, sort_keys=True, default=str)), "quality": quality,
-            **({"model": grid.model} if grid.model else {})}
+            **({"model": grid.model} if grid.model else {}), **({"repeats": grid.repeats} if grid.repeats > 1 else {})}
 
 
 def _changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -111,6 +139,7 @@ def open_sweep(grid: Grid, folder: Path, quality: bool, force: bool = False,
     want = settings(grid, quality)
     record = folder / "sweep.json"
     changes: list[str] = []
+    cells: dict[str, Any] = {}  # the cells' outcomes so far, kept when the settings are the same
     if record.exists():
         try:
             old = json.loads(record.read_text())
@@ -124,6 +153,7 @@ def open_sweep(grid: Grid, folder: Path, quality: bool, force: bool = False,
             changes = ["sweep.json unreadable"]
         else:
             changes = _changes(old["settings"], want)
+            cells = old.get("cells") if isinstance(old.get("cells"), dict) and not changes else {}
     elif folder.is_dir():
         from harness.result_checks import read_run_json  # noqa: PLC0415  (the readers' checks; no engine)
 
@@ -143,46 +173,97 @@ def open_sweep(grid: Grid, folder: Path, quality: bool, force: bool = False,
         new = _free_folder(folder)
         say(f"sweep: {folder} holds a sweep of other settings ({'; '.join(changes)}); starting a new sweep in {new}")
         folder = new
-    tmp = folder / f".sweep.json.partial-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"schema": SWEEP_SCHEMA, "settings": want}, indent=1) + "\n")
-        tmp.replace(folder / "sweep.json")
+        _write_record(folder, {"schema": SWEEP_SCHEMA, "settings": want, **({"cells": cells} if cells else {})})
     except OSError as exc:
         raise HarnessError(f"{folder}: cannot write the sweep folder ({exc.strerror or type(exc).__name__}); "
                            "choose another --output") from None
     return folder
 
 
-def run_sweep(grid: Grid, folder: Path, quality: bool = True,
-              say: Callable[[str], None] = print) -> tuple[list[str], list[str]]:
-    """Run the missing points of the sweep in `folder` (opened by open_sweep); returns (points
-    run now, points skipped as already complete and readable)."""
+def _write_record(folder: Path, record: dict[str, Any]) -> None:
+    tmp = folder / f".sweep.json.partial-{os.getpid()}"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(folder / "sweep.json")
+
+
+def cell_args(grid: Grid, cell: Cell, folder: Path, quality: bool) -> RunArgs:
+    """The `pwbench run` configuration of one cell, writing into its folder."""
+    given = {"seed": grid.seed, **({"requests": grid.requests} if grid.requests else {}),
+             **({"rate": cell.rate} if cell.rate else {})}
+    options = {**grid.options, **({"budget_bytes": cell.budget} if cell.budget else {})}
+    simulated = bool(options.get("simulate"))  # quality is not simulated: a simulated run has no logits
+    return RunArgs(workload=WorkloadSpec(grid.workload, **given), given=frozenset(given), engine=cell.engine,
+                   engine_options=options, model=resolve_model(grid.model), output=str(folder / cell.name),
+                   quality=quality and not simulated, row=cell.point if cell.repeat else None, repeat=cell.repeat)
+
+
+def plan_sweep(grid: Grid, folder: Path, quality: bool) -> tuple[list[tuple[CellJob, str | None]], list[str]]:
+    """([(cell to run, why its folder is run again or None)], cells already complete), in the
+    sweep's order; nothing is changed on disk (a dry run reads this too)."""
     from harness.result_checks import check_folder, unfinished  # noqa: PLC0415
 
-    ran, skipped = [], []
-    for name, engine, budget, rate in grid.points():
-        target = folder / name
+    todo, skipped = [], []
+    for cell in grid.cells():
+        target = folder / cell.name
+        why = None
         if target.exists():
             try:
                 why = unfinished(check_folder(target))
             except HarnessError as exc:
                 why = str(exc)
             if why is None:
-                skipped.append(name)
+                skipped.append(cell.name)
                 continue
-            say(f"sweep: {name}: {why}; running it again")
-            shutil.rmtree(target)
-        given = {"seed": grid.seed, **({"requests": grid.requests} if grid.requests else {}),
-                 **({"rate": rate} if rate else {})}
-        spec = WorkloadSpec(grid.workload, **given)
-        options = {**grid.options, **({"budget_bytes": budget} if budget else {})}
-        say(f"sweep: {name}")
-        simulated = bool(options.get("simulate"))  # quality is not simulated: a simulated run has no logits
-        _, result = execute(RunArgs(workload=spec, given=frozenset(given), engine=engine, engine_options=options,
-                                    model=resolve_model(grid.model), output=str(target),
-                                    quality=quality and not simulated))
-        if result["status"] != "complete":
-            raise HarnessError(f"sweep point {name}: run {result['status']} ({result.get('error')}); rerun to resume")
-        ran.append(name)
-    return ran, skipped
+        args = cell_args(grid, cell, folder.resolve(), quality)  # absolute: the same path on every node
+        todo.append((CellJob(cell.name, args, cell_kind(args.engine_options)), why))
+    return todo, skipped
+
+
+def dry_run(grid: Grid, folder: Path, quality: bool, executor: Executor) -> list[str]:
+    """One line per cell: its name, where it would run, and the `pwbench run` command that runs it
+    by itself; complete cells say so. Nothing runs, nothing is written."""
+    todo, skipped = plan_sweep(grid, folder, quality)
+    lines = [f"{job.name} ({executor.where(job)}): {command(job)}" for job, _ in todo]
+    return lines + [f"{name} (complete: skipped)" for name in skipped]
+
+
+@dataclass
+class SweepResult:
+    ran: list[str] = field(default_factory=list)  # complete now
+    skipped: list[str] = field(default_factory=list)  # complete before this sweep
+    failed: dict[str, str] = field(default_factory=dict)  # cell -> why (its status and error)
+
+
+def run_sweep(grid: Grid, folder: Path, quality: bool = True, say: Callable[[str], None] = print,
+              executor: Executor | None = None) -> SweepResult:
+    """Run the missing cells of the sweep in `folder` (opened by open_sweep) on `executor`
+    (default serial). Each outcome is recorded in sweep.json as it arrives; a failed cell is
+    recorded and the others go on (never retried in this sweep). Ctrl-C propagates once the
+    executor has stopped the cells in flight."""
+    executor = executor or SerialExecutor()
+    todo, skipped = plan_sweep(grid, folder, quality)
+    result = SweepResult(skipped=skipped)
+    for job, why in todo:
+        if why is not None:
+            say(f"sweep: {job.name}: {why}; running it again")
+            shutil.rmtree(folder / job.name)
+    record = json.loads((folder / "sweep.json").read_text())
+    cells = record.setdefault("cells", {})
+    info = executor.describe()
+
+    def started(job: CellJob, where: str) -> None:
+        say(f"sweep: {job.name}" + ("" if executor.name == "serial" else f" ({where})"))
+
+    def done(outcome: CellOutcome) -> None:
+        cells[outcome.name] = {**outcome.record(), **info}
+        _write_record(folder, record)
+        if outcome.status == "complete":
+            result.ran.append(outcome.name)
+        else:
+            result.failed[outcome.name] = f"{outcome.status}" + (f" ({outcome.error})" if outcome.error else "")
+            say(f"sweep: {outcome.name}: {result.failed[outcome.name]}")
+
+    executor.run([job for job, _ in todo], started, done)
+    return result
