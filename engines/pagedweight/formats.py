@@ -46,6 +46,7 @@ quality. Every store names its exact widths (`exact_bits`: those equal to the ma
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,34 @@ def split_planes(codes: Tensor) -> list[Tensor]:
     return out
 
 
+_SPREAD: dict[torch.device, Tensor] = {}
+
+
+def _spread(device: torch.device) -> Tensor:
+    """int64 [256]: byte p -> bit b of p moved to bit 8 * b (one byte lane per input of the byte)."""
+    table = _SPREAD.get(device)
+    if table is None:
+        p, b = torch.arange(256, dtype=torch.int64)[:, None], torch.arange(8, dtype=torch.int64)
+        table = _SPREAD[device] = (((p >> b) & 1) << (8 * b)).sum(-1).to(device)
+    return table
+
+
+def top_codes_u8(planes: Sequence[Tensor]) -> Tensor:
+    """`top_codes` as uint8: each plane byte looked up as 8 one-bit byte lanes of an int64 and the
+    planes shifted into them (an n-bit code never carries into the next lane), then the lanes
+    read as bytes: input k of a byte is lane k (little-endian). A few byte-wide passes per plane
+    where unpacking every bit into int32 took a dozen word-wide ones (the CPU reference path)."""
+    if sys.byteorder != "little":
+        return top_codes(planes).to(torch.uint8)
+    spread = _spread(planes[0].device)
+    code = None
+    for p in planes:
+        lanes = spread[p.long()]
+        code = lanes if code is None else (code << 1) | lanes
+    assert code is not None
+    return code.view(torch.uint8)
+
+
 def top_codes(planes: Sequence[Tensor]) -> Tensor:
     """The top n planes [..., out, in/8] -> the n-bit codes code_8 >> (8 - n), int32 [..., out, in]."""
     shifts = torch.arange(8, dtype=torch.int32, device=planes[0].device)
@@ -127,7 +156,7 @@ def dequantize_planes(planes: Sequence[Tensor], scales: Tensor, zeros: Tensor, g
     if not 1 <= len(planes) <= PLANES:
         raise QuantFormatError(f"dequantize_planes: needs 1..{PLANES} planes, got {len(planes)}")
     k = PLANES - len(planes)
-    level = top_codes(planes).float() * float(1 << k) + ((1 << k) - 1) / 2
+    level = top_codes_u8(planes).float() * float(1 << k) + ((1 << k) - 1) / 2
     zero = zeros.float().repeat_interleave(group_size, dim=-1)
     scale = scales.float().repeat_interleave(group_size, dim=-1)
     return ((level - zero) * scale).to(dtype)

@@ -19,6 +19,7 @@ from engines.pagedweight.formats import (
     make_store,
     split_planes,
     top_codes,
+    top_codes_u8,
 )
 from engines.quant.ops import kernel_impl
 from engines.quant.qweight import dequantize, quantize_rtn, unpack
@@ -93,6 +94,8 @@ def test_planes_round_trip_and_every_width_follows_the_formula():
     scales, zeros = torch.rand(3, 5, 2) + 0.1, torch.randint(0, 256, (3, 5, 2), dtype=torch.uint8)
     for n in range(1, 9):
         assert torch.equal(top_codes(planes[:n]), codes >> (8 - n))
+        fast = top_codes_u8(planes[:n])  # the byte-lane lookup dequantize_planes uses
+        assert fast.dtype == torch.uint8 and torch.equal(fast.to(torch.int32), codes >> (8 - n))
         want = ((codes >> (8 - n)).double() + 0.5) * 2 ** (8 - n) - 0.5
         want = (want - zeros.double().repeat_interleave(32, -1)) * scales.double().repeat_interleave(32, -1)
         torch.testing.assert_close(dequantize_planes(planes[:n], scales, zeros, 32, torch.float64), want)
