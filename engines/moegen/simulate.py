@@ -132,6 +132,7 @@ class MoEGenSimExecutor(SimExecutor):
             raise EngineError(str(exc)) from None
         super().__init__(model, ledger, experts, routing, None, simulation.clock, dense_bytes_read, True)  # type: ignore[arg-type]
         self.simulation, self.plan, self.shape, self.hw, self.kv = simulation, plan, shape, hw, kv
+        self.control_time = simulation.control_time
         self.profile = simulation.profile
         simulation.routing, simulation.dtype = routing, dtype_name(model.weights.embed.dtype)
         simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan), self
@@ -203,6 +204,7 @@ class MoEGenSimExecutor(SimExecutor):
 
     # -- the step -------------------------------------------------------------------------------------
     def execute(self, batch: StepBatch) -> StepResult:
+        self.begin()
         cfg = self.model.config
         keys = batch.row_keys()
         counts = self.route_counts(keys)
@@ -210,6 +212,7 @@ class MoEGenSimExecutor(SimExecutor):
         parts = self._parts(batch)
         copied_before = self._copied_bytes()
         moe_layers = experts.layers()
+        simulate = self.timed_simulate if self.control_time else experts.simulate  # its decisions: control time
         ahead = len(keys) * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward decides
         if ahead and moe_layers:
             experts.prefetch(moe_layers[0])
@@ -220,7 +223,7 @@ class MoEGenSimExecutor(SimExecutor):
                 experts.prefetch(nxt)
             self._attention_copies(i, parts)
             if i in counts:
-                experts.simulate(i, Dispatch(_NO_ROWS, _NO_ROWS, counts[i]))
+                simulate(i, Dispatch(_NO_ROWS, _NO_ROWS, counts[i]))
                 runs.update(experts.expert_bytes(i, e) for e, n in enumerate(counts[i]) if n)
         return self.finish(batch, self._price(batch, counts, runs, self._copied_bytes() - copied_before), counts)
 

@@ -66,6 +66,11 @@ class RuntimeConfig:
     # (uniform | synthetic[:skew=..,locality=..] | replay:PATH).
     simulate: str | None = None
     routing: str = "synthetic"
+    # On a simulated run, the CPU time of the engine's own control code between and around
+    # its steps (scheduler, KV and prefix cache, the budget's arbiter, the expert cache's
+    # decisions, the harness's bookkeeping): "measured" adds it to each step, as a measured
+    # run on a host as fast as this one spends it; "off" prices compute only (deterministic).
+    control_time: str = "measured"
     # A measured run writes every token's expert choices per MoE layer to this parquet file at
     # stop (request_id, position, layer, experts): what `routing=replay:PATH` replays.
     record_routing: str | None = None
@@ -378,6 +383,9 @@ class RuntimeEngine(Engine):
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         self._check_started()
+        sim = self.simulation.executor if self.simulation is not None else None
+        if sim is not None:  # its control time (engines/sim/executor.py)
+            sim.step_begin()
         for controller in self.parts.controllers:
             controller.before_step()
         outputs = [RequestOutput(rid, finished=True, finish_reason="abort") for rid in self._aborted]
@@ -392,7 +400,10 @@ class RuntimeEngine(Engine):
         extras = dict(out.extras)
         for controller in self.parts.controllers:
             extras.update(controller.after_step(batch))
-        return dataclasses.replace(out, extras=extras)
+        out = dataclasses.replace(out, extras=extras)
+        if sim is not None:
+            sim.step_end(self.has_unfinished())
+        return out
 
     def _update(self, schedule: Schedule, batch: StepBatch | None, result: StepResult | None,
                 outputs: list[RequestOutput]) -> tuple[str, ...]:

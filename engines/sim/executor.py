@@ -5,10 +5,21 @@ It replaces compute only. The scheduler, KV blocks and prefix cache, the budget,
 expert backend's residency decisions (offload's cache and copies) run as in a measured run,
 on weights that are shapes on the meta device. Tokens: every sampled row gets one fixed
 non-EOS id, so output lengths are the workload's (no tokens are computed).
+
+Control time (`control_time = "measured"`, the default): the control code is real, so its time
+is measured rather than modelled. A step's duration is the cost model's compute plus the CPU
+time (this thread's) spent since the previous step was priced, outside the simulator's own
+work (routing draws, pricing): the engine's bookkeeping after that step, the harness's loop
+between steps, this step's controllers' hooks, scheduler and batch assembly, and the expert
+backend's `simulate` calls (cache or residency decisions). After a step that leaves the engine
+idle the count restarts at the next step's top, so a warm-up's teardown, a run's setup or an
+idle wait for arrivals is never charged. It makes simulated times vary run to run with that
+CPU time's noise; "off" gives compute only, deterministic.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +71,30 @@ class SimExecutor(Executor):
         self._uniform_bytes = type(experts).expert_bytes is StackedBackend.expert_bytes
         self._runs: dict[tuple[int, ...], list[ExpertRun]] = {}  # (layer, *counts) -> the layer's runs
         self.totals = SimTotals()
+        self.control_time = True  # Simulation.make_executor sets it from the config
+        self._mark: float | None = None  # thread time when the previous step was priced (None: idle since)
+        self._control = 0.0  # the step's control seconds so far
+
+    # -- control time (RuntimeEngine.step calls step_begin / step_end on a simulated run) ---------------
+    def step_begin(self) -> None:
+        if self._mark is None:
+            self._mark = time.thread_time()
+
+    def step_end(self, busy: bool) -> None:
+        """`busy`: the engine has work left; if not, what happens before its next step is not its own."""
+        if not busy:
+            self._mark = None
+
+    def begin(self) -> None:
+        """At the top of execute: the control time since the previous step was priced (or this step began)."""
+        now = time.thread_time()
+        self._control = now - self._mark if self._mark is not None else 0.0
+
+    def timed_simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
+        """The backend's control path for one layer, its CPU time counted as control time."""
+        t = time.thread_time()
+        self.experts.simulate(layer, d, upcoming)
+        self._control += time.thread_time() - t
 
     def route_counts(self, keys: list[tuple[str, int]]) -> dict[int, list[int]]:
         """Tokens per expert of every MoE layer for the step's rows `keys`: all layers routed in one
@@ -76,11 +111,13 @@ class SimExecutor(Executor):
         return dict(zip(layers, rows))
 
     def execute(self, batch: StepBatch) -> StepResult:
+        self.begin()
         keys = batch.row_keys()
         counts = self.route_counts(keys)
         runs: list[ExpertRun] = []
         experts, moe_layers, uniform_bytes, memo = self.experts, self.moe_layers, self._uniform_bytes, self._runs
-        simulate = experts.simulate
+        # A backend with its own simulate makes decisions (offload's cache): timed as control.
+        simulate = self.timed_simulate if self._wants_upcoming and self.control_time else experts.simulate
         n_moe = len(moe_layers)
         for k, layer in enumerate(moe_layers):
             layer_counts = counts[layer]
@@ -123,6 +160,9 @@ class SimExecutor(Executor):
     def finish(self, batch: StepBatch, cost: StepCost, counts: dict[int, list[int]]) -> StepResult:
         """A priced step: the clock moves by its time, the totals add it; one fixed token per
         sampled row (no logits are computed: a meta row per logit row)."""
+        if self.control_time and self._control > 0.0:
+            cost = StepCost(cost.seconds + self._control, {**cost.parts, "control": self._control}, cost.roofline_s)
+        self._control = 0.0
         self.last = cost
         self.clock.advance(cost.seconds)
         t = self.totals
@@ -130,4 +170,6 @@ class SimExecutor(Executor):
         for name, s in cost.parts.items():
             t.parts[name] = t.parts.get(name, 0.0) + s
         logits = torch.empty(batch.logit_rows.shape[0], 1, device="meta")
-        return StepResult(logits, [self.token] * len(batch.sampled), counts)
+        result = StepResult(logits, [self.token] * len(batch.sampled), counts)
+        self._mark = time.thread_time()
+        return result

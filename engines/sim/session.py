@@ -23,6 +23,7 @@ from engines.sim.hardware import HardwareProfile, load_profile
 from engines.sim.routing import routing_source
 
 META = torch.device("meta")
+CONTROL_TIME = ("measured", "off")  # RuntimeConfig.control_time
 
 
 class Simulation:
@@ -31,6 +32,10 @@ class Simulation:
             self.profile: HardwareProfile = load_profile(cfg.simulate)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
+        if cfg.control_time not in CONTROL_TIME:
+            raise EngineError(f"control_time must be one of {', '.join(CONTROL_TIME)}, got {cfg.control_time!r} "
+                              "(e.g. --set control_time=off)")
+        self.control_time = cfg.control_time == "measured"
         self.clock = VirtualClock()
         self.executor: SimExecutor | None = None
         self.routing: Any = None
@@ -83,6 +88,7 @@ class Simulation:
         self.cost = CostModel(self.profile, model_shape(mc, dtype_bytes), self.dtype)
         self.executor = SimExecutor(model, ledger, experts, self.routing, self.cost, self.clock, dense_bytes_read,
                                     copies_overlap)
+        self.executor.control_time = self.control_time
         return self.executor
 
     def describe(self) -> dict[str, Any]:
@@ -91,6 +97,10 @@ class Simulation:
                 "cost_model_version": CostModel.VERSION,
                 "cost_model": self.cost.assumptions() if self.executor is not None else {},
                 "routing": self.routing.describe() if self.routing is not None else {},
+                "control_time": ("measured: each step adds the CPU time of the engine's control code (scheduler, KV, "
+                                 "the technique's per-step host work, the harness's bookkeeping) as it ran here, "
+                                 "assuming a host as fast as this one" if self.control_time
+                                 else "off: compute only (--set control_time=off)"),
                 "totals": self.stats(),  # the run's simulated steps: seconds, roofline, parts
                 "notes": list(self.notes)}
 

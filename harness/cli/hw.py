@@ -186,9 +186,9 @@ def measure_step_overhead() -> tuple[float, str]:
     seconds, d = fit_step_overhead(wall, predicted)
     source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
               f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, one torch thread) of the "
-              f"measured CPU time per step ({d['median_measured_s'] * 1e3:.2f} ms) minus the cost model's price of "
-              f"the same step without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms): the runtime's Python "
-              "per step"
+              f"measured CPU time per step ({d['median_measured_s'] * 1e3:.2f} ms) minus the same step simulated "
+              f"without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute plus the "
+              "control code's measured CPU time): the model code's Python per step beyond the priced torch calls"
               + (" (negative: clipped to 0)" if d["clipped"] else ""))
     return seconds, source
 
