@@ -91,6 +91,13 @@ class RayExecutor:
                 "measured_parallel": self.measured_parallel}
 
     def _connect(self) -> None:
+        host, _, port = (self.address or "").rpartition(":")
+        if host and port.isdigit() and "://" not in self.address:  # a GCS address: Ray would retry it for minutes
+            try:
+                socket.create_connection((host, int(port)), timeout=10).close()
+            except OSError as exc:
+                raise HarnessError(f"--ray-address {self.address}: nothing answers there ({exc.strerror or exc}); "
+                                   "give host:port of the cluster head's GCS (ray start --head --port)") from None
         try:
             ray.init(address=self.address or "local", log_to_driver=False, logging_level=logging.ERROR,
                      **({} if self.address else {"num_cpus": cores(), "include_dashboard": False}))

@@ -174,3 +174,40 @@ def test_ray_executor_without_ray_is_one_line_naming_the_extra(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("error: --executor ray needs Ray") and "pip install -e '.[ray]'" in proc.stderr
     assert not (tmp_path / "sw").exists()
+
+
+def test_ctrl_c_stops_the_workers_and_leaves_nothing_that_looks_complete(tmp_path):
+    grid_file(tmp_path, ms=1.0)
+    out = tmp_path / "sw"
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", "--config", str(tmp_path / "grid.toml"),
+                             "--output", str(out), "--no-quality", "--executor", "local", "--workers", "2",
+                             "--measured-parallel", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline, running = time.time() + 60, []
+    while len(running) < 2 and time.time() < deadline and proc.poll() is None:
+        running = sorted(out.glob(".dummy-*.partial-*")) if out.is_dir() else []
+        time.sleep(0.02)
+    assert len(running) == 2, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    record = cells(out)
+    stopped = {p.name[1:].split(".partial-")[0] for p in running}
+    assert {record[n]["status"] for n in stopped} == {"interrupted"}, record
+    assert not list(out.glob("*/run.json"))  # nothing looks complete
+    for pid in (int(p.name.split(".partial-")[1]) for p in running):
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_repeats_are_interleaved_and_resume(tmp_path):
+    grid = load_grid(grid_file(tmp_path, extra=""), options={}, rates=["50", "100"], repeats=2)
+    folder = open_sweep(grid, tmp_path / "sw", quality=False, say=lambda line: None)
+    said: list[str] = []
+    result = run_sweep(grid, folder, quality=False, say=said.append)
+    order = ["dummy-r50/r1", "dummy-r100/r1", "dummy-r50/r2", "dummy-r100/r2"]
+    assert said == [f"sweep: {name}" for name in order] and sorted(result.ran) == sorted(order)
+    run = json.loads((folder / "dummy-r100" / "r2" / "run.json").read_text())
+    assert run["config"]["row"] == "dummy-r100" and run["config"]["repeat"] == 2
+    assert json.loads((folder / "sweep.json").read_text())["settings"]["repeats"] == 2
+    again = run_sweep(grid, open_sweep(grid, folder, quality=False), quality=False, say=said.append)
+    assert again.ran == [] and sorted(again.skipped) == sorted(order)

@@ -226,3 +226,34 @@ def test_a_killed_ray_worker_fails_its_cell_and_the_rerun_runs_it(cluster, tmp_p
     assert again.returncode == 0, again.stderr
     assert "1 points run, 5 already complete" in again.stdout
     assert json.loads((out / name / "run.json").read_text())["status"] == "complete"
+
+
+def test_ctrl_c_cancels_the_tasks_and_leaves_nothing_that_looks_complete(cluster, tmp_path):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(SIM_GRID.format(requests=8))
+    out = tmp_path / "ray"
+    args = [sys.executable, "-m", "harness.cli", "sweep", "--config", str(grid), "--simulate", "cpu", "--output",
+            str(out), "--executor", "ray", "--ray-address", cluster.address]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline, running = time.time() + 300, []
+    while not running and time.time() < deadline and proc.poll() is None:
+        running = [p for p in out.glob(".*.partial-*") if not p.name.startswith(".sweep.json")] if out.is_dir() else []
+        time.sleep(0.02)
+    assert running, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    recorded = json.loads((out / "sweep.json").read_text())["cells"]
+    interrupted = [n for n, c in recorded.items() if c["status"] == "interrupted"]
+    assert interrupted and all(not (out / n / "run.json").exists() for n in interrupted)
+    assert all((out / n / "run.json").is_file() for n, c in recorded.items() if c["status"] == "complete")
+    pid = int(running[0].name.split(".partial-")[1])
+    deadline = time.time() + 30
+    while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower():
+        assert time.time() < deadline, "the cancelled cell's Ray worker is still running"
+        time.sleep(0.2)
+    again = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           timeout=900)
+    assert again.returncode == 0, again.stderr
+    assert len(list(out.glob("*/run.json"))) == 6
