@@ -232,6 +232,36 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         out["d2h_bytes_per_s"] = host.numel() * 4 / _timeit(d2h)
     else:
         out["device_name"] = cpu_model()
+        out["dequant_full_bytes_per_s_by_bits"] = measure_cpu_dequant()
+    return out
+
+
+DEQUANT_BITS = (2, 3, 4, 8)
+
+
+def measure_cpu_dequant() -> dict[str, dict[str, float]]:
+    """The CPU reference's dequantization, as the runtime runs it for a quantized expert on this
+    machine: an expert's [1536, 512] gate_up matrix at each width of DEQUANT_BITS (group 32), RTN
+    records through engines/quant's `dequantize` (static-* and pagedweight's re-quantize) and
+    pagedweight's bit planes through its version's `weights`; the full-width float32 bytes
+    written per second. {scheme: {bits: bytes/s}}; the cost model prices a quantized expert's
+    dequantization on a shared processor by it (engines/sim/calibrate.py, dequant_cpu_*)."""
+    import torch  # noqa: PLC0415
+
+    from engines.pagedweight.formats import make_store  # noqa: PLC0415  (heavy: only when measuring)
+    from engines.quant.qweight import dequantize, quantize_rtn  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(1536, 512, generator=gen), torch.randn(512, 768, generator=gen)
+    full = gate_up.numel() * 4
+    out: dict[str, dict[str, float]] = {"packed": {}, "bitplanes": {}}
+    planes = make_store("bitplanes", gate_up, down, (16, *DEQUANT_BITS), 32)
+    for bits in DEQUANT_BITS:
+        record = quantize_rtn(gate_up, bits, 32)
+        out["packed"][str(bits)] = full / _timeit(lambda r=record: dequantize(r, torch.float32), min_s=0.05)
+        version = planes.version(bits)
+        # both matrices (gate_up + down = 2 x the bytes of gate_up's [1536, 512])
+        out["bitplanes"][str(bits)] = 2 * full / _timeit(lambda v=version: v.weights(torch.float32), min_s=0.05)
     return out
 
 

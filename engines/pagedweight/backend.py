@@ -118,6 +118,15 @@ class PagedWeightBackend(ExpertBackend):
     def layers(self) -> list[int]:
         return self._layers
 
+    @property
+    def dequant_scheme(self) -> str:
+        """How the quantized widths are stored, for --simulate's CPU pricing (engines/sim/cost.py):
+        bit planes, or RTN records (re-quantize: the packed dequantization of engines/quant)."""
+        if self.mxfp4:
+            return "mxfp4"
+        store = next(iter(self.stores.values()), None)
+        return "bitplanes" if getattr(store, "representation", "") == "bitplanes" else "packed"
+
     def num_experts(self, layer: int) -> int:
         return self._num[layer]
 

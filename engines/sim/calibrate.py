@@ -17,6 +17,9 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
     sample              argmax_bytes_per_s / bandwidth, at the rows measured (256)
     copy                1.0 at every size: on a CPU the "link" is a memcpy, whose rate
                         link_pinned_bytes_per_s = bandwidth / 2 already is (it reads and writes)
+    dequant_cpu_<s>     dequant_full_bytes_per_s_by_bits[s][bits] / bandwidth, by bit width: the torch
+                        reference dequantizing an expert's matrices (s = packed: RTN records;
+                        bitplanes: pagedweight's planes), full-width bytes written per second
 
 A ratio above 1 (a cache-resident kernel beating the copy bandwidth) is clipped to 1 and the
 curve's source says so; a measurement that is absent leaves its curve out (the cost model then
@@ -98,6 +101,12 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     elif m.get("elementwise_bytes_per_s") is not None:
         out["elementwise"] = _curve([(ELEMENTWISE_TOKENS, _rate(m, "elementwise_bytes_per_s") / bw)],
                                     f"{src}: elementwise_bytes_per_s / memory_bandwidth_bytes_per_s")
+    for scheme, rates in sorted((m.get("dequant_full_bytes_per_s_by_bits") or {}).items()):
+        if rates:
+            out[f"dequant_cpu_{scheme}"] = _curve(
+                [(float(b), _rate(rates, b) / bw) for b in rates],
+                f"{src}: dequant_full_bytes_per_s_by_bits[{scheme}] (the torch reference dequantizing an expert's "
+                "matrices, full-width float32 bytes written per second, by bit width) / memory_bandwidth_bytes_per_s")
     if m.get("argmax_bytes_per_s") is not None:
         out["sample"] = _curve([(ARGMAX_ROWS, _rate(m, "argmax_bytes_per_s") / bw)],
                                f"{src}: argmax_bytes_per_s / memory_bandwidth_bytes_per_s ({ARGMAX_ROWS} rows)")

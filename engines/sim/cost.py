@@ -104,6 +104,9 @@ class ExpertRun:
     nbytes: int
     bits: float
     count: int = 1
+    # How a quantized expert is stored, for the CPU reference's dequantization cost (cpu profile):
+    # "packed" (RTN/GPTQ/AWQ records, engines/quant) or "bitplanes" (pagedweight's planes).
+    scheme: str = "packed"
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,9 @@ def _bits_key(efficiency: dict[str, Any], bits: float) -> str | None:
 
 
 class CostModel:
-    VERSION: ClassVar[str] = "2"  # 2: the cpu profile prices quantized experts as the torch reference runs them
+    # 2: the cpu profile prices quantized experts as the torch reference runs them; 3: that
+    # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves)
+    VERSION: ClassVar[str] = "3"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -195,6 +200,9 @@ class CostModel:
         self.missing = [k for k in CURVES if k not in eff]
         self.curves = {k: _Interp(eff[k].points if k in eff else ()) for k in CURVES}
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
+        # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
+        self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(c.points) for k, c in eff.items()
+                            if k.startswith("dequant_cpu_")}
         s = shape
         self.dtype_bits = 8 * s.dtype_bytes
         self.head_params = s.head_bytes / s.dtype_bytes
@@ -211,13 +219,17 @@ class CostModel:
         self._decode_memo = _Memo(lambda ctx: self._decode_s(ctx, self._decode_memo.kv_bytes_per_token))
 
     # -- modules --------------------------------------------------------------------------
-    def _expert_s(self, tokens: int, nbytes: int, bits: float) -> float:
+    def _expert_s(self, tokens: int, nbytes: int, bits: float, scheme: str = "packed") -> float:
         c = self.curves
         flops = self.shape.expert_flops_per_token * tokens
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
             full = self.shape.expert_bytes
-            dequant = 2 * full / (self.bw * c["elementwise"].at(tokens))
+            measured = self.cpu_dequant.get(scheme)
+            if measured is not None:  # the full-width weights written once, at the measured efficiency
+                dequant = full / (self.bw * measured.at(bits))
+            else:
+                dequant = 2 * full / (self.bw * c["elementwise"].at(tokens))
             return dequant + max(full / (self.bw * eff), flops / (self.peak * eff))
         if bits < self.dtype_bits and self.dequant:
             bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
@@ -258,7 +270,7 @@ class CostModel:
             assignments = n_runs = quantized_runs = 0
             for r in work.experts:
                 n, t = r.count, r.tokens
-                experts += get((t, r.nbytes, r.bits)) * n
+                experts += get((t, r.nbytes, r.bits, r.scheme)) * n
                 assignments += t * n
                 read += r.nbytes * n
                 n_runs += n
@@ -319,6 +331,14 @@ class CostModel:
                  "link_busy": busy}
         return StepCost(seconds, parts, read / bw)
 
+    def _quantized_note(self) -> str:
+        old = f"2 x full-width bytes at the elementwise rate, {OPS_PER_QUANTIZED_EXPERT_CPU} more torch calls"
+        if not self.cpu_dequant:
+            return f"shared processor: the torch reference dequantizes each call ({old}), then a dense GEMM"
+        return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
+                f"weights at the measured dequant_cpu_{{{', '.join(sorted(self.cpu_dequant))}}} efficiency by bit "
+                f"width (a scheme not measured: {old})")
+
     def assumptions(self) -> dict[str, Any]:
         """Every number the model uses and where it comes from, for the result folder."""
         p = self.profile
@@ -336,9 +356,7 @@ class CostModel:
             "op_overhead_s": self.op_overhead_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
             else "profile has no op_overhead_s: per-call dispatch not counted (launches in step_overhead_s)",
-            "quantized_experts": ("shared processor: the torch reference dequantizes each call (2 x full-width bytes "
-                                  f"at the elementwise rate, {OPS_PER_QUANTIZED_EXPERT_CPU} more torch calls), then a "
-                                  "dense GEMM") if self.shared
+            "quantized_experts": self._quantized_note() if self.shared
             else "dequant_gemm_{b} curves of the profile" if self.dequant
             else "profile has no dequant_gemm curve: quantized experts priced as full-width GEMMs",
             "shared_processor": self.shared,

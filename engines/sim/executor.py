@@ -69,6 +69,7 @@ class SimExecutor(Executor):
         self._wants_upcoming = type(experts).simulate is not ExpertBackend.simulate
         # One stored size per layer (StackedBackend's expert_bytes): a layer's runs differ by tokens only.
         self._uniform_bytes = type(experts).expert_bytes is StackedBackend.expert_bytes
+        self._scheme = getattr(experts, "dequant_scheme", "packed")  # how its quantized experts are stored
         self._runs: dict[tuple[int, ...], list[ExpertRun]] = {}  # (layer, *counts) -> the layer's runs
         self.totals = SimTotals()
         self.control_time = True  # Simulation.make_executor sets it from the config
@@ -138,13 +139,13 @@ class SimExecutor(Executor):
                     nbytes = experts.expert_bytes(layer, 0)
                     bits = 8 * nbytes / self.params_per_expert
                     alike = Counter(tokens for tokens in layer_counts if tokens)
-                    layer_runs = memo[key] = [ExpertRun(layer, tokens, nbytes, bits, count)
+                    layer_runs = memo[key] = [ExpertRun(layer, tokens, nbytes, bits, count, self._scheme)
                                               for tokens, count in alike.items()]
                 runs += layer_runs
             else:
                 alike = Counter((tokens, experts.expert_bytes(layer, e)) for e, tokens in enumerate(layer_counts)
                                 if tokens)
-                runs += [ExpertRun(layer, tokens, nbytes, 8 * nbytes / self.params_per_expert, count)
+                runs += [ExpertRun(layer, tokens, nbytes, 8 * nbytes / self.params_per_expert, count, self._scheme)
                          for (tokens, nbytes), count in alike.items()]
         moved = self.ledger.peek_step()
         work = StepWork(

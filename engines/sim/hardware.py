@@ -53,8 +53,14 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     "copy_overlap": ("bytes per transfer", "kept"),
     "elementwise": ("tokens per step", "memory_bytes_per_s"),
     "sample": ("rows", "memory_bytes_per_s"),
+    # the CPU reference's dequantization (shared processor): full-width weight bytes written per
+    # second, as a fraction of memory_bytes_per_s, by bit width; per storage scheme
+    "dequant_cpu_packed": ("bits", "memory_bytes_per_s"),
+    "dequant_cpu_bitplanes": ("bits", "memory_bytes_per_s"),
 }
-OPTIONAL_CURVES = frozenset({"elementwise", "sample"})  # the cost model states 1.0 where a profile has none
+# The cost model states 1.0 where a profile has no elementwise or sample curve, and prices the
+# CPU reference's dequantization by its older count where it has no dequant_cpu_* curve.
+OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes"})
 REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
            "host_flops_per_s", "step_overhead_s", "op_overhead_s")

@@ -137,6 +137,26 @@ def test_quantized_experts_cheaper_than_bf16_at_decode_on_a_gpu():
         assert q4.seconds < bf16.seconds
 
 
+def test_cpu_dequantization_is_priced_at_its_measured_rate_per_scheme():
+    # TINY's expert is 192 B at bf16 (96 weights). On the cpu profile a 4-bit expert dequantizes
+    # its full-width weights (192 B) at dequant_cpu_<scheme>(4) of 1e9 B/s, then runs the dense
+    # GEMM: max(192 B / (1e9 x 0.25), 192 FLOPs / (1e12 x 0.25)) = 768 ns.
+    cpu = profile("cpu", dequant_cpu_packed=Curve(((2, 0.02), (8, 0.04)), "test"),
+                  dequant_cpu_bitplanes=Curve(((4, 0.05),), "test"))
+    model = CostModel(cpu, TINY, "bfloat16")
+    gemm = 768e-9
+
+    def experts(scheme: str) -> float:
+        return model.step(replace(TINY_WORK, experts=(ExpertRun(0, 1, 60, 4.0, 1, scheme),))).parts["experts"]
+
+    # packed at 4 bits: interpolated in log(bits) between 2 (0.02) and 8 (0.04): 0.03
+    assert experts("packed") == pytest.approx(192 / (1e9 * 0.03) + gemm)
+    assert experts("bitplanes") == pytest.approx(192 / (1e9 * 0.05) + gemm)
+    # a scheme not measured: the older count, 2 x the full-width bytes at the elementwise rate (0.5)
+    assert experts("mxfp4") == pytest.approx(2 * 192 / (1e9 * 0.5) + gemm)
+    assert "dequant_cpu_{bitplanes, packed}" in model.assumptions()["quantized_experts"]
+
+
 @st.composite
 def step_works(draw):
     runs = tuple(ExpertRun(draw(st.integers(0, 3)), draw(st.integers(1, 600)), draw(st.integers(1, 10**9)),
@@ -203,6 +223,11 @@ def test_calibrate_efficiency_is_measured_over_peak():
     assert fit["attention_prefill"]["points"] == [[128, 30e9 / peak]]
     assert fit["elementwise"]["points"] == [[256.0, 12e9 / bw], [8192.0, 5e9 / bw]]
     assert fit["sample"]["points"] == [[256, 8e9 / bw]]
+    dq = fit_cpu_curves({**MEASURED, "dequant_full_bytes_per_s_by_bits": {"packed": {"4": 0.4e9, "2": 0.3e9},
+                                                                         "bitplanes": {"8": 1e9}}})
+    assert dq["dequant_cpu_packed"]["points"] == [[2.0, 0.3e9 / bw], [4.0, 0.4e9 / bw]]
+    assert dq["dequant_cpu_bitplanes"]["points"] == [[8.0, 1e9 / bw]]
+    assert "dequant_cpu_packed" not in fit  # not measured: no curve (the cost model states its count)
     assert cpu_rates(MEASURED) == {"memory_bytes_per_s": bw, "flops_per_s": {"float32": peak},
                                    "link_pinned_bytes_per_s": bw / 2, "op_overhead_s": 3.4e-6}
     for c in fit.values():  # every curve is one a profile takes
