@@ -198,7 +198,9 @@ def test_results_sent_back_to_the_driver_over_ray_client(cluster, tmp_path):
     assert {c["where"]["node_id"] for c in recorded.values()} == cluster.node_ids
 
 
-def test_a_killed_ray_worker_fails_its_cell_and_the_rerun_runs_it(cluster, tmp_path):
+def start_sweep(cluster: Cluster, tmp_path: Path) -> tuple[list[str], Path, subprocess.Popen]:
+    """A 6-cell simulated sweep on the cluster, started in a child process: (its argv, its output
+    folder, the process)."""
     grid = tmp_path / "grid.toml"
     grid.write_text(SIM_GRID.format(requests=8))
     out = tmp_path / "ray"
@@ -206,6 +208,11 @@ def test_a_killed_ray_worker_fails_its_cell_and_the_rerun_runs_it(cluster, tmp_p
             str(out), "--executor", "ray", "--ray-address", cluster.address]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return args, out, proc
+
+
+def test_a_killed_ray_worker_fails_its_cell_and_the_rerun_runs_it(cluster, tmp_path):
+    args, out, proc = start_sweep(cluster, tmp_path)
     deadline, victim = time.time() + 300, None
     while victim is None and time.time() < deadline and proc.poll() is None:
         partial = sorted(out.glob(".*.partial-*")) if out.is_dir() else []
@@ -229,13 +236,7 @@ def test_a_killed_ray_worker_fails_its_cell_and_the_rerun_runs_it(cluster, tmp_p
 
 
 def test_ctrl_c_cancels_the_tasks_and_leaves_nothing_that_looks_complete(cluster, tmp_path):
-    grid = tmp_path / "grid.toml"
-    grid.write_text(SIM_GRID.format(requests=8))
-    out = tmp_path / "ray"
-    args = [sys.executable, "-m", "harness.cli", "sweep", "--config", str(grid), "--simulate", "cpu", "--output",
-            str(out), "--executor", "ray", "--ray-address", cluster.address]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    args, out, proc = start_sweep(cluster, tmp_path)
     deadline, running = time.time() + 300, []
     while not running and time.time() < deadline and proc.poll() is None:
         running = [p for p in out.glob(".*.partial-*") if not p.name.startswith(".sweep.json")] if out.is_dir() else []
