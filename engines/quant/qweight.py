@@ -71,10 +71,15 @@ def unpack_bits(words: Tensor, bits: int, n: int) -> Tensor:
     need = packed_words(n, bits)
     if words.shape[-1] < need:
         raise ValueError(f"{words.shape[-1]} words hold fewer than {n} values of {bits} bits")
+    mask = (1 << bits) - 1
+    if WORD_BITS % bits == 0:  # whole values per word (2, 4, 8 bits): every shift in one broadcast
+        shifts = torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=words.device)
+        # `>>` is arithmetic on int32: the mask drops the copied sign bits
+        values = (words[..., :need].unsqueeze(-1) >> shifts) & mask
+        return values.reshape(*words.shape[:-1], -1)[..., :n].to(torch.uint8)
     pad = -words.shape[-1] % bits
     w = F.pad(words, (0, pad)).reshape(*words.shape[:-1], -1, bits)
     out = torch.empty(*w.shape[:-1], WORD_BITS, dtype=torch.int32, device=words.device)
-    mask = (1 << bits) - 1
     for i, word, offset, spill in _positions(bits):
         # `>>` is arithmetic on int32, so mask off the copied sign bits before adding the spill.
         low = (w[..., word] >> offset) & ((1 << (bits - spill)) - 1)
