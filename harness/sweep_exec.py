@@ -28,6 +28,11 @@ from workloads.base import WorkloadError
 SIMULATED, GPU, CPU, AUTO = "simulated", "gpu", "cpu", "auto"  # AUTO: a GPU where there is one
 
 
+def resolved_kind(kind: str, has_gpu: bool) -> str:
+    """A cell's kind on an executor: AUTO becomes GPU where the executor has one, else CPU."""
+    return (GPU if has_gpu else CPU) if kind == AUTO else kind
+
+
 def cell_kind(options: dict[str, Any]) -> str:
     """SIMULATED (runs on a CPU, measures nothing), GPU / CPU (measured on that device), or AUTO
     (the engine's default device: a GPU where the executor has one, else the CPU)."""
@@ -190,7 +195,7 @@ class LocalExecutor:
         self.measured_parallel = measured_parallel
 
     def _kind(self, job: CellJob) -> str:
-        return (GPU if self.gpus else CPU) if job.kind == AUTO else job.kind
+        return resolved_kind(job.kind, bool(self.gpus))
 
     def where(self, job: CellJob) -> str:
         kind, n = self._kind(job), len(self.slots)

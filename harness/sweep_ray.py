@@ -22,9 +22,27 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from harness.errors import HarnessError
-from harness.sweep_exec import AUTO, CPU, GPU, SIMULATED, CellJob, CellOutcome, Done, Started, cores, run_cell
+from harness.sweep_exec import (
+    AUTO,
+    CPU,
+    GPU,
+    SIMULATED,
+    CellJob,
+    CellOutcome,
+    Done,
+    Started,
+    cores,
+    resolved_kind,
+    run_cell,
+)
 
 RESULTS = ("shared", "driver")
+
+
+def _first_line(exc: BaseException) -> str:
+    """A Ray error's first line (its message goes on with remote tracebacks), or ''."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 @ray.remote(max_retries=0)  # fail fast: a cell that failed or lost its worker is not run again in this sweep
@@ -79,7 +97,7 @@ class RayExecutor:
         return self.address or "a local Ray cluster started here"
 
     def _kind(self, job: CellJob) -> str:
-        return (GPU if self.gpus else CPU) if job.kind == AUTO else job.kind
+        return resolved_kind(job.kind, bool(self.gpus))
 
     def where(self, job: CellJob) -> str:
         kind = job.kind if job.kind != AUTO else "gpu where the cluster has one, else cpu"
@@ -102,7 +120,7 @@ class RayExecutor:
             ray.init(address=self.address or "local", log_to_driver=False, logging_level=logging.ERROR,
                      **({} if self.address else {"num_cpus": cores(), "include_dashboard": False}))
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = _first_line(exc) or type(exc).__name__
             raise HarnessError(f"--ray-address {self.address}: cannot join the Ray cluster ({first}); give "
                                "host:port of its head, ray://host:10001, or auto on one of its nodes") from None
         self.gpus = float(ray.cluster_resources().get("GPU", 0))
@@ -156,7 +174,7 @@ class RayExecutor:
         try:
             outcome, data = ray.get(ref)
         except ray.exceptions.RayError as exc:  # a worker or node lost, a task cancelled
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            first = _first_line(exc)
             return CellOutcome(job.name, "failed", f"{type(exc).__name__}: {first}; the cell's folder is not "
                                "complete (rerun the sweep to run it again)")
         if data is not None:

@@ -130,9 +130,9 @@ class MoEGenSimExecutor(SimExecutor):
                                      num_layers=mc.num_layers, top_k=mc.top_k)
         except ValueError as exc:
             raise EngineError(str(exc)) from None
-        super().__init__(model, ledger, experts, routing, None, simulation.clock, dense_bytes_read, True)  # type: ignore[arg-type]
+        super().__init__(model, ledger, experts, routing, None, simulation.clock, dense_bytes_read, True,  # type: ignore[arg-type]
+                         simulation.control_time)
         self.simulation, self.plan, self.shape, self.hw, self.kv = simulation, plan, shape, hw, kv
-        self.control_time = simulation.control_time
         self.profile = simulation.profile
         simulation.routing, simulation.dtype = routing, dtype_name(model.weights.embed.dtype)
         simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan), self

@@ -174,8 +174,10 @@ class PagedWeightBackend(ExpertBackend):
 
     def _untrack(self, keep: Callable[[Move], bool]) -> list[Move]:
         """Drop the moves in flight that `keep` refuses; returns them."""
-        gone = [m for m in self.pending if not keep(m)]
-        self.pending = [m for m in self.pending if keep(m)]
+        kept, gone = [], []
+        for m in self.pending:
+            (kept if keep(m) else gone).append(m)
+        self.pending = kept
         for m in gone:
             self._ref(m.held.parts, -1)
         return gone

@@ -52,7 +52,8 @@ class SimTotals:
 
 class SimExecutor(Executor):
     def __init__(self, model: MoEModel, ledger: TransferLedger, experts: ExpertBackend, routing: Any,
-                 cost: CostModel, clock: VirtualClock, dense_bytes_read: int, copies_overlap: bool) -> None:
+                 cost: CostModel, clock: VirtualClock, dense_bytes_read: int, copies_overlap: bool,
+                 control_time: bool = True) -> None:
         super().__init__(model, ledger)
         cfg = model.config
         self.experts, self.routing, self.cost, self.clock = experts, routing, cost, clock
@@ -72,7 +73,7 @@ class SimExecutor(Executor):
         self._scheme = getattr(experts, "dequant_scheme", "packed")  # how its quantized experts are stored
         self._runs: dict[tuple[int, ...], list[ExpertRun]] = {}  # (layer, *counts) -> the layer's runs
         self.totals = SimTotals()
-        self.control_time = True  # Simulation.make_executor sets it from the config
+        self.control_time = control_time  # RuntimeConfig.control_time == "measured"
         self._mark: float | None = None  # thread time when the previous step was priced (None: idle since)
         self._control = 0.0  # the step's control seconds so far
 

@@ -87,8 +87,7 @@ class Simulation:
         self.dtype = dtype_name(model.weights.embed.dtype)
         self.cost = CostModel(self.profile, model_shape(mc, dtype_bytes), self.dtype)
         self.executor = SimExecutor(model, ledger, experts, self.routing, self.cost, self.clock, dense_bytes_read,
-                                    copies_overlap)
-        self.executor.control_time = self.control_time
+                                    copies_overlap, self.control_time)
         return self.executor
 
     def describe(self) -> dict[str, Any]:

@@ -157,6 +157,7 @@ def test_mixtral_pagedweight_fits_60_gb_of_an_h100_by_demoting_experts():
         assert all(s.extras["experts_at_16_bits"] < 256 for s in steps)
         assert all(s.extras["mean_bits"] < 16 for s in steps)
         assert engine.virtual_clock.now() > 0
+        assert engine.simulation.executor._scheme == "bitplanes"  # its experts priced as bit planes (cpu profile)
         assert any("sensitivities" in n and "demo model" in n for n in engine.notes())
     finally:
         engine.stop()

@@ -42,3 +42,12 @@ def test_the_ledger_equals_a_walk_over_every_part(representation, link_gbps):
     backend.commit()
     assert backend.device_bytes() == backend.walked_bytes() == sum(h.nbytes for h in backend.held.values())
     assert checked > 100  # the walk saw parts held, not an empty device
+
+
+@pytest.mark.parametrize(("representation", "scheme"), [("bitplanes", "bitplanes"), ("requantize", "packed")])
+def test_the_backend_names_how_its_widths_are_stored_for_cpu_pricing(representation, scheme):
+    # re-quantized widths are RTN records: engines/quant's packed dequantization on the CPU
+    cpu = torch.device("cpu")
+    stores = {(0, 0): make_store(representation, torch.randn(64, 32), torch.randn(32, 32), (16, 4))}
+    backend = PagedWeightBackend(stores, CopyEngine(TransferLedger(cpu), cpu), cpu, Importance({0: 1}))
+    assert backend.dequant_scheme == scheme
