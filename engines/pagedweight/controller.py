@@ -104,6 +104,7 @@ class PagedController(Controller):
         self.matrix: list[dict[str, Any]] = []
         self.served: dict[str, RequestBits] = {}
         self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
+        self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, may leave, ((bits, bytes, exact), ...))
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
     def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
@@ -124,15 +125,20 @@ class PagedController(Controller):
                                floors=p.floors, initial=dict(initial.bits))
 
     def options(self) -> dict[Key, list[Choice]]:
+        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by)."""
         p, out = self.paged, {}
+        shapes = self._shapes
         for key, store in self.backend.stores.items():
-            imp = p.importance[key]
-            # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
-            # the expert may leave the device, but not sit on it at a width over the bound).
-            opts = [Choice(b, store.nbytes(b), imp * (0.0 if b in store.exact_bits else p.sensitivity[key][b]))
-                    for b in p.bit_widths if b >= p.quality[key]]
-            if p.floors[key] == 0:
-                opts.append(Choice(0, 0, imp * MISS_COST))
+            imp, sens = p.importance[key], p.sensitivity[key]
+            quality, floor = p.quality[key], p.floors[key]
+            shape = shapes.get(key)
+            if shape is None or shape[0] != quality or shape[1] != floor:  # the widths and bytes once
+                # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
+                # the expert may leave the device, but not sit on it at a width over the bound).
+                widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
+                shape = shapes[key] = (quality, floor, floor == 0, tuple((b, n, x) for n, b, x in widths))
+            opts = [Choice(0, 0, imp * MISS_COST)] if shape[2] else []
+            opts += [Choice(b, n, imp * (0.0 if exact else sens[b])) for b, n, exact in shape[3]]
             out[key] = opts
         return out
 
