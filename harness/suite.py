@@ -100,12 +100,15 @@ def default_budget(model: str | None, options: dict[str, Any]) -> int:
     return int(dense + BUDGET_SHARE * (experts + KV_TOKENS * int(stats["kv_bytes_per_token"])))
 
 
-def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dict] | None = None,
+def run_suite(args: RunArgs, demo: str | None, on_run: Callable[[str, RunArgs], dict] | None = None,
               say: Callable[[str], None] = print, repeat: int | None = None, slo_given: bool = True) -> SuiteResult:
-    """Run every SUITE row `repeat` times (default: DEMO_REPEATS on the demo model, else 1),
-    interleaved, with `args` (engine replaced); the caller writes the report."""
+    """Run every SUITE row `repeat` times (default: DEMO_REPEATS on a bundled demo model, else 1),
+    interleaved, with `args` (engine replaced); the caller writes the report. `demo`: the bundled
+    model's name (engines/common/demo.py `bundled_name`) when the run is on one: its traffic, SLO
+    and search defaults apply, and on `demo` the rows' `demo_options` (sized to its experts)."""
     from engines.common.demo import demo_model_path  # noqa: PLC0415
 
+    is_demo = demo is not None
     model = args.model or str(demo_model_path())
     folder = Path(args.output) if args.output else Path(args.results_dir) / new_run_id(args.workload.name, "suite")
     spec = args.workload
@@ -134,7 +137,7 @@ def run_suite(args: RunArgs, is_demo: bool, on_run: Callable[[str, RunArgs], dic
     found: dict[str, float] = {}  # row -> the capacity its previous repeat found
     for k in range(1, repeat + 1):
         for row, (engine, options) in SUITE.items():
-            options = {**options, **(DEMO_OPTIONS[row] if is_demo else {})}
+            options = {**options, **(DEMO_OPTIONS[row] if demo == "demo" else {})}
             if row in failed:
                 continue  # what could not run once will not run on the next repeat either
             name = f"{row}/r{k}" if repeat > 1 else row

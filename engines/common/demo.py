@@ -35,6 +35,17 @@ def demo_model_path(name: str = "demo") -> Path:
     return folder
 
 
+def bundled_name(model: str | None) -> str | None:
+    """Which bundled demo model `model` names (None: the default, `demo`), by name or folder;
+    None for any other model."""
+    if model is None:
+        return "demo"
+    path = Path(model).expanduser()
+    if not path.exists():
+        return model if model in DEMO_MODELS else None
+    return next((name for name, folder in DEMO_MODELS.items() if folder.exists() and path.samefile(folder)), None)
+
+
 def resolve_model(model: str | None) -> str | None:
     """A bundled model's name -> its folder (the demo models, and the config-only presets of
     engines/common/presets.py for `--simulate`); a path that exists, or anything else, unchanged."""

@@ -201,6 +201,7 @@ def run_command(options: dict[str, Any]) -> int:
 def suite_command(options: dict[str, Any]) -> int:
     """The PoC suite (harness/suite.py): each engine's run with the plain progress lines, then
     the report's path and the executive table."""
+    from engines.common.demo import bundled_name
     from harness.suite import run_suite
     from reports.compare import print_comparison
     from reports.html import write_report
@@ -214,8 +215,9 @@ def suite_command(options: dict[str, Any]) -> int:
         return execute(run_args, make_runner=progress.attach, on_step=progress.update, on_start=progress.start,
                        say=progress.say)
 
-    result = run_suite(args, is_demo=options["model"] is None, on_run=one, say=lambda line: typer.echo(line, err=True),
-                       repeat=options.get("repeat"), slo_given=options["slo"] is not None)
+    result = run_suite(args, demo=bundled_name(options["model"]), on_run=one,
+                       say=lambda line: typer.echo(line, err=True), repeat=options.get("repeat"),
+                       slo_given=options["slo"] is not None)
     report = None
     if result.runs:
         runs = load_runs(list(result.runs.values()))

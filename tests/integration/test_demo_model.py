@@ -242,6 +242,20 @@ def test_bundled_names_resolve_and_a_folder_wins(tmp_path, monkeypatch):
         demo_model_path("demo-coarse")
 
 
+def test_bundled_name_by_name_or_folder(tmp_path, monkeypatch):
+    """The suite's demo defaults follow the bundled model however it was named."""
+    from engines.common.demo import bundled_name
+
+    assert bundled_name(None) == "demo" and bundled_name("demo-fine") == "demo-fine"
+    assert bundled_name(str(DEMO_MODEL_DIR)) == "demo" and bundled_name(str(DEMO_MODEL_DIR) + "/") == "demo"
+    assert bundled_name("mixtral-8x7b") is None and bundled_name(str(tmp_path)) is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()  # a folder that exists wins over the name, as in resolve_model
+    assert bundled_name("demo") is None
+    if (DEMO_FINE_MODEL_DIR / "config.json").is_file():
+        assert bundled_name(str(DEMO_FINE_MODEL_DIR)) == "demo-fine"
+
+
 @needs_fine
 def test_fine_moe_engine_continues_like_transformers():
     """Greedy continuations of demo prompts (closed book, short RAG recall, copy) from the moe
