@@ -42,3 +42,24 @@ def test_suite_runs_every_engine_under_one_budget_then_the_report(tmp_path):
     # memory pressure separates the engines: the quantized ones hold more KV than full precision
     assert runs["static-gptq-4bit"]["engine"]["kv_capacity_tokens"] > moe["engine"]["kv_capacity_tokens"]
     assert runs["offload"]["summary"]["engine"]["h2d_bytes_per_output_token"] > 0
+
+
+def test_default_budget_squeezes_full_precision_but_lets_it_run():
+    """demo: dense + 40% of (experts + 3,000 tokens of KV), by hand from its sizes (dense 967,680 B,
+    experts 786,432 B, KV 1,024 B a token): 2,511,052 B, where full precision holds 46 blocks of KV.
+    demo-fine's dense weights are over half the model: the share rule would leave full precision
+    a couple of hundred tokens, not one request, so the floor gives it the same 736 tokens as on
+    demo (its sizes read from the engine)."""
+    from engines.common.demo import DEMO_FINE_MODEL_DIR, DEMO_MODEL_DIR
+    from engines.registry import create_engine
+    from harness.suite import MIN_KV_TOKENS, default_budget
+
+    assert default_budget(str(DEMO_MODEL_DIR), {}) == 967_680 + int(0.4 * (786_432 + 3000 * 1024))
+    if not (DEMO_FINE_MODEL_DIR / "config.json").is_file():
+        return
+    budget = default_budget(str(DEMO_FINE_MODEL_DIR), {})
+    with create_engine("moe", {"model": str(DEMO_FINE_MODEL_DIR), "budget_bytes": budget}) as engine:
+        info = engine.info()
+    kv = int(info.model_stats["kv_bytes_per_token"])
+    assert budget == info.weight_bytes + MIN_KV_TOKENS * kv
+    assert info.kv_capacity_tokens == MIN_KV_TOKENS
