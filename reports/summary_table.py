@@ -160,11 +160,16 @@ def _table_rows(folder: Path, out: list[tuple[str, str]]) -> list[tuple[str, str
             out.append(("bits matrix", f"{len(steps)} snapshots, steps {int(steps.min())}-{int(steps.max())}: {text}"))
     if (path := folder / "fallbacks.parquet").exists():
         events = _read(path)
-        if len(events):
+        refused = events[events["refused_bits"] > 0] if "refused_bits" in events else events.iloc[:0]
+        pins = events.drop(refused.index)
+        if len(pins):
             first = "; ".join(f"step {int(r.engine_step)} layer {int(r.layer)} expert {int(r.expert)} "
                               f"{int(r.from_bits)} -> floor {int(r.floor_bits)} bits"
-                              for r in events.head(3).itertuples())
-            out.append(("fallbacks", f"{len(events)} events: {first}{' ...' if len(events) > 3 else ''}"))
+                              for r in pins.head(3).itertuples())
+            out.append(("fallbacks", f"{len(pins)} events: {first}{' ...' if len(pins) > 3 else ''}"))
+        if len(refused):
+            out.append(("fallbacks refused", f"{len(refused)} pins not made: the requests in flight need the KV "
+                                             "room the higher floors would take"))
     return out
 
 

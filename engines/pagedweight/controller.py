@@ -104,6 +104,7 @@ class PagedController(Controller):
         self.matrix: list[dict[str, Any]] = []
         self.served: dict[str, RequestBits] = {}
         self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
+        self._refused: set[tuple[Key, int]] = set()  # pins refused for lack of KV room (recorded once)
         self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, may leave, ((bits, bytes, exact), ...))
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
@@ -270,6 +271,14 @@ class PagedController(Controller):
                 bits = sampled[key][0]
                 higher = min(b for b in p.bit_widths if b > bits)
                 if p.floors[key] < higher:
+                    if not self._pin_leaves_room(key, higher):
+                        if (key, higher) in self._refused:  # recorded once per expert and width
+                            continue
+                        self._refused.add((key, higher))
+                        self.events.append({"engine_step": self.engine_step, "layer": layer, "expert": key[1],
+                                            "layer_error": err, "expert_error": sampled[key][1], "from_bits": bits,
+                                            "floor_bits": p.floors[key], "refused_bits": higher})
+                        continue
                     p.floors[key] = higher
                     # Its quality floor rises with it (the widths it may hold, and fetch at).
                     p.quality[key] = max(p.quality[key], higher)
@@ -280,8 +289,37 @@ class PagedController(Controller):
                     pinned += 1
                     self.events.append({"engine_step": self.engine_step, "layer": layer, "expert": key[1],
                                         "layer_error": err, "expert_error": sampled[key][1], "from_bits": bits,
-                                        "floor_bits": higher})
+                                        "floor_bits": higher, "refused_bits": 0})
         return pinned
+
+    def _floor_room_blocks(self, extra: int = 0) -> int | None:
+        """KV blocks the pages leave with every expert at its floor (plus `extra` bytes of floors);
+        None when the KV is not on the device."""
+        room = self.room
+        if not room.kv_on_device:
+            return None
+        return max(0, room.pages - self.paged.floor_bytes() - extra) // room.kv_block_bytes
+
+    def max_request_tokens(self) -> int | None:
+        blocks = self._floor_room_blocks()
+        return None if blocks is None else blocks * self.kv.allocator.block_size
+
+    def _pin_leaves_room(self, key: Key, bits: int) -> bool:
+        """Whether raising `key`'s floor to `bits` leaves the KV every request in flight needs
+        (alone, at its full length): floors are never demoted, so a pin that took that room would
+        leave the request waiting forever. A refused pin is an event with refused_bits (the width
+        it would have pinned; 0 on a pin)."""
+        p, sched = self.paged, self.scheduler
+        store = self.backend.stores[key]
+        old = p.floors[key]
+        extra = store.nbytes(bits) - (store.nbytes(old) if old else 0)
+        blocks = self._floor_room_blocks(extra)
+        if blocks is None:
+            return True
+        alloc = self.kv.allocator
+        need = max((alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens)
+                    for s in [*sched.running, *sched.waiting]), default=0)
+        return blocks >= need
 
     def tables(self) -> dict[str, list[dict[str, Any]]]:
         imp = self.paged.importance

@@ -149,6 +149,11 @@ class Controller:
     def after_step(self, batch: StepBatch | None) -> Mapping[str, float]:
         return {}
 
+    def max_request_tokens(self) -> int | None:
+        """The most KV tokens one request can ever get now (None: no limit beyond the pool's):
+        a request above it would wait forever, so it is refused at admission."""
+        return None
+
     def tables(self) -> Mapping[str, list[dict[str, Any]]]:
         return {}
 
@@ -347,12 +352,15 @@ class RuntimeEngine(Engine):
                 f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})"
             )
         total = len(request.prompt_ids) + request.max_new_tokens
-        limit = min(self.max_model_len, self.kv_capacity_tokens)
+        kv_tokens = min([self.kv_capacity_tokens] + [t for c in self.parts.controllers
+                                                     if (t := c.max_request_tokens()) is not None])
+        limit = min(self.max_model_len, kv_tokens)
         if total > limit:
             raise InvalidRequestError(
                 f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + max_new_tokens "
                 f"({request.max_new_tokens}) = {total} tokens exceeds the limit of {limit} "
-                f"(max_model_len {self.max_model_len}, KV cache {self.kv_capacity_tokens} tokens)"
+                f"(max_model_len {self.max_model_len}, KV cache {self.kv_capacity_tokens} tokens"
+                + (f", {kv_tokens} beside the weights' floors" if kv_tokens < self.kv_capacity_tokens else "") + ")"
                 + ("; a larger --budget leaves more for the KV cache" if self.config.budget_bytes is not None else "")
             )
         if any(s.id == request.request_id for s in self.scheduler.running + list(self.scheduler.waiting)):

@@ -277,3 +277,38 @@ def test_quality_floors_keep_every_expert_within_max_expert_error(bound, tmp_pat
     assert not below
     assert min(s.extras["mean_bits"] for s in steps) >= sum(expected.values()) / len(expected)
     assert any(s.extras["mean_bits"] < 16 for s in steps)  # the budget did make it demote
+
+
+def test_quality_pins_never_take_the_kv_a_request_in_flight_needs(tmp_path, monkeypatch):
+    """feedback_threshold 0 pins every expert the feedback samples one width up, at every step, up
+    to 16 bits (floors are never demoted). Before, the floors took the KV room an admitted 900-token
+    request needed and it waited forever (a rag_long run stalled at 6 of 12 requests). Now a pin is
+    refused while a request in flight needs that room (an event with refused_bits), every request
+    finishes, and one that arrives after the floors rose is refused at admission with the room left."""
+    from engines.base import InvalidRequestError
+
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    engine = create_calibrated("pagedweight", {"model": DEMO, **CPU32, "budget_bytes": 2_511_052,
+                                               "feedback_threshold": 0.0, "feedback_every": 1})
+    engine.start()
+    try:
+        controller = next(c for c in engine.parts.controllers if c.max_request_tokens() is not None)
+        long = EngineRequest("long", tuple(range(5, 805)), 100, ignore_eos=True)  # 900 tokens
+        for r in [long, *random_requests(1109, 4, 24, 5, lo=100, hi=300)]:
+            engine.add_request(r)
+        steps, rooms = 0, []
+        while engine.has_unfinished() and steps < 2_000:
+            finished = {o.request_id for o in engine.step().outputs if o.finished}
+            steps += 1
+            if "long" not in finished and any(s.id == "long" for s in engine.scheduler.running):
+                rooms.append(controller.max_request_tokens())
+        assert not engine.has_unfinished(), "requests left waiting"
+        assert rooms and min(rooms) >= 900  # while it ran, the floors left it its room
+        refused = [e for e in engine.tables()["fallbacks"] if e["refused_bits"]]
+        assert refused and all(e["refused_bits"] > e["floor_bits"] for e in refused)
+        room = controller.max_request_tokens()  # the floors rose once it finished
+        assert room < 900
+        with pytest.raises(InvalidRequestError, match="beside the weights' floors"):
+            engine.add_request(EngineRequest("too-long", tuple(range(5, 5 + room)), 16, ignore_eos=True))
+    finally:
+        engine.stop()
