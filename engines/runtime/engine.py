@@ -352,8 +352,9 @@ class RuntimeEngine(Engine):
                 f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})"
             )
         total = len(request.prompt_ids) + request.max_new_tokens
-        kv_tokens = min([self.kv_capacity_tokens] + [t for c in self.parts.controllers
-                                                     if (t := c.max_request_tokens()) is not None])
+        # A controller's own limit (Controller.max_request_tokens; a duck-typed one may have none).
+        limits = [getattr(c, "max_request_tokens", lambda: None)() for c in self.parts.controllers]
+        kv_tokens = min([self.kv_capacity_tokens] + [t for t in limits if t is not None])
         limit = min(self.max_model_len, kv_tokens)
         if total > limit:
             raise InvalidRequestError(
