@@ -177,7 +177,7 @@ def test_ray_executor_without_ray_is_one_line_naming_the_extra(tmp_path):
 
 
 def test_ctrl_c_stops_the_workers_and_leaves_nothing_that_looks_complete(tmp_path):
-    grid_file(tmp_path, ms=1.0)
+    grid_file(tmp_path, ms=20.0)  # cells of seconds: both still running when seen, on a loaded machine too
     out = tmp_path / "sw"
     proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "sweep", "--config", str(tmp_path / "grid.toml"),
                              "--output", str(out), "--no-quality", "--executor", "local", "--workers", "2",
