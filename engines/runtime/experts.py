@@ -188,7 +188,11 @@ class ExpertBackend(ABC):
 
     def _count(self, layer: int, d: Dispatch) -> None:
         """Record the experts `d` runs in `layer` (backends call this from forward)."""
-        self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e in d.active)
+        self.count_experts(layer, d.counts)
+
+    def count_experts(self, layer: int, counts: list[int]) -> None:
+        """Record the experts with tokens in `counts` (per expert) as run in `layer`."""
+        self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e, n in enumerate(counts) if n)
 
 
 class StackedBackend(ExpertBackend):
@@ -210,6 +214,9 @@ class StackedBackend(ExpertBackend):
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         return self._expert_bytes[layer]
+
+    def count_experts(self, layer: int, counts: list[int]) -> None:
+        self._stats["expert_bytes_read"] += self._expert_bytes[layer] * (len(counts) - counts.count(0))
 
 
 class ResidentBackend(StackedBackend):

@@ -29,6 +29,7 @@ class TransferLedger:
         self.crosses_bus = device.type != "cpu"
         self._step = Counter[str]()
         self.total = Counter[str]()  # since start, per "direction:tag"
+        self._meta: dict[tuple, Tensor] = {}  # (shape, dtype) -> a meta tensor (simulated runs)
 
     def to_device(self, tensor: Tensor, tag: str = "data", non_blocking: bool = False) -> Tensor:
         if tensor.device == self.device:
@@ -50,7 +51,14 @@ class TransferLedger:
         bytes counted, without making the host tensor first."""
         if self.device.type == "meta":
             shape = _shape(data)
-            out = torch.empty(shape, dtype=dtype, device=self.device)
+            # Meta tensors hold no data, so one per (shape, dtype) serves every step (a
+            # simulated step builds several: torch.empty costs ~5 us each).
+            key = (shape, dtype)
+            out = self._meta.get(key)
+            if out is None:
+                if len(self._meta) > 4096:
+                    self._meta.clear()
+                out = self._meta[key] = torch.empty(shape, dtype=dtype, device=self.device)
             if self.crosses_bus:
                 self.record("h2d", out.numel() * out.element_size(), tag)
             return out

@@ -128,7 +128,10 @@ class SimExecutor(Executor):
                 nxt = moe_layers[k + 1]
                 nc = counts[nxt]
                 upcoming = nxt, sorted((e for e, c in enumerate(nc) if c), key=lambda e: -nc[e])
-            simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
+            if self._wants_upcoming:
+                simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
+            else:  # ExpertBackend.simulate only counts: skip building the Dispatch
+                experts.count_experts(layer, layer_counts)
             # Experts of a layer with the same tokens and stored bytes cost the same: one run each
             # (in the order of each kind's first expert, as the cost model sums them).
             if uniform_bytes:  # memoised by the layer's counts (decode steps repeat a few patterns)
