@@ -40,10 +40,12 @@ def _rows(path: Path) -> Mapping[str, tuple[str, dict[str, Any]]]:
 # Row name -> (engine, options). Engine names live in data (like a sweep grid's), not in code:
 # the harness never names engines (tests/unit/test_layout.py).
 SUITE = _rows(Path(__file__).with_name("suite.toml"))
-# Row name -> options only the bundled demo model's suite takes (sizes fitted to its 2.39 MiB
-# budget and 64-wide experts; another model's engines size themselves from the budget).
+# Row name -> options only a bundled demo model's suite takes (sizes fitted to its budget and
+# experts; another model's engines size themselves from the budget).
 _TABLES = tomllib.loads(Path(__file__).with_name("suite.toml").read_text())
-DEMO_OPTIONS = MappingProxyType({row: dict(t.get("demo_options", {})) for row, t in _TABLES.items()})
+# Row options on a bundled demo model: `demo_options` on demo, `demo_fine_options` on demo-fine.
+DEMO_OPTIONS = MappingProxyType({name: MappingProxyType({row: dict(t.get(key, {})) for row, t in _TABLES.items()})
+                                 for name, key in (("demo", "demo_options"), ("demo-fine", "demo_fine_options"))})
 BUDGET_SHARE = 0.4
 KV_TOKENS = 3000  # ~4 of rag_long's demo prompts (~690 tokens) with their answers
 # The KV the share rule leaves full precision on `demo` (46 blocks of 16): there its longest
@@ -113,7 +115,7 @@ def run_suite(args: RunArgs, demo: str | None, on_run: Callable[[str, RunArgs], 
     """Run every SUITE row `repeat` times (default: DEMO_REPEATS on a bundled demo model, else 1),
     interleaved, with `args` (engine replaced); the caller writes the report. `demo`: the bundled
     model's name (engines/common/demo.py `bundled_name`) when the run is on one: its traffic, SLO
-    and search defaults apply, and on `demo` the rows' `demo_options` (sized to its experts)."""
+    and search defaults apply, and the rows' options sized to its experts (suite.toml)."""
     from engines.common.demo import demo_model_path  # noqa: PLC0415
 
     is_demo = demo is not None
@@ -145,7 +147,7 @@ def run_suite(args: RunArgs, demo: str | None, on_run: Callable[[str, RunArgs], 
     found: dict[str, float] = {}  # row -> the capacity its previous repeat found
     for k in range(1, repeat + 1):
         for row, (engine, options) in SUITE.items():
-            options = {**options, **(DEMO_OPTIONS[row] if demo == "demo" else {})}
+            options = {**options, **(DEMO_OPTIONS[demo][row] if demo in DEMO_OPTIONS else {})}
             if row in failed:
                 continue  # what could not run once will not run on the next repeat either
             name = f"{row}/r{k}" if repeat > 1 else row
