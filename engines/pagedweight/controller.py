@@ -104,6 +104,7 @@ class PagedController(Controller):
         self.matrix: list[dict[str, Any]] = []
         self.served: dict[str, RequestBits] = {}
         self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
+        self._floor_bytes: int | None = None  # paged.floor_bytes(), kept until a pin changes the floors
         self._refused: set[tuple[Key, int]] = set()  # pins refused for lack of KV room (recorded once)
         self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, may leave, ((bits, bytes, exact), ...))
 
@@ -280,6 +281,7 @@ class PagedController(Controller):
                                             "floor_bits": p.floors[key], "refused_bits": higher})
                         continue
                     p.floors[key] = higher
+                    self._floor_bytes = None
                     # Its quality floor rises with it (the widths it may hold, and fetch at).
                     p.quality[key] = max(p.quality[key], higher)
                     backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
@@ -298,7 +300,9 @@ class PagedController(Controller):
         room = self.room
         if not room.kv_on_device:
             return None
-        return max(0, room.pages - self.paged.floor_bytes() - extra) // room.kv_block_bytes
+        if self._floor_bytes is None:  # every store walked once per change of the floors
+            self._floor_bytes = self.paged.floor_bytes()
+        return max(0, room.pages - self._floor_bytes - extra) // room.kv_block_bytes
 
     def max_request_tokens(self) -> int | None:
         blocks = self._floor_room_blocks()
