@@ -106,7 +106,7 @@ class PagedController(Controller):
         self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
         self._floor_bytes: int | None = None  # paged.floor_bytes(), kept until a pin changes the floors
         self._refused: set[tuple[Key, int]] = set()  # pins refused for lack of KV room (recorded once)
-        self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, may leave, ((bits, bytes, exact), ...))
+        self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, ((bits, bytes, exact), ...))
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
     def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
@@ -138,9 +138,9 @@ class PagedController(Controller):
                 # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
                 # the expert may leave the device, but not sit on it at a width over the bound).
                 widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
-                shape = shapes[key] = (quality, floor, floor == 0, tuple((b, n, x) for n, b, x in widths))
-            opts = [Choice(0, 0, imp * MISS_COST)] if shape[2] else []
-            opts += [Choice(b, n, imp * (0.0 if exact else sens[b])) for b, n, exact in shape[3]]
+                shape = shapes[key] = (quality, floor, tuple((b, n, x) for n, b, x in widths))
+            opts = [Choice(0, 0, imp * MISS_COST)] if floor == 0 else []  # it may leave the device
+            opts += [Choice(b, n, imp * (0.0 if exact else sens[b])) for b, n, exact in shape[2]]
             out[key] = opts
         return out
 

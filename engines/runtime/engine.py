@@ -352,8 +352,7 @@ class RuntimeEngine(Engine):
                 f"request {request.request_id}: token id {bad} is outside the vocabulary [0, {vocab})"
             )
         total = len(request.prompt_ids) + request.max_new_tokens
-        # A controller's own limit (Controller.max_request_tokens; a duck-typed one may have none).
-        limits = [getattr(c, "max_request_tokens", lambda: None)() for c in self.parts.controllers]
+        limits = [c.max_request_tokens() for c in self.parts.controllers]  # a controller's own (floors' room)
         kv_tokens = min([self.kv_capacity_tokens] + [t for t in limits if t is not None])
         limit = min(self.max_model_len, kv_tokens)
         if total > limit:

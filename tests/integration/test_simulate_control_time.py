@@ -17,6 +17,7 @@ import pytest
 
 from engines.base import EngineError, EngineRequest
 from engines.registry import create_engine
+from engines.runtime.engine import Controller
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "engines" / "demo_model")
@@ -29,14 +30,11 @@ def _burn(seconds: float) -> None:
         pass
 
 
-class SlowController:
+class SlowController(Controller):
     """A controller whose before_step spends BURN_S of CPU (an arbiter that plans slowly)."""
 
     def before_step(self) -> None:
         _burn(BURN_S)
-
-    def after_step(self, batch) -> dict:
-        return {}
 
 
 def _run(control_time: str, slow: bool, between: float = 0.0, idle: float = 0.0,
