@@ -206,14 +206,13 @@ class MoEGenSimExecutor(SimExecutor):
     def execute(self, batch: StepBatch) -> StepResult:
         self.begin()
         cfg = self.model.config
-        keys = batch.row_keys()
-        counts = self.route_counts(keys)
+        counts = self.route_counts(batch)
         experts = self.experts
         parts = self._parts(batch)
         copied_before = self._copied_bytes()
         moe_layers = experts.layers()
         simulate = self.timed_simulate if self.control_time else experts.simulate  # its decisions: control time
-        ahead = len(keys) * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward decides
+        ahead = sum(c.length for c in batch.chunks) * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward
         if ahead and moe_layers:
             experts.prefetch(moe_layers[0])
         runs = Counter()

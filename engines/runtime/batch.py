@@ -54,14 +54,18 @@ def build_batch(plan: Schedule, allocator: BlockAllocator, ledger: TransferLedge
         return None
     decodes = sorted(plan.decodes, key=lambda c: c.start)
     chunks = decodes + plan.prefills
+    # A simulated run (the meta device) builds only shapes: its rows' ids, positions and KV slots
+    # are never read, so they are not listed (the same tensors' shapes and counted bytes).
+    meta = ledger.device.type == "meta"
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     logit_rows: list[int] = []
     sampled: list[tuple[Chunk, int]] = []
     prompt_rows: list[tuple[Chunk, int, int]] = []
+    rows = 0
     for c in chunks:
-        row0 = len(token_ids)
+        row0 = rows
         state: SeqState = c.seq.state  # type: ignore[assignment]
         if c.seq.request.return_prompt_logits and state.prompt_rows_done < c.seq.num_prompt:
             lo = max(c.start, state.prompt_rows_done)
@@ -75,32 +79,42 @@ def build_batch(plan: Schedule, allocator: BlockAllocator, ledger: TransferLedge
             if not logit_rows or logit_rows[-1] != last:
                 logit_rows.append(last)
             sampled.append((c, len(logit_rows) - 1))
-        token_ids += c.seq.token_ids[c.start : c.start + c.length]
-        positions += range(c.start, c.start + c.length)
-        slots += allocator.slots(c.seq.id, c.start, c.length)
+        rows += c.length
+        if not meta:
+            token_ids += c.seq.token_ids[c.start : c.start + c.length]
+            positions += range(c.start, c.start + c.length)
+            slots += allocator.slots(c.seq.id, c.start, c.length)
     long = torch.long
+    if meta:
+        ids, pos = ledger.shaped((rows,), long), ledger.shaped((rows,), long)
+    else:
+        ids, pos = ledger.tensor(token_ids, long), ledger.tensor(positions, long)
     return StepBatch(
-        chunks, len(decodes), ledger.tensor(token_ids, long), ledger.tensor(positions, long),
-        ledger.tensor(logit_rows, long), _attention_batch(chunks, len(decodes), slots, allocator, ledger),
-        sampled, prompt_rows,
+        chunks, len(decodes), ids, pos, ledger.tensor(logit_rows, long),
+        _attention_batch(chunks, len(decodes), rows if meta else slots, allocator, ledger), sampled, prompt_rows,
     )
 
 
-def _attention_batch(chunks: list[Chunk], num_decode: int, slots: list[int], allocator: BlockAllocator,
+def _attention_batch(chunks: list[Chunk], num_decode: int, slots: list[int] | int, allocator: BlockAllocator,
                      ledger: TransferLedger) -> AttentionBatch:
     """Decode chunks come first in `chunks`; each later chunk is a prefill segment."""
-    tables, tensor = allocator.tables, ledger.tensor
-    batch = AttentionBatch(slots=tensor(slots, torch.long), num_decode=num_decode)
+    tables, tensor, long = allocator.tables, ledger.tensor, torch.long
+    meta = isinstance(slots, int)  # a simulated run: shapes only (`slots` is the row count)
+    batch = AttentionBatch(slots=ledger.shaped((slots,), long) if meta else tensor(slots, long),
+                           num_decode=num_decode)
     dec = [tables[c.seq.id] for c in chunks[:num_decode]]  # shortest first
     for lo, hi in group_by_length([len(t) for t in dec]):
         width = max(len(t) for t in dec[lo:hi])
-        batch.decodes.append(DecodeGroup(
-            lo, tensor([t + [0] * (width - len(t)) for t in dec[lo:hi]], torch.long),
-            tensor([c.start + 1 for c in chunks[lo:hi]], torch.long), allocator.block_size,
-        ))
+        if meta:
+            table, context = ledger.shaped((hi - lo, width), long), ledger.shaped((hi - lo,), long)
+        else:
+            table = tensor([t + [0] * (width - len(t)) for t in dec[lo:hi]], long)
+            context = tensor([c.start + 1 for c in chunks[lo:hi]], long)
+        batch.decodes.append(DecodeGroup(lo, table, context, allocator.block_size))
     row = num_decode
     for c in chunks[num_decode:]:
         nb = allocator.blocks_for(c.start + c.length)
-        batch.prefills.append(PrefillSegment(row, c.length, c.start, tensor(tables[c.seq.id][:nb], torch.long)))
+        table = ledger.shaped((nb,), long) if meta else tensor(tables[c.seq.id][:nb], long)
+        batch.prefills.append(PrefillSegment(row, c.length, c.start, table))
         row += c.length
     return batch

@@ -405,10 +405,8 @@ class RuntimeEngine(Engine):
         result = self.executor.execute(batch) if batch is not None else None
         started = self._update(schedule, batch, result, outputs)
         out = self._step_output(schedule, batch, result, outputs, started)
-        extras = dict(out.extras)
-        for controller in self.parts.controllers:
-            extras.update(controller.after_step(batch))
-        out = dataclasses.replace(out, extras=extras)
+        for controller in self.parts.controllers:  # out.extras is this step's own dict
+            out.extras.update(controller.after_step(batch))
         if sim is not None:
             sim.step_end(self.has_unfinished())
         return out
@@ -453,7 +451,8 @@ class RuntimeEngine(Engine):
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preempted=len(schedule.preempted),
-            experts_hit=sum(n > 0 for layer_counts in counts.values() for n in layer_counts),
+            experts_hit=result.experts_hit if result is not None and result.experts_hit is not None
+            else sum(n > 0 for layer_counts in counts.values() for n in layer_counts),
             context_tokens=sum(c.start + c.length for c in chunks),
             weight_bytes_read=(self._dense_bytes_read + bytes_read) if batch is not None else 0,
             h2d_bytes=moved.h2d_bytes,

@@ -22,6 +22,7 @@ class StepResult:
     logits: Tensor  # [S, V] float32 on the device, one row per batch.logit_rows entry
     tokens: list[int]  # one per batch.sampled entry, on the host
     expert_counts: dict[int, list[int]]  # MoE layer -> tokens routed to each expert
+    experts_hit: int | None = None  # experts with tokens over the layers, where the executor counted them
 
 
 class Executor:

@@ -194,6 +194,10 @@ class ExpertBackend(ABC):
         """Record the experts with tokens in `counts` (per expert) as run in `layer`."""
         self._stats["expert_bytes_read"] += sum(self.expert_bytes(layer, e) for e, n in enumerate(counts) if n)
 
+    def count_bytes(self, nbytes: int) -> None:
+        """Record `nbytes` of experts run (a simulated step's layers counted at once, engines/sim/executor.py)."""
+        self._stats["expert_bytes_read"] += nbytes
+
 
 class StackedBackend(ExpertBackend):
     """An ExpertBackend over one stacked record per MoE layer (`stacks`: layer -> a record with

@@ -30,6 +30,7 @@ class TransferLedger:
         self._step = Counter[str]()
         self.total = Counter[str]()  # since start, per "direction:tag"
         self._meta: dict[tuple, Tensor] = {}  # (shape, dtype) -> a meta tensor (simulated runs)
+        self._names: dict[tuple[str, str], tuple[str, str, str]] = {}  # (direction, tag) -> counter names
 
     def to_device(self, tensor: Tensor, tag: str = "data", non_blocking: bool = False) -> Tensor:
         if tensor.device == self.device:
@@ -50,27 +51,35 @@ class TransferLedger:
         (a simulated run) only the shape is built: the same tensor a copy would give, the same
         bytes counted, without making the host tensor first."""
         if self.device.type == "meta":
-            shape = _shape(data)
-            # Meta tensors hold no data, so one per (shape, dtype) serves every step (a
-            # simulated step builds several: torch.empty costs ~5 us each).
-            key = (shape, dtype)
-            out = self._meta.get(key)
-            if out is None:
-                if len(self._meta) > 4096:
-                    self._meta.clear()
-                out = self._meta[key] = torch.empty(shape, dtype=dtype, device=self.device)
-            if self.crosses_bus:
-                self.record("h2d", out.numel() * out.element_size(), tag)
-            return out
+            return self.shaped(_shape(data), dtype, tag)
         return self.to_device(torch.tensor(data, dtype=dtype), tag)
 
+    def shaped(self, shape: tuple[int, ...], dtype: torch.dtype, tag: str = "data") -> Tensor:
+        """On the meta device (a simulated run): what `tensor` gives for data of `shape`, counted the
+        same, for a caller that knows the shape without building the data."""
+        # Meta tensors hold no data, so one per (shape, dtype) serves every step (a
+        # simulated step builds several: torch.empty costs ~5 us each).
+        key = (shape, dtype)
+        out = self._meta.get(key)
+        if out is None:
+            if len(self._meta) > 4096:
+                self._meta.clear()
+            out = self._meta[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.crosses_bus:
+            self.record("h2d", out.numel() * out.element_size(), tag)
+        return out
+
     def record(self, direction: str, nbytes: int, tag: str = "data", transfers: int = 1) -> None:
-        if direction not in ("h2d", "d2h"):
-            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+        names = self._names.get((direction, tag))
+        if names is None:  # the counters' names per (direction, tag), made once
+            if direction not in ("h2d", "d2h"):
+                raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
+            names = self._names[(direction, tag)] = (f"{direction}:bytes", f"{direction}:count", f"{direction}:{tag}")
+        total, count, tagged = names
         for counter in (self._step, self.total):
-            counter[f"{direction}:bytes"] += nbytes
-            counter[f"{direction}:count"] += transfers
-            counter[f"{direction}:{tag}"] += nbytes
+            counter[total] += nbytes
+            counter[count] += transfers
+            counter[tagged] += nbytes
 
     def peek_step(self) -> TransferCounts:
         """Counts since the previous take_step, without resetting them."""

@@ -33,11 +33,11 @@ from engines.runtime.experts import Dispatch, ExpertBackend, StackedBackend
 from engines.runtime.model import MoEModel
 from engines.runtime.shape import model_shape
 from engines.runtime.transfer import TransferLedger
+from engines.sim.ahead import AheadRouter
 from engines.sim.clock import VirtualClock
 from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
-_RUNS_MEMO = 1 << 16  # entries of the runs memo before it is cleared
 
 
 @dataclass
@@ -66,13 +66,20 @@ class SimExecutor(Executor):
         self.last: StepCost | None = None
         self._layer_tuple = tuple(self.moe_layers)
         self._layer_offsets = (np.arange(len(self.moe_layers), dtype=np.int64) * self.num_experts)[:, None]
+        self.ahead = AheadRouter(routing, self._layer_tuple, self.num_experts, self.top_k) \
+            if getattr(routing, "draws_ahead", False) and self.moe_layers else None
         # A backend whose `simulate` is ExpertBackend's only counts: it never reads `upcoming`.
         self._wants_upcoming = type(experts).simulate is not ExpertBackend.simulate
-        # One stored size per layer (StackedBackend's expert_bytes): a layer's runs differ by tokens only.
-        self._uniform_bytes = type(experts).expert_bytes is StackedBackend.expert_bytes
         self._scheme = getattr(experts, "dequant_scheme", "packed")  # how its quantized experts are stored
-        self._runs: dict[tuple[int, ...], list[ExpertRun]] = {}  # (layer, *counts) -> the layer's runs
+        # A backend that only counts, with one stored size per layer fixed at load (StackedBackend's
+        # expert_bytes): its steps are priced from the counts matrix at once (`_counted_runs`).
+        self._layer_bytes: np.ndarray | None = None
+        if not self._wants_upcoming and type(experts).expert_bytes is StackedBackend.expert_bytes and self.moe_layers:
+            self._layer_bytes = np.array([experts.expert_bytes(layer, 0) for layer in self.moe_layers], dtype=np.int64)
+            one = int(self._layer_bytes[0])
+            self._one_size = (one, 8 * one / self.params_per_expert) if (self._layer_bytes == one).all() else None
         self.totals = SimTotals()
+        self._logits: dict[int, torch.Tensor] = {}
         self.control_time = control_time  # RuntimeConfig.control_time == "measured"
         self._mark: float | None = None  # thread time when the previous step was priced (None: idle since)
         self._control = 0.0  # the step's control seconds so far
@@ -98,9 +105,13 @@ class SimExecutor(Executor):
         self.experts.simulate(layer, d, upcoming)
         self._control += time.thread_time() - t
 
-    def route_counts(self, keys: list[tuple[str, int]]) -> dict[int, list[int]]:
-        """Tokens per expert of every MoE layer for the step's rows `keys`: all layers routed in one
-        call where the routing source has `route_layers`, else one `route` call per layer."""
+    def route_matrix(self, batch: StepBatch) -> np.ndarray:
+        """Tokens per expert [MoE layers, E] for the step's rows: through `AheadRouter` for a source
+        that draws requests' rows as chains (synthetic, uniform), else all layers in one `route_layers`
+        call where the source has it, else one `route` call per layer (replay)."""
+        if self.ahead is not None:
+            return self.ahead.matrix(batch)
+        keys = batch.row_keys()
         layers, e, k = self.moe_layers, self.num_experts, self.top_k
         route_layers = getattr(self.routing, "route_layers", None)
         if route_layers is not None:
@@ -109,44 +120,57 @@ class SimExecutor(Executor):
             ids = np.stack([self.routing.route(layer, keys, e, k).ravel() for layer in layers]) if layers else \
                 np.empty((0, 0), dtype=np.int64)
         ids = ids + self._layer_offsets
-        rows = np.bincount(ids.ravel(), minlength=len(layers) * e).reshape(len(layers), e).tolist()
-        return dict(zip(layers, rows))
+        return np.bincount(ids.ravel(), minlength=len(layers) * e).reshape(len(layers), e)
+
+    def route_counts(self, batch: StepBatch) -> dict[int, list[int]]:
+        """`route_matrix` as MoE layer -> tokens per expert (what StepResult carries)."""
+        return dict(zip(self.moe_layers, self.route_matrix(batch).tolist()))
+
+    def _counted_runs(self, matrix: np.ndarray) -> list[ExpertRun]:
+        """A counting-only backend with one stored size per layer, all layers at once: the bytes of
+        the experts that ran recorded, and one run per (tokens, stored bytes) over the step (an
+        expert's cost does not depend on its layer)."""
+        ran = matrix > 0
+        self.experts.count_bytes(int(ran.sum(axis=1) @ self._layer_bytes))
+        if self._one_size:  # the usual case: runs differ by tokens only
+            by_tokens = np.bincount(matrix[ran])
+            tokens = np.flatnonzero(by_tokens)
+            nbytes, bits = self._one_size
+            return [ExpertRun(-1, t, nbytes, bits, n, self._scheme)
+                    for t, n in zip(tokens.tolist(), by_tokens[tokens].tolist())]
+        step = 1 + int(matrix.max(initial=0))
+        key = (self._layer_bytes[:, None] * step + matrix)[ran]  # (bytes, tokens) as one number
+        uniq, count = np.unique(key, return_counts=True)
+        runs = []
+        for packed, n in zip(uniq.tolist(), count.tolist()):
+            nbytes, tokens = divmod(packed, step)
+            runs.append(ExpertRun(-1, tokens, nbytes, 8 * nbytes / self.params_per_expert, n, self._scheme))
+        return runs
 
     def execute(self, batch: StepBatch) -> StepResult:
         self.begin()
-        keys = batch.row_keys()
-        counts = self.route_counts(keys)
-        runs: list[ExpertRun] = []
-        experts, moe_layers, uniform_bytes, memo = self.experts, self.moe_layers, self._uniform_bytes, self._runs
-        # A backend with its own simulate makes decisions (offload's cache): timed as control.
-        simulate = self.timed_simulate if self._wants_upcoming and self.control_time else experts.simulate
-        n_moe = len(moe_layers)
-        for k, layer in enumerate(moe_layers):
-            layer_counts = counts[layer]
-            upcoming = None
-            if self._wants_upcoming and k + 1 < n_moe:
-                nxt = moe_layers[k + 1]
-                nc = counts[nxt]
-                upcoming = nxt, sorted((e for e, c in enumerate(nc) if c), key=lambda e: -nc[e])
-            if self._wants_upcoming:
-                simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
-            else:  # ExpertBackend.simulate only counts: skip building the Dispatch
-                experts.count_experts(layer, layer_counts)
-            # Experts of a layer with the same tokens and stored bytes cost the same: one run each
-            # (in the order of each kind's first expert, as the cost model sums them).
-            if uniform_bytes:  # memoised by the layer's counts (decode steps repeat a few patterns)
-                key = (layer, *layer_counts)
-                layer_runs = memo.get(key)
-                if layer_runs is None:
-                    if len(memo) > _RUNS_MEMO:
-                        memo.clear()
-                    nbytes = experts.expert_bytes(layer, 0)
-                    bits = 8 * nbytes / self.params_per_expert
-                    alike = Counter(tokens for tokens in layer_counts if tokens)
-                    layer_runs = memo[key] = [ExpertRun(layer, tokens, nbytes, bits, count, self._scheme)
-                                              for tokens, count in alike.items()]
-                runs += layer_runs
-            else:
+        matrix = self.route_matrix(batch)
+        counts = dict(zip(self.moe_layers, matrix.tolist()))
+        experts, moe_layers = self.experts, self.moe_layers
+        if self._layer_bytes is not None:  # counts only, one size per layer: every layer at once
+            runs = self._counted_runs(matrix)
+        else:
+            runs = []
+            # A backend with its own simulate makes decisions (offload's cache): timed as control.
+            simulate = self.timed_simulate if self._wants_upcoming and self.control_time else experts.simulate
+            n_moe = len(moe_layers)
+            for k, layer in enumerate(moe_layers):
+                layer_counts = counts[layer]
+                upcoming = None
+                if self._wants_upcoming and k + 1 < n_moe:
+                    nxt = moe_layers[k + 1]
+                    nc = counts[nxt]
+                    upcoming = nxt, sorted((e for e, c in enumerate(nc) if c), key=lambda e: -nc[e])
+                if self._wants_upcoming:
+                    simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
+                else:  # ExpertBackend.simulate only counts: skip building the Dispatch
+                    experts.count_experts(layer, layer_counts)
+                # Experts of a layer with the same tokens and stored bytes cost the same: one run each.
                 alike = Counter((tokens, experts.expert_bytes(layer, e)) for e, tokens in enumerate(layer_counts)
                                 if tokens)
                 runs += [ExpertRun(layer, tokens, nbytes, 8 * nbytes / self.params_per_expert, count, self._scheme)
@@ -160,9 +184,10 @@ class SimExecutor(Executor):
             d2h_transfers=moved.d2h_transfers, copies_overlap=self.copies_overlap,
             kv_bytes_per_token=self.kv_bytes_per_token, logit_rows=len(batch.sampled),
         )
-        return self.finish(batch, self.cost.step(work), counts)
+        return self.finish(batch, self.cost.step(work), counts, int(np.count_nonzero(matrix)))
 
-    def finish(self, batch: StepBatch, cost: StepCost, counts: dict[int, list[int]]) -> StepResult:
+    def finish(self, batch: StepBatch, cost: StepCost, counts: dict[int, list[int]],
+               experts_hit: int | None = None) -> StepResult:
         """A priced step: the clock moves by its time, the totals add it; one fixed token per
         sampled row (no logits are computed: a meta row per logit row)."""
         if self.control_time and self._control > 0.0:
@@ -174,7 +199,10 @@ class SimExecutor(Executor):
         t.steps, t.seconds, t.roofline_s = t.steps + 1, t.seconds + cost.seconds, t.roofline_s + cost.roofline_s
         for name, s in cost.parts.items():
             t.parts[name] = t.parts.get(name, 0.0) + s
-        logits = torch.empty(batch.logit_rows.shape[0], 1, device="meta")
-        result = StepResult(logits, [self.token] * len(batch.sampled), counts)
+        rows = batch.logit_rows.shape[0]
+        logits = self._logits.get(rows)
+        if logits is None:  # meta tensors hold no data: one per row count serves every step
+            logits = self._logits[rows] = torch.empty(rows, 1, device="meta")
+        result = StepResult(logits, [self.token] * len(batch.sampled), counts, experts_hit)
         self._mark = time.thread_time()
         return result

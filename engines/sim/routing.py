@@ -11,6 +11,8 @@ Interface (engines/sim/executor.py calls it once per MoE layer per step)::
 The executor routes a step's MoE layers in one `route_layers` call where the source has it
 (Uniform, Synthetic: one vectorised draw, per-layer state stacked [layers, slots]; the same law per
 layer as separate `route` calls, not the same random draws), else one `route` call per layer (replay).
+A source with `draws_ahead` (Uniform, Synthetic) is drawn through engines/sim/ahead.py: decode rows
+a window ahead per request, long prefill chunks counted with `bulk_counts`.
 
 `keys` holds one `(request_id, position)` per token row of the step, in row order.
 
@@ -136,6 +138,8 @@ def _rows_with_repeats(a: np.ndarray) -> np.ndarray:
 class UniformRouting:
     """Each token row's top_k experts uniformly without replacement, independent of everything."""
 
+    draws_ahead = True  # rows depend on nothing but the seed: engines/sim/ahead.py may draw them early
+
     def __init__(self, seed: int = 0) -> None:
         self.seed = int(seed)
         self._rng = np.random.default_rng([self.seed, 0x554E49])
@@ -156,6 +160,11 @@ class UniformRouting:
         self.calls += n_layers
         self.rows += n_layers * t
         return _uniform_rows(self._rng, n_layers * t, int(num_experts), int(top_k)).reshape(n_layers, t, int(top_k))
+
+    def bulk_counts(self, layers: Sequence[int], rows: int, num_experts: int, top_k: int) -> np.ndarray:
+        """Tokens per expert [len(layers), E] over `rows` rows of each layer, each expert Binomial(rows, k / E)."""
+        _check_shape(num_experts, top_k)
+        return self._rng.binomial(rows, top_k / num_experts, size=(len(layers), int(num_experts)))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -412,6 +421,7 @@ class SyntheticRouting:
     """Per-layer Zipf popularity and per-request temporal locality (see the module docstring)."""
 
     GROUPS = 4  # random expert orders per call for systematic sampling (rows take them round robin)
+    draws_ahead = True  # a request's rows form a chain of its own: engines/sim/ahead.py may draw them early
 
     def __init__(
         self,
@@ -580,6 +590,14 @@ class SyntheticRouting:
                 return _uniform_rows(self._rng, n_layers * t, e, k).reshape(n_layers, t, k)  # same shares (1/E)
             return self._systematic(ps, np.repeat(np.arange(n_layers), t), k).reshape(n_layers, t, k)
         return self._route_local(layers, keys, ps, e, k)
+
+    def bulk_counts(self, layers: Sequence[int], rows: int, num_experts: int, top_k: int) -> np.ndarray:
+        """Tokens per expert [len(layers), E] over `rows` rows of each layer, expert e of layer l
+        Binomial(rows, pi_le): the exact count over independent rows (locality between the rows is not
+        drawn; engines/sim/ahead.py says where that is used)."""
+        _check_shape(num_experts, top_k)
+        layers = tuple(layers) if type(layers) is not tuple else layers
+        return self._rng.binomial(rows, np.minimum(self._pop_stack(layers, int(num_experts), int(top_k)).pi, 1.0))
 
     # ---- per-request state -----------------------------------------------------------------------
     def _new_slot(self, name: str) -> int:

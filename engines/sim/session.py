@@ -95,13 +95,19 @@ class Simulation:
         return {"hardware": self.profile.name, "hardware_description": self.profile.description,
                 "cost_model_version": CostModel.VERSION,
                 "cost_model": self.cost.assumptions() if self.executor is not None else {},
-                "routing": self.routing.describe() if self.routing is not None else {},
+                "routing": self._routing(),
                 "control_time": ("measured: each step adds the CPU time of the engine's control code (scheduler, KV, "
                                  "the technique's per-step host work, the harness's bookkeeping) as it ran here, "
                                  "assuming a host as fast as this one" if self.control_time
                                  else "off: compute only (--set control_time=off)"),
                 "totals": self.stats(),  # the run's simulated steps: seconds, roofline, parts
                 "notes": list(self.notes)}
+
+    def _routing(self) -> dict[str, Any]:
+        if self.routing is None:
+            return {}
+        ahead = getattr(self.executor, "ahead", None)
+        return {**self.routing.describe(), **({"drawing": ahead.describe()} if ahead is not None else {})}
 
     def peaks(self) -> dict[str, Any]:
         """The profile's peaks in `pwbench hw`'s keys, for the summary's efficiency metrics."""
