@@ -98,41 +98,65 @@ def _rank(o: Choice) -> tuple[int, float, int]:
     return o.nbytes, o.cost, -o.bits
 
 
+# The helpers below scan one key's allowed options, which `_allowed` sorts by bytes: the
+# options that free bytes from `cur` are a prefix, so the scans stop at the first that does not.
+# Each keeps the first of equal ranks, as min() over (rank, ...) tuples in list order would.
+
+
 def _top(opts: list[Choice]) -> Choice:
-    return min(opts, key=lambda o: (o.cost, o.nbytes, -o.bits))
-
-
-def _down(opts: list[Choice], cur: Choice, below: float = math.inf) -> tuple[tuple[float, float, int], Choice] | None:
-    """Least-slope demotion from `cur` freeing under `below` bytes: the next lower-hull vertex
-    (the nearest one on a tie)."""
-    best = None
+    """The option of least (cost, bytes, -bits)."""
+    best = opts[0]
     for o in opts:
-        freed = cur.nbytes - o.nbytes
-        if 0 < freed < below:
-            added = o.cost - cur.cost
-            rank = (added / freed, added, -o.bits)
-            if best is None or rank < best[0]:
-                best = (rank, o)
+        if o.cost < best.cost or o.cost == best.cost and (
+                o.nbytes < best.nbytes or o.nbytes == best.nbytes and o.bits > best.bits):
+            best = o
     return best
 
 
-def _up(opts: list[Choice], cur: Choice, slack: int) -> tuple[tuple[float, float, int], Choice] | None:
-    """Promotion from `cur` within `slack` bytes saving the most cost per byte added."""
+def _down(opts: list[Choice], cur: Choice, below: float = math.inf) -> tuple[float, float, int, Choice] | None:
+    """Least-slope demotion from `cur` freeing under `below` bytes: the next lower-hull vertex
+    (the nearest one on a tie); (slope, added cost, -bits, option)."""
     best = None
+    cn, cc = cur.nbytes, cur.cost
     for o in opts:
-        added = o.nbytes - cur.nbytes
-        saved = cur.cost - o.cost
+        freed = cn - o.nbytes
+        if freed <= 0:
+            break
+        if freed < below:
+            added = o.cost - cc
+            r = added / freed
+            if best is None or r < best[0] or r == best[0] and (
+                    added < best[1] or added == best[1] and -o.bits < best[2]):
+                best = (r, added, -o.bits, o)
+    return best
+
+
+def _up(opts: list[Choice], cur: Choice, slack: int) -> tuple[float, float, int, Choice] | None:
+    """Promotion from `cur` within `slack` bytes saving the most cost per byte added;
+    (-saving per byte, -saving, -bits, option)."""
+    best = None
+    cn, cc = cur.nbytes, cur.cost
+    for o in opts:
+        added = o.nbytes - cn
+        saved = cc - o.cost
         if 0 < added <= slack and saved > 0:
-            rank = (-saved / added, -saved, -o.bits)
-            if best is None or rank < best[0]:
-                best = (rank, o)
+            r, s = -saved / added, -saved
+            if best is None or r < best[0] or r == best[0] and (s < best[1] or s == best[1] and -o.bits < best[2]):
+                best = (r, s, -o.bits, o)
     return best
 
 
 def _closing(opts: list[Choice], cur: Choice, deficit: int) -> tuple[float, int, Choice] | None:
-    """The option of least added cost freeing at least `deficit` bytes from `cur`."""
-    return min(((o.cost - cur.cost, -o.bits, o) for o in opts if cur.nbytes - o.nbytes >= deficit),
-               key=lambda c: c[:2], default=None)
+    """The option of least (added cost, -bits) freeing at least `deficit` bytes from `cur`."""
+    best = None
+    most, cc = cur.nbytes - deficit, cur.cost
+    for o in opts:
+        if o.nbytes > most:
+            break
+        added = o.cost - cc
+        if best is None or added < best[0] or added == best[0] and -o.bits < best[1]:
+            best = (added, -o.bits, o)
+    return best
 
 
 def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> int:
@@ -146,36 +170,45 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     total = sum(pick[k].nbytes for k in keys)
     if total <= capacity:
         return total
+    opts = list(allowed.values())
+    # Entries (slope, added, index, option): one per key, so the index breaks every tie.
     heap = []
     for i, k in enumerate(keys):
-        if (d := _down(allowed[k], pick[k])) is not None:
-            heap.append((*d[0][:2], i, d[0][2], d[1]))
+        if (d := _down(opts[i], pick[k])) is not None:
+            heap.append((d[0], d[1], i, d[3]))
     heapq.heapify(heap)
     log: list[tuple[Key, Choice]] = []  # applied steps, with the option each replaced
     spent = 0.0
     best: tuple[float, int, Key, Choice] | None = None  # (total added, steps kept, key, option)
     # One entry per key, replaced only when that key is popped: no stale entries to skip.
     while heap and (best is None or spent < best[0]):
-        _, added, i, _, o = heapq.heappop(heap)
+        _, added, i, o = heapq.heappop(heap)
         k, deficit = keys[i], total - capacity
-        if pick[k].nbytes - o.nbytes < deficit:
-            log.append((k, pick[k]))
-            total -= pick[k].nbytes - o.nbytes
+        cur = pick[k]
+        if cur.nbytes - o.nbytes < deficit:
+            log.append((k, cur))
+            total -= cur.nbytes - o.nbytes
             spent += added
             pick[k] = o
-            d = _down(allowed[k], o)
+            d = _down(opts[i], o)
         else:
-            finishes = [(k, _closing(allowed[k], pick[k], deficit))]
-            if best is None:
+            first = best is None
+            c = _closing(opts[i], cur, deficit)  # never None: o frees enough
+            if best is None or spent + c[0] < best[0]:
+                best = (spent + c[0], len(log), k, c[2])
+            if first:
                 # The first time the deficit can be closed, also try every key's single
-                # move (the knapsack's "best single item" guard).
-                finishes += [(j, _closing(allowed[j], pick[j], deficit)) for j in keys]
-            for j, c in finishes:
-                if c is not None and (best is None or spent + c[0] < best[0]):
-                    best = (spent + c[0], len(log), j, c[2])
-            d = _down(allowed[k], pick[k], below=deficit)
+                # move (the knapsack's "best single item" guard); a key whose least-bytes
+                # option frees too little has none.
+                for j, key in enumerate(keys):
+                    have = pick[key]
+                    if have.nbytes - opts[j][0].nbytes >= deficit:
+                        c = _closing(opts[j], have, deficit)
+                        if spent + c[0] < best[0]:
+                            best = (spent + c[0], len(log), key, c[2])
+            d = _down(opts[i], cur, below=deficit)
         if d is not None:
-            heapq.heappush(heap, (*d[0][:2], i, d[0][2], d[1]))
+            heapq.heappush(heap, (d[0], d[1], i, d[3]))
     if best is None:
         return total  # every key at its least bytes and still over: the floors do not fit
     for k, prev in reversed(log[best[1]:]):
@@ -190,23 +223,24 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
 def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> int:
     """Fill the slack in place by the best cost saved per byte added; the total."""
     keys = list(allowed)
+    opts = list(allowed.values())
     total = sum(pick[k].nbytes for k in keys)
     slack = capacity - total
-    heap = []
+    heap = []  # entries (-saving per byte, -saving, index, option)
     for i, k in enumerate(keys):
-        if (u := _up(allowed[k], pick[k], slack)) is not None:
-            heap.append((*u[0][:2], i, u[0][2], u[1]))
+        if (u := _up(opts[i], pick[k], slack)) is not None:
+            heap.append((u[0], u[1], i, u[3]))
     heapq.heapify(heap)
     # Lazy: slack only shrinks, so an entry's rank bounds what its key can do now; the top
     # entry is the true best if it still fits, else its key is re-ranked under the new slack.
     while heap:
-        _, _, i, _, o = heapq.heappop(heap)
+        _, _, i, o = heapq.heappop(heap)
         k = keys[i]
         if o.nbytes - pick[k].nbytes <= slack:
             slack -= o.nbytes - pick[k].nbytes
             pick[k] = o
-        if (u := _up(allowed[k], pick[k], slack)) is not None:
-            heapq.heappush(heap, (*u[0][:2], i, u[0][2], u[1]))
+        if (u := _up(opts[i], pick[k], slack)) is not None:
+            heapq.heappush(heap, (u[0], u[1], i, u[3]))
     return capacity - slack
 
 
@@ -253,16 +287,23 @@ def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     return pick
 
 
-def _greedy(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
-            polish_keys: int = POLISH_KEYS) -> Allocation:
+def _greedy_pick(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
+                 polish_keys: int = POLISH_KEYS) -> tuple[Allocation, dict[Key, Choice]]:
+    """The greedy's allocation and the option it picked per key."""
     if sum(opts[0].nbytes for opts in allowed.values()) > capacity:
-        return _plan({k: opts[0] for k, opts in allowed.items()}, capacity)
+        pick = {k: opts[0] for k, opts in allowed.items()}
+        return _plan(pick, capacity), pick
     pick = dict(start) if start is not None else {k: _top(opts) for k, opts in allowed.items()}
     _demote(allowed, pick, capacity)
     _promote(allowed, pick, capacity)
     if len(allowed) <= polish_keys:
         pick = _polish(allowed, pick, capacity)
-    return _plan(pick, capacity)
+    return _plan(pick, capacity), pick
+
+
+def _greedy(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
+            polish_keys: int = POLISH_KEYS) -> Allocation:
+    return _greedy_pick(allowed, capacity, start, polish_keys)[0]
 
 
 def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | None = None,
@@ -357,6 +398,8 @@ class Arbiter:
         self._inflight: dict[Key, Move] = {}
         self._target: dict[Key, int] = {}
         self._step: int | None = None
+        self._floors_version = 0  # raised by raise_floor: the cached widths (see _widths) are stale
+        self._shape_cache: tuple | None = None  # ((shape, floors version), keep, pos) from _widths
 
     @property
     def inflight(self) -> tuple[Move, ...]:
@@ -373,22 +416,50 @@ class Arbiter:
         """Still inside its residence window: optional moves must leave it alone."""
         return key in self.changed_at and step < self.changed_at[key] + self.min_residence_steps
 
-    def plan(self, step: int, capacity: int, options: Options) -> Decision:
-        if self._step is not None and step < self._step:
-            raise ValueError(f"step went backwards: {step} after {self._step}")
-        self._step = step
+    def _widths(self, options: Options,
+                shape: Hashable | None) -> tuple[dict[Key, list[Choice]], dict[Key, dict[int, int]]]:
+        """`_allowed(options, self.floors)` and each key's bits -> index in its allowed list.
+
+        With a `shape` token the checks and the floor filter are done once per change of the
+        token (or of the floors) and reused: options in the controller's order (strictly
+        increasing bytes) keep that order, so only the costs differ from step to step."""
+        token = (shape, self._floors_version)
+        cache = self._shape_cache
+        if shape is not None and cache is not None and cache[0] == token and len(cache[1]) == len(options):
+            keep = cache[1]
+            allowed = {k: opts if keep[k] is None else [opts[i] for i in keep[k]] for k, opts in options.items()}
+            return allowed, cache[2]
         allowed = _allowed(options, self.floors)
         if missing := [k for k in self.bits if k not in allowed]:
             raise ValueError(f"options lack tracked keys {missing[:5]}")
-        by_bits = {k: {o.bits: o for o in opts} for k, opts in allowed.items()}
         for k, opts in allowed.items():
             self.bits.setdefault(k, opts[0].bits)
+        pos = {k: {o.bits: i for i, o in enumerate(opts)} for k, opts in allowed.items()}
+        self._shape_cache = None
+        if shape is not None and all(all(a.nbytes < b.nbytes for a, b in zip(opts, opts[1:]))
+                                     for opts in options.values()):
+            keep = {}
+            for k, opts in options.items():
+                kept = tuple(i for i, o in enumerate(opts) if o.bits >= self.floors.get(k, 0))
+                keep[k] = None if len(kept) == len(opts) else kept
+            self._shape_cache = (token, keep, pos)
+        return allowed, pos
+
+    def plan(self, step: int, capacity: int, options: Options, shape: Hashable | None = None) -> Decision:
+        """This step's decision for the bytes `capacity` over `options`. `shape`: a token the
+        caller changes whenever any key's (bits, nbytes) options change (None: check every step)."""
+        if self._step is not None and step < self._step:
+            raise ValueError(f"step went backwards: {step} after {self._step}")
+        self._step = step
+        allowed, pos = self._widths(options, shape)
+        inflight, bits = self._inflight, self.bits
         eff = {}  # the assignment once in-flight moves land: what bytes are promised to
-        for k in allowed:
-            b = self._inflight[k].to_bits if k in self._inflight else self.bits[k]
-            if b not in by_bits[k]:
-                raise ValueError(f"key {k!r} holds {b} bits, not an allowed option {sorted(by_bits[k])}")
-            eff[k] = by_bits[k][b]
+        for k, opts in allowed.items():
+            b = inflight[k].to_bits if k in inflight else bits[k]
+            i = pos[k].get(b)
+            if i is None:
+                raise ValueError(f"key {k!r} holds {b} bits, not an allowed option {sorted(pos[k])}")
+            eff[k] = opts[i]
         keys = list(allowed)
         total = sum(o.nbytes for o in eff.values())
         moves: list[Move] = []
@@ -396,18 +467,20 @@ class Arbiter:
         budget = math.inf if self.transition_bytes_per_step is None else self.transition_bytes_per_step
 
         if total > capacity:
-            total = self._force(step, capacity, allowed, by_bits, eff, cancelled)
+            total = self._force(step, capacity, allowed, pos, eff, cancelled)
             for k in keys:
                 if k not in self._inflight and eff[k].bits != self.bits[k]:
-                    m = Move(k, self.bits[k], eff[k].bits, self._bytes_moved(k, by_bits[k][self.bits[k]], eff[k]), True)
+                    src = allowed[k][pos[k][self.bits[k]]]
+                    m = Move(k, self.bits[k], eff[k].bits, self._bytes_moved(k, src, eff[k]), True)
                     moves.append(m)
                     self._inflight[k] = m
                     budget -= m.bytes_moved
         full_budget = budget
 
-        free = [k for k in keys if k not in self._inflight and not self._resident(k, step)]
+        changed, wait = self.changed_at, self.min_residence_steps
+        free = [k for k in keys if k not in inflight and (k not in changed or step >= changed[k] + wait)]
         room_free = capacity - (total - sum(eff[k].nbytes for k in free))
-        goal = self._adopt(free, allowed, by_bits, eff, room_free)
+        goal = self._adopt(free, allowed, pos, eff, room_free)
         self._target = {k: eff[k].bits for k in keys} | {k: o.bits for k, o in goal.items()}
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
@@ -457,7 +530,7 @@ class Arbiter:
                         sum(o.cost for o in eff.values()), total <= capacity)
 
     def _force(self, step: int, capacity: int, allowed: dict[Key, list[Choice]],
-               by_bits: dict[Key, dict[int, Choice]], eff: dict[Key, Choice], cancelled: list[Move]) -> int:
+               pos: dict[Key, dict[int, int]], eff: dict[Key, Choice], cancelled: list[Move]) -> int:
         """Demote `eff` in place until it fits: free keys, then in-flight promotions, then all."""
         total = sum(o.nbytes for o in eff.values())
         free = [k for k in allowed if k not in self._inflight and not self._resident(k, step)]
@@ -466,7 +539,7 @@ class Arbiter:
             order = {k: i for i, k in enumerate(allowed)}
             ranked = []
             for k, m in self._inflight.items():
-                src, dst = by_bits[k][m.from_bits], eff[k]
+                src, dst = allowed[k][pos[k][m.from_bits]], eff[k]
                 if dst.nbytes > src.nbytes:
                     freed, added = dst.nbytes - src.nbytes, src.cost - dst.cost
                     ranked.append((added / freed, added, order[k], k))
@@ -475,8 +548,9 @@ class Arbiter:
                     break
                 m = self._inflight.pop(k)
                 cancelled.append(m)
-                total -= eff[k].nbytes - by_bits[k][m.from_bits].nbytes
-                eff[k] = by_bits[k][m.from_bits]
+                src = allowed[k][pos[k][m.from_bits]]
+                total -= eff[k].nbytes - src.nbytes
+                eff[k] = src
         if total > capacity:
             total = self._demote_among([k for k in allowed if k not in self._inflight], capacity, allowed, eff, total)
         return total
@@ -490,20 +564,28 @@ class Arbiter:
         eff.update(pick)
         return fixed + sub
 
-    def _adopt(self, free: list[Key], allowed: dict[Key, list[Choice]], by_bits: dict[Key, dict[int, Choice]],
+    def _adopt(self, free: list[Key], allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
                eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
         greedy beats that base by the hysteresis margin."""
         keep = {k: eff[k] for k in free}
-        cand = _greedy({k: allowed[k] for k in free}, room)
-        old = {k: by_bits[k].get(self._target.get(k, eff[k].bits)) for k in free}
+        sub = {k: allowed[k] for k in free}
+        cand, picked = _greedy_pick(sub, room)
+        target = self._target
+        old = {}
+        for k in free:
+            i = pos[k].get(target.get(k, eff[k].bits))
+            if i is None:  # an earlier goal no longer allowed (a floor rose): the current bits
+                old = None
+                break
+            old[k] = sub[k][i]
         base = keep
-        if all(old.values()) and sum(o.nbytes for o in old.values()) <= room and \
+        if old is not None and sum(o.nbytes for o in old.values()) <= room and \
                 sum(o.cost for o in old.values()) < sum(o.cost for o in keep.values()):
             base = old
         base_cost = sum(o.cost for o in base.values())
         if cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
-            return {k: by_bits[k][cand.bits[k]] for k in free}
+            return picked
         return base
 
     def commit(self, moves: Iterable[Move], step: int | None = None) -> None:
@@ -523,6 +605,7 @@ class Arbiter:
         in-flight move, if any, is dropped, and `bits` becomes its committed width, changed at
         `step`. Returns whether the caller must make that move."""
         self.floors[key] = max(self.floors.get(key, 0), bits)
+        self._floors_version += 1
         held = self._inflight[key].to_bits if key in self._inflight else self.bits.get(key, 0)
         if held >= bits:
             return False

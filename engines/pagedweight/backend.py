@@ -89,6 +89,7 @@ class PagedWeightBackend(ExpertBackend):
         self.stores = dict(stores)
         self.copies, self.device, self.importance = copies, device, importance
         self.held: dict[Key, Held] = {}  # changed only through _hold (the byte ledger follows it)
+        self._widths: dict[int, int] = {0: len(self.stores)}  # bits -> experts holding it (kept by _hold)
         self.pending: list[Move] = []  # changed only through _track / _untrack
         # The byte ledger: id(tensor) -> [references from held versions and moves in flight,
         # bytes, the tensor], and the bytes of all of them. A part shared by two versions (the
@@ -167,6 +168,15 @@ class PagedWeightBackend(ExpertBackend):
             old = self.held.pop(key, None)
         if old is not None:
             self._ref(old.parts, -1)
+        widths = self._widths
+        was, now = 0 if old is None else old.bits, 0 if version is None else version.bits
+        widths[was] -= 1
+        widths[now] = widths.get(now, 0) + 1
+
+    def width_counts(self) -> dict[int, int]:
+        """Bits -> how many experts hold that width now (0: not resident); a tally kept by every
+        change of a held version, so reading it walks no expert."""
+        return {b: n for b, n in self._widths.items() if n}
 
     def _track(self, move: Move) -> None:
         self._ref(move.held.parts, 1)

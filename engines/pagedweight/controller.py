@@ -106,7 +106,9 @@ class PagedController(Controller):
         self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
         self._floor_bytes: int | None = None  # paged.floor_bytes(), kept until a pin changes the floors
         self._refused: set[tuple[Key, int]] = set()  # pins refused for lack of KV room (recorded once)
-        self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, ((bits, bytes, exact), ...))
+        self._shapes: dict[Key, tuple[int, int]] = {}  # key -> (quality, floor) its row was made for
+        self._rows: dict[Key, tuple[tuple[int, int, float], ...]] = {}  # key -> options() row
+        self.shape_version = 0  # raised when a key's widths change: the arbiter's `shape` token
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
     def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
@@ -127,22 +129,36 @@ class PagedController(Controller):
                                floors=p.floors, initial=dict(initial.bits))
 
     def options(self) -> dict[Key, list[Choice]]:
-        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by)."""
-        p, out = self.paged, {}
-        shapes = self._shapes
+        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by).
+
+        A key's widths, bytes and sensitivities are kept (`_rows`) until its quality floor, floor
+        or a sensitivity changes (all three only in `_apply_feedback`, which drops its row);
+        each step only multiplies them by the key's importance."""
+        p, out, rows = self.paged, {}, self._rows
+        imp = p.importance.values()
+        new = tuple.__new__  # Choice(...) without its Python-level __new__: ~1,300 per Mixtral step
         for key, store in self.backend.stores.items():
-            imp, sens = p.importance[key], p.sensitivity[key]
-            quality, floor = p.quality[key], p.floors[key]
-            shape = shapes.get(key)
-            if shape is None or shape[0] != quality or shape[1] != floor:  # the widths and bytes once
-                # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
-                # the expert may leave the device, but not sit on it at a width over the bound).
-                widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
-                shape = shapes[key] = (quality, floor, tuple((b, n, x) for n, b, x in widths))
-            opts = [Choice(0, 0, imp * MISS_COST)] if floor == 0 else []  # it may leave the device
-            opts += [Choice(b, n, imp * (0.0 if exact else sens[b])) for b, n, exact in shape[2]]
-            out[key] = opts
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = self._row(key, store)
+            w = imp[key]
+            out[key] = [new(Choice, (b, n, w * s)) for b, n, s in row]
         return out
+
+    def _row(self, key: Key, store: Any) -> tuple[tuple[int, int, float], ...]:
+        """(bits, bytes, sensitivity) per width `key` may hold, in increasing bytes: its cost is
+        importance x sensitivity (0 at an exact width; MISS_COST at 0 bits, when it may leave)."""
+        p = self.paged
+        quality, floor, sens = p.quality[key], p.floors[key], p.sensitivity[key]
+        shape = (quality, floor)
+        if self._shapes.get(key) != shape:  # a width's bytes are the store's: walked once per shape
+            self._shapes[key] = shape
+            self.shape_version += 1
+        # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
+        # the expert may leave the device, but not sit on it at a width over the bound).
+        widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
+        row = [(0, 0, MISS_COST)] if floor == 0 else []  # it may leave the device
+        return (*row, *((b, n, 0.0 if exact else sens[b]) for n, b, exact in widths))
 
     def kv_demand_blocks(self) -> int:
         """Blocks the running requests need to finish, plus what the queue would take next:
@@ -163,14 +179,14 @@ class PagedController(Controller):
     def before_step(self) -> None:
         backend, room, alloc = self.backend, self.room, self.kv.allocator
         backend.take_token_bits()  # rows of forwards outside a step belong to no request
-        committed = backend.commit()
-        self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
-                            self.engine_step)
+        landed = {m.key for m in backend.commit()}
+        self.arbiter.commit([m for m in self.arbiter.inflight if m.key in landed], self.engine_step)
         block = self.kv.block_bytes
         # What the pages, the staging slots and (KV on the device) the KV blocks share.
         pages, on_device = room.pages, room.kv_on_device
         kv_bytes = min(self.kv_demand_blocks(), alloc.num_blocks) * block if on_device else 0
-        decision = self.arbiter.plan(self.engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self.options())
+        decision = self.arbiter.plan(self.engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self.options(),
+                                     shape=self.shape_version)
         if decision.cancelled:
             backend.cancel([m.key for m in decision.cancelled])
         moved = promotions = demotions = deferred = 0
@@ -236,13 +252,15 @@ class PagedController(Controller):
 
     def _observe(self, fits: bool, moved: int, promotions: int, demotions: int) -> dict[str, float]:
         backend, p = self.backend, self.paged
-        bits = {k: backend.bits(k) for k in backend.stores}
-        mean = sum(p.weight_bits(b) for b in bits.values()) / len(bits)
+        # From the backend's tally of held widths, not a walk over every expert: widths are
+        # multiples of 1/4 bit, so count x width sums exactly what the walk summed.
+        held = backend.width_counts()
+        mean = sum(n * p.weight_bits(b) for b, n in held.items()) / len(backend.stores)
         extras: dict[str, float] = {"engine_step": self.engine_step, "mean_bits": mean,
                                     "promotions": promotions, "demotions": demotions, "move_bytes": moved,
                                     "floors_fit": int(fits)}
         for b in (*p.bit_widths, 0):
-            extras[f"experts_at_{width_name(b, p.mxfp4)}_bits"] = sum(v == b for v in bits.values())
+            extras[f"experts_at_{width_name(b, p.mxfp4)}_bits"] = held.get(b, 0)
         feedback = backend.take_feedback() if backend.feedback_due else None
         extras.update(feedback_checks=0, fallbacks=0)
         if feedback is not None and feedback.layer_error:
@@ -250,8 +268,9 @@ class PagedController(Controller):
                           feedback_rows=feedback.rows, feedback_s=feedback.seconds, feedback_bytes=feedback.bytes)
             extras["fallbacks"] = self._apply_feedback(feedback)
         if self.engine_step % max(1, self.cfg.matrix_every) == 0:
-            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1], "bits": p.weight_bits(b),
-                             "importance": p.importance[k]} for k, b in bits.items()]
+            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1],
+                             "bits": p.weight_bits(backend.bits(k)), "importance": p.importance[k]}
+                            for k in backend.stores]
         return extras
 
     def _apply_feedback(self, sample: FeedbackSample) -> int:
@@ -262,6 +281,7 @@ class PagedController(Controller):
         for key, (bits, err) in sample.expert_error.items():
             old = p.sensitivity[key][bits]
             p.sensitivity[key][bits] = (1 - w) * old + w * err
+            self._rows.pop(key, None)
         pinned = 0
         for layer, err in sample.layer_error.items():
             if err <= cfg.feedback_threshold:
@@ -284,6 +304,7 @@ class PagedController(Controller):
                     self._floor_bytes = None
                     # Its quality floor rises with it (the widths it may hold, and fetch at).
                     p.quality[key] = max(p.quality[key], higher)
+                    self._rows.pop(key, None)
                     backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
                     if self.arbiter.raise_floor(key, higher, self.engine_step):
                         backend.cancel([key])
