@@ -22,11 +22,14 @@ Floors. `floors[key]` removes options below those bits. If even the floors do no
 solvers return the floors (least bytes allowed per key) with `fits=False`; the arbiter does
 not drop floors: the engine must queue or preempt requests until the KV demand falls.
 
-`Arbiter` keeps the assignment across steps (never reset per epoch) and adds three rules:
-- hysteresis: an optional re-plan is adopted only if cost(base) - cost(new) >
-  hysteresis * cost(base) + min_gain, where base is the goal adopted earlier (while it still
-  fits and beats the current assignment) or else the current assignment; a goal once adopted
-  is pursued over later steps without re-passing the test, so deferred moves complete;
+`Arbiter` keeps the assignment across steps (never reset per epoch) and adds these rules:
+- hysteresis: an optional re-plan (a fresh greedy over the keys free to move) is adopted only
+  if cost(base) - cost(new) > hysteresis * cost(base) + min_gain, where base is the goal
+  adopted earlier (while it still fits and beats the current assignment) or else the current
+  assignment; a goal once adopted is pursued over later steps without re-passing the test, so
+  deferred moves complete;
+- re-plan period: the optional re-plan runs on one step in `replan_every` (1: every step); on
+  the others the goal is the base. Forced demotions and the walk toward the goal run every step;
 - residence: a key changed (committed) at step s is not changed by optional moves before
   s + min_residence_steps;
 - transition budget: optional moves (promotions, and the demotions that make room for them)
@@ -379,19 +382,24 @@ class Arbiter:
 
     def __init__(self, *, hysteresis: float = 0.02, min_gain: float = 0.0, min_residence_steps: int = 0,
                  transition_bytes_per_step: int | None = None, transfer: str | TransferFn = "bitplane",
-                 floors: Mapping[Key, int] | None = None, initial: Mapping[Key, int] | None = None) -> None:
+                 floors: Mapping[Key, int] | None = None, initial: Mapping[Key, int] | None = None,
+                 replan_every: int = 1) -> None:
         if hysteresis < 0 or min_gain < 0:
             raise ValueError(f"hysteresis and min_gain must be >= 0, got {hysteresis}, {min_gain}")
         if min_residence_steps < 0:
             raise ValueError(f"min_residence_steps must be >= 0, got {min_residence_steps}")
         if transition_bytes_per_step is not None and transition_bytes_per_step < 0:
             raise ValueError(f"transition_bytes_per_step must be >= 0 or None, got {transition_bytes_per_step}")
+        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+            raise ValueError(f"replan_every must be an integer >= 1, got {replan_every!r}")
         if not callable(transfer) and transfer not in ("bitplane", "requantize"):
             raise ValueError(f"transfer must be 'bitplane', 'requantize' or a callable, got {transfer!r}")
         self.hysteresis, self.min_gain = hysteresis, min_gain
         self.min_residence_steps = min_residence_steps
         self.transition_bytes_per_step = transition_bytes_per_step
         self.transfer = transfer
+        self.replan_every = replan_every
+        self._replanned: int | None = None  # step of the latest optional re-plan
         self.floors = dict(floors or {})
         self.bits: dict[Key, int] = dict(initial or {})  # committed: what the device holds
         self.changed_at: dict[Key, int] = {}  # step of each key's last committed change
@@ -480,7 +488,7 @@ class Arbiter:
         changed, wait = self.changed_at, self.min_residence_steps
         free = [k for k in keys if k not in inflight and (k not in changed or step >= changed[k] + wait)]
         room_free = capacity - (total - sum(eff[k].nbytes for k in free))
-        goal = self._adopt(free, allowed, pos, eff, room_free)
+        goal = self._adopt(step, free, allowed, pos, eff, room_free)
         self._target = {k: eff[k].bits for k in keys} | {k: o.bits for k, o in goal.items()}
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
@@ -564,13 +572,16 @@ class Arbiter:
         eff.update(pick)
         return fixed + sub
 
-    def _adopt(self, free: list[Key], allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
+    def _adopt(self, step: int, free: list[Key], allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
                eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
-        greedy beats that base by the hysteresis margin."""
+        greedy (on a re-plan step) beats that base by the hysteresis margin."""
         keep = {k: eff[k] for k in free}
         sub = {k: allowed[k] for k in free}
-        cand, picked = _greedy_pick(sub, room)
+        replan = self._replanned is None or step >= self._replanned + self.replan_every
+        if replan:
+            self._replanned = step
+            cand, picked = _greedy_pick(sub, room)
         target = self._target
         old = {}
         for k in free:
@@ -584,7 +595,7 @@ class Arbiter:
                 sum(o.cost for o in old.values()) < sum(o.cost for o in keep.values()):
             base = old
         base_cost = sum(o.cost for o in base.values())
-        if cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
+        if replan and cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
             return picked
         return base
 

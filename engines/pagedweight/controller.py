@@ -126,7 +126,8 @@ class PagedController(Controller):
         self.arbiter = Arbiter(hysteresis=cfg.hysteresis, min_residence_steps=cfg.min_residence_steps,
                                transition_bytes_per_step=cfg.transition_bytes_per_step,
                                transfer=lambda key, a, b: self.backend.stores[key].transfer_bytes(a, b),
-                               floors=p.floors, initial=dict(initial.bits))
+                               floors=p.floors, initial=dict(initial.bits),
+                               replan_every=getattr(cfg, "replan_every", 1))
 
     def options(self) -> dict[Key, list[Choice]]:
         """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by).
