@@ -222,9 +222,11 @@ class PagedWeightBackend(ExpertBackend):
             move = Move(key, from_bits, 0, Held(0, {}), None, 0)
             self._hold(key, None)
             return move
-        parts, pairs = self.stores[key].device_tensors(to_bits, self.device, have)
+        store = self.stores[key]
+        parts, pairs = store.device_tensors(to_bits, self.device, have)
         new = Held(to_bits, parts)
-        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        # The held parts are those of its width, so the copies' bytes are the store's (memoised).
+        nbytes = store.transfer_bytes(from_bits, to_bits)
         handle = self.copies.h2d(pairs, tag="expert_pages") if pairs else None
         move = Move(key, from_bits, to_bits, new, handle, nbytes)
         if handle is not None and to_bits < from_bits:

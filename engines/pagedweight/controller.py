@@ -135,16 +135,15 @@ class PagedController(Controller):
         A key's widths, bytes and sensitivities are kept (`_rows`) until its quality floor, floor
         or a sensitivity changes (all three only in `_apply_feedback`, which drops its row);
         each step only multiplies them by the key's importance."""
-        p, out, rows = self.paged, {}, self._rows
-        imp = p.importance.values()
-        new = tuple.__new__  # Choice(...) without its Python-level __new__: ~1,300 per Mixtral step
-        for key, store in self.backend.stores.items():
-            row = rows.get(key)
-            if row is None:
-                row = rows[key] = self._row(key, store)
-            w = imp[key]
-            out[key] = [new(Choice, (b, n, w * s)) for b, n, s in row]
-        return out
+        stores, rows = self.backend.stores, self._rows
+        if len(rows) < len(stores):
+            for key, store in stores.items():
+                if key not in rows:
+                    rows[key] = self._row(key, store)
+        imp = self.paged.importance.values()
+        new = tuple.__new__  # Choice(...) without its Python-level __new__: ~800 per Mixtral step
+        return {key: [new(Choice, (b, n, w * s)) for b, n, s in rows[key]]
+                for key, w in zip(stores, map(imp.__getitem__, stores))}
 
     def _row(self, key: Key, store: Any) -> tuple[tuple[int, int, float], ...]:
         """(bits, bytes, sensitivity) per width `key` may hold, in increasing bytes: its cost is
