@@ -28,8 +28,9 @@ not drop floors: the engine must queue or preempt requests until the KV demand f
   adopted earlier (while it still fits and beats the current assignment) or else the current
   assignment; a goal once adopted is pursued over later steps without re-passing the test, so
   deferred moves complete;
-- re-plan period: the optional re-plan runs on one step in `replan_every` (1: every step); on
-  the others the goal is the base. Forced demotions and the walk toward the goal run every step;
+- re-plan period: the optional re-plan runs once `replan_every` steps have passed since the
+  latest one (1: every step) or when the capacity differs from the latest one's; on other
+  steps the goal is the base. Forced demotions and the walk toward the goal run every step;
 - residence: a key changed (committed) at step s is not changed by optional moves before
   s + min_residence_steps;
 - transition budget: optional moves (promotions, and the demotions that make room for them)
@@ -399,7 +400,7 @@ class Arbiter:
         self.transition_bytes_per_step = transition_bytes_per_step
         self.transfer = transfer
         self.replan_every = replan_every
-        self._replanned: int | None = None  # step of the latest optional re-plan
+        self._replanned: tuple[int, int] | None = None  # (step, capacity) of the latest optional re-plan
         self.floors = dict(floors or {})
         self.bits: dict[Key, int] = dict(initial or {})  # committed: what the device holds
         self.changed_at: dict[Key, int] = {}  # step of each key's last committed change
@@ -488,7 +489,7 @@ class Arbiter:
         changed, wait = self.changed_at, self.min_residence_steps
         free = [k for k in keys if k not in inflight and (k not in changed or step >= changed[k] + wait)]
         room_free = capacity - (total - sum(eff[k].nbytes for k in free))
-        goal = self._adopt(step, free, allowed, pos, eff, room_free)
+        goal = self._adopt(step, capacity, free, allowed, pos, eff, room_free)
         self._target = {k: eff[k].bits for k in keys} | {k: o.bits for k, o in goal.items()}
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
@@ -572,15 +573,16 @@ class Arbiter:
         eff.update(pick)
         return fixed + sub
 
-    def _adopt(self, step: int, free: list[Key], allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
-               eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
+    def _adopt(self, step: int, capacity: int, free: list[Key], allowed: dict[Key, list[Choice]],
+               pos: dict[Key, dict[int, int]], eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
         greedy (on a re-plan step) beats that base by the hysteresis margin."""
         keep = {k: eff[k] for k in free}
         sub = {k: allowed[k] for k in free}
-        replan = self._replanned is None or step >= self._replanned + self.replan_every
+        replan = self._replanned is None or step >= self._replanned[0] + self.replan_every or \
+            capacity != self._replanned[1]
         if replan:
-            self._replanned = step
+            self._replanned = (step, capacity)
             cand, picked = _greedy_pick(sub, room)
         target = self._target
         old = {}

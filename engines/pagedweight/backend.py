@@ -135,6 +135,15 @@ class PagedWeightBackend(ExpertBackend):
         held = self.held.get((layer, expert))
         return held.nbytes if held is not None else 0
 
+    def count_experts(self, layer: int, counts: list[int]) -> None:
+        """ExpertBackend's count (the held bytes of each expert with tokens), without a call per
+        expert: every simulated step counts every MoE layer."""
+        held, read = self.held, 0
+        for e, n in enumerate(counts):
+            if n and (h := held.get((layer, e))) is not None:
+                read += h.nbytes
+        self._stats["expert_bytes_read"] += read
+
     def device_bytes(self) -> int:
         """Committed versions, the buffers of moves in flight and the on-demand staging slot
         (what the device holds now, at most)."""
@@ -339,6 +348,8 @@ class PagedWeightBackend(ExpertBackend):
         feedback (it compares outputs)."""
         self._count(layer, d)
         self.importance.observe_counts(layer, d.counts)
+        if len(self.held) == len(self.stores):  # every expert held (floors above 0): none to fetch
+            return
         missing = [e for e in segments(d) if self._resident((layer, e)) is None]
         for e in missing:
             self._fetch((layer, e))

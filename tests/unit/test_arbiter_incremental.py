@@ -147,17 +147,21 @@ def test_replan_every_runs_the_greedy_only_on_its_steps(monkeypatch):
     opts = {k: [Choice(b, _nbytes(2048, b), (1 + e) * _sens(random.Random(e))[b]) for b in sorted(BITS)]
             for e, k in enumerate(keys)}
     hi = sum(o[-1].nbytes for o in opts.values())
-    arb = Arbiter(hysteresis=0.0, replan_every=4, initial=dict.fromkeys(keys, 16))
-    seen = []
-    for step in range(12):
-        cap = hi if step < 5 else hi // 2  # the current bits stop fitting at step 5 (not a re-plan step)
+    arb = Arbiter(hysteresis=0.0, replan_every=4, initial=dict.fromkeys(keys, 8))
+    replanned = []
+    for step in range(14):
+        cap = hi * 3 // 4 if step < 6 else hi // 2  # the capacity changes at step 6
+        if step == 7:  # a pin moves a key up outside any plan: the bits stop fitting, capacity unchanged
+            key = next(k for k in keys if arb.bits[k] < 16 and all(m.key != k for m in arb.inflight))
+            assert arb.raise_floor(key, 16, step)
         before = len(calls)
         d = arb.plan(step, cap, opts)
-        seen.append(len(calls) - before)
+        replanned += [step] * (len(calls) - before)
         assert d.fits and d.nbytes <= cap  # forced demotions run on every step
+        assert any(m.forced for m in d.moves) == (step in (6, 7))  # 7: not a re-plan step
         arb.commit(d.moves)
-    # The greedy inside the forced fit is _demote's, not the optional re-plan's.
-    assert seen == [1 if s % 4 == 0 else 0 for s in range(12)]
+    # Every 4 steps from the latest re-plan, and when the capacity changes (6).
+    assert replanned == [0, 4, 6, 10]
     with pytest.raises(ValueError, match="replan_every"):
         Arbiter(replan_every=0)
 
