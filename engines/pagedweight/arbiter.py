@@ -73,7 +73,11 @@ class Allocation:
     fits: bool  # False: even the floors exceed the capacity (bits is then the floors)
 
 
-def _allowed(options: Options, floors: Mapping[Key, int] | None) -> dict[Key, list[Choice]]:
+Weights = Mapping[Key, float]
+
+
+def _allowed(options: Options, floors: Mapping[Key, int] | None,
+             weights: Weights | None = None) -> dict[Key, list[Choice]]:
     """Each key's options at or above its floor, sorted by (bytes, cost): [0] is its floor pick."""
     out = {}
     for key, opts in options.items():
@@ -91,43 +95,44 @@ def _allowed(options: Options, floors: Mapping[Key, int] | None) -> dict[Key, li
         floor = floors.get(key, 0) if floors else 0
         ok = [o for o in opts if o.bits >= floor]
         if not ordered:
-            ok.sort(key=_rank)
+            w = 1.0 if weights is None else weights[key]
+            ok.sort(key=lambda o: (o.nbytes, w * o.cost, -o.bits))
         if not ok:
             raise ValueError(f"floors[{key!r}]={floor} leaves no option; bits are {sorted(o.bits for o in opts)}")
         out[key] = ok
     return out
 
 
-def _rank(o: Choice) -> tuple[int, float, int]:
-    return o.nbytes, o.cost, -o.bits
-
-
 # The helpers below scan one key's allowed options, which `_allowed` sorts by bytes: the
 # options that free bytes from `cur` are a prefix, so the scans stop at the first that does not.
 # Each keeps the first of equal ranks, as min() over (rank, ...) tuples in list order would.
+# An option's cost is its key's weight x its `cost` (see `Arbiter.plan`'s weights; 1.0 when the
+# options carry whole costs): each product is formed as the caller would have formed it, so
+# sums and differences are the same floats either way.
 
 
-def _top(opts: list[Choice]) -> Choice:
+def _top(opts: list[Choice], w: float) -> Choice:
     """The option of least (cost, bytes, -bits)."""
-    best = opts[0]
+    best, bc = opts[0], w * opts[0].cost
     for o in opts:
-        if o.cost < best.cost or o.cost == best.cost and (
-                o.nbytes < best.nbytes or o.nbytes == best.nbytes and o.bits > best.bits):
-            best = o
+        c = w * o.cost
+        if c < bc or c == bc and (o.nbytes < best.nbytes or o.nbytes == best.nbytes and o.bits > best.bits):
+            best, bc = o, c
     return best
 
 
-def _down(opts: list[Choice], cur: Choice, below: float = math.inf) -> tuple[float, float, int, Choice] | None:
+def _down(opts: list[Choice], cur: Choice, w: float,
+          below: float = math.inf) -> tuple[float, float, int, Choice] | None:
     """Least-slope demotion from `cur` freeing under `below` bytes: the next lower-hull vertex
     (the nearest one on a tie); (slope, added cost, -bits, option)."""
     best = None
-    cn, cc = cur.nbytes, cur.cost
+    cn, cc = cur.nbytes, w * cur.cost
     for o in opts:
         freed = cn - o.nbytes
         if freed <= 0:
             break
         if freed < below:
-            added = o.cost - cc
+            added = w * o.cost - cc
             r = added / freed
             if best is None or r < best[0] or r == best[0] and (
                     added < best[1] or added == best[1] and -o.bits < best[2]):
@@ -135,35 +140,42 @@ def _down(opts: list[Choice], cur: Choice, below: float = math.inf) -> tuple[flo
     return best
 
 
-def _up(opts: list[Choice], cur: Choice, slack: int) -> tuple[float, float, int, Choice] | None:
+def _up(opts: list[Choice], cur: Choice, w: float, slack: int) -> tuple[float, float, int, Choice] | None:
     """Promotion from `cur` within `slack` bytes saving the most cost per byte added;
     (-saving per byte, -saving, -bits, option)."""
     best = None
-    cn, cc = cur.nbytes, cur.cost
+    cn, cc = cur.nbytes, w * cur.cost
     for o in opts:
         added = o.nbytes - cn
-        saved = cc - o.cost
-        if 0 < added <= slack and saved > 0:
-            r, s = -saved / added, -saved
-            if best is None or r < best[0] or r == best[0] and (s < best[1] or s == best[1] and -o.bits < best[2]):
-                best = (r, s, -o.bits, o)
+        if 0 < added <= slack:
+            saved = cc - w * o.cost
+            if saved > 0:
+                r, s = -saved / added, -saved
+                if best is None or r < best[0] or r == best[0] and (
+                        s < best[1] or s == best[1] and -o.bits < best[2]):
+                    best = (r, s, -o.bits, o)
     return best
 
 
-def _closing(opts: list[Choice], cur: Choice, deficit: int) -> tuple[float, int, Choice] | None:
+def _closing(opts: list[Choice], cur: Choice, w: float, deficit: int) -> tuple[float, int, Choice] | None:
     """The option of least (added cost, -bits) freeing at least `deficit` bytes from `cur`."""
     best = None
-    most, cc = cur.nbytes - deficit, cur.cost
+    most, cc = cur.nbytes - deficit, w * cur.cost
     for o in opts:
         if o.nbytes > most:
             break
-        added = o.cost - cc
+        added = w * o.cost - cc
         if best is None or added < best[0] or added == best[0] and -o.bits < best[1]:
             best = (added, -o.bits, o)
     return best
 
 
-def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> int:
+def _cost(pick: Mapping[Key, Choice], weights: Weights) -> float:
+    """The summed cost of `pick`, in its key order."""
+    return sum([weights[k] * o.cost for k, o in pick.items()])
+
+
+def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, weights: Weights) -> int:
     """Demote `pick` in place until its bytes fit (or every key is at its floor); the total.
 
     Steps go in order of added cost per byte freed. A step that would close the deficit is
@@ -175,10 +187,11 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     if total <= capacity:
         return total
     opts = list(allowed.values())
+    ws = [weights[k] for k in keys]
     # Entries (slope, added, index, option): one per key, so the index breaks every tie.
     heap = []
     for i, k in enumerate(keys):
-        if (d := _down(opts[i], pick[k])) is not None:
+        if (d := _down(opts[i], pick[k], ws[i])) is not None:
             heap.append((d[0], d[1], i, d[3]))
     heapq.heapify(heap)
     log: list[tuple[Key, Choice]] = []  # applied steps, with the option each replaced
@@ -194,10 +207,10 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
             total -= cur.nbytes - o.nbytes
             spent += added
             pick[k] = o
-            d = _down(opts[i], o)
+            d = _down(opts[i], o, ws[i])
         else:
             first = best is None
-            c = _closing(opts[i], cur, deficit)  # never None: o frees enough
+            c = _closing(opts[i], cur, ws[i], deficit)  # never None: o frees enough
             if best is None or spent + c[0] < best[0]:
                 best = (spent + c[0], len(log), k, c[2])
             if first:
@@ -207,10 +220,10 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
                 for j, key in enumerate(keys):
                     have = pick[key]
                     if have.nbytes - opts[j][0].nbytes >= deficit:
-                        c = _closing(opts[j], have, deficit)
+                        c = _closing(opts[j], have, ws[j], deficit)
                         if spent + c[0] < best[0]:
                             best = (spent + c[0], len(log), key, c[2])
-            d = _down(opts[i], cur, below=deficit)
+            d = _down(opts[i], cur, ws[i], below=deficit)
         if d is not None:
             heapq.heappush(heap, (d[0], d[1], i, d[3]))
     if best is None:
@@ -224,15 +237,16 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     return total
 
 
-def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> int:
+def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, weights: Weights) -> int:
     """Fill the slack in place by the best cost saved per byte added; the total."""
     keys = list(allowed)
     opts = list(allowed.values())
+    ws = [weights[k] for k in keys]
     total = sum(pick[k].nbytes for k in keys)
     slack = capacity - total
     heap = []  # entries (-saving per byte, -saving, index, option)
     for i, k in enumerate(keys):
-        if (u := _up(opts[i], pick[k], slack)) is not None:
+        if (u := _up(opts[i], pick[k], ws[i], slack)) is not None:
             heap.append((u[0], u[1], i, u[3]))
     heapq.heapify(heap)
     # Lazy: slack only shrinks, so an entry's rank bounds what its key can do now; the top
@@ -243,35 +257,36 @@ def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity
         if o.nbytes - pick[k].nbytes <= slack:
             slack -= o.nbytes - pick[k].nbytes
             pick[k] = o
-        if (u := _up(opts[i], pick[k], slack)) is not None:
+        if (u := _up(opts[i], pick[k], ws[i], slack)) is not None:
             heapq.heappush(heap, (u[0], u[1], i, u[3]))
     return capacity - slack
 
 
-def _plan(pick: Mapping[Key, Choice], capacity: int) -> Allocation:
+def _plan(pick: Mapping[Key, Choice], capacity: int, weights: Weights) -> Allocation:
     nbytes = sum(o.nbytes for o in pick.values())
-    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, sum(o.cost for o in pick.values()),
-                      nbytes <= capacity)
+    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, _cost(pick, weights), nbytes <= capacity)
 
 
-def _fit(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, fixed: Key) -> bool:
+def _fit(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, fixed: Key,
+         weights: Weights) -> bool:
     """Demote then fill every key but `fixed` in place around it; False if it cannot fit."""
     rest = {k: opts for k, opts in allowed.items() if k != fixed}
     room = capacity - pick[fixed].nbytes
     if sum(opts[0].nbytes for opts in rest.values()) > room:
         return False
     sub = {k: pick[k] for k in rest}
-    _demote(rest, sub, room)
-    _promote(rest, sub, room)
+    _demote(rest, sub, room, weights)
+    _promote(rest, sub, room, weights)
     pick.update(sub)
     return True
 
 
-def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> dict[Key, Choice]:
+def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int,
+            weights: Weights) -> dict[Key, Choice]:
     """Local search: set one key to another option and re-fit the others, both from the
     current picks and from the cheapest ones; take any strict improvement, until none."""
-    top = {k: _top(opts) for k, opts in allowed.items()}
-    cost = sum(o.cost for o in pick.values())
+    top = {k: _top(opts, weights[k]) for k, opts in allowed.items()}
+    cost = _cost(pick, weights)
     improved = True
     while improved:
         improved = False
@@ -282,40 +297,38 @@ def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
                         break
                     trial = dict(src)
                     trial[k] = o
-                    if not _fit(allowed, trial, capacity, k):
+                    if not _fit(allowed, trial, capacity, k, weights):
                         break  # the floors of the rest do not fit beside o: neither source can
-                    c = sum(x.cost for x in trial.values())
+                    c = _cost(trial, weights)
                     # Strictly better by more than float noise, so the search cannot cycle.
                     if c < cost - 1e-12 * max(1.0, abs(cost)):
                         pick, cost, improved = trial, c, True
     return pick
 
 
-def _greedy_pick(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
+def _greedy_pick(allowed: dict[Key, list[Choice]], capacity: int, weights: Weights,
+                 start: dict[Key, Choice] | None = None,
                  polish_keys: int = POLISH_KEYS) -> tuple[Allocation, dict[Key, Choice]]:
     """The greedy's allocation and the option it picked per key."""
     if sum(opts[0].nbytes for opts in allowed.values()) > capacity:
         pick = {k: opts[0] for k, opts in allowed.items()}
-        return _plan(pick, capacity), pick
-    pick = dict(start) if start is not None else {k: _top(opts) for k, opts in allowed.items()}
-    _demote(allowed, pick, capacity)
-    _promote(allowed, pick, capacity)
+        return _plan(pick, capacity, weights), pick
+    pick = dict(start) if start is not None else {k: _top(opts, weights[k]) for k, opts in allowed.items()}
+    _demote(allowed, pick, capacity, weights)
+    _promote(allowed, pick, capacity, weights)
     if len(allowed) <= polish_keys:
-        pick = _polish(allowed, pick, capacity)
-    return _plan(pick, capacity), pick
-
-
-def _greedy(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
-            polish_keys: int = POLISH_KEYS) -> Allocation:
-    return _greedy_pick(allowed, capacity, start, polish_keys)[0]
+        pick = _polish(allowed, pick, capacity, weights)
+    return _plan(pick, capacity, weights), pick
 
 
 def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | None = None,
-                 start: Mapping[Key, int] | None = None, polish_keys: int = POLISH_KEYS) -> Allocation:
+                 start: Mapping[Key, int] | None = None, polish_keys: int = POLISH_KEYS,
+                 weights: Weights | None = None) -> Allocation:
     """Hull greedy for the MCKP, then the local search if there are <= `polish_keys` keys (0: never).
 
-    From `start` (key -> bits) instead of each key's cheapest option if given."""
-    allowed = _allowed(options, floors)
+    From `start` (key -> bits) instead of each key's cheapest option if given. `weights`: each
+    key's option costs are weights[key] x choice.cost (None: the choices' costs as they are)."""
+    allowed = _allowed(options, floors, weights)
     first = None
     if start is not None:
         by_bits = {k: {o.bits: o for o in opts} for k, opts in allowed.items()}
@@ -323,7 +336,8 @@ def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | No
         if missing:
             raise ValueError(f"start bits not among the allowed options for keys {missing[:5]}")
         first = {k: by_bits[k][start[k]] for k in allowed}
-    return _greedy(allowed, capacity, first, polish_keys)
+    ws = dict.fromkeys(allowed, 1.0) if weights is None else weights
+    return _greedy_pick(allowed, capacity, ws, first, polish_keys)[0]
 
 
 def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | None = None) -> Allocation:
@@ -332,7 +346,7 @@ def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | Non
     Exponential in the worst case (about 5^keys totals); meant for <= 12 keys, as a test oracle."""
     allowed = _allowed(options, floors)
     if sum(opts[0].nbytes for opts in allowed.values()) > capacity:
-        return _plan({k: opts[0] for k, opts in allowed.items()}, capacity)
+        return _plan({k: opts[0] for k, opts in allowed.items()}, capacity, dict.fromkeys(allowed, 1.0))
     states: dict[int, tuple[float, tuple[Choice, ...]]] = {0: (0.0, ())}
     for opts in allowed.values():
         grown: dict[int, tuple[float, tuple[Choice, ...]]] = {}
@@ -347,7 +361,7 @@ def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | Non
             if grown[nb][0] < best:
                 states[nb], best = grown[nb], grown[nb][0]
     _, picks = min(states.values(), key=lambda s: s[0])
-    return _plan(dict(zip(allowed, picks)), capacity)
+    return _plan(dict(zip(allowed, picks)), capacity, dict.fromkeys(allowed, 1.0))
 
 
 @dataclass(frozen=True)
@@ -425,8 +439,8 @@ class Arbiter:
         """Still inside its residence window: optional moves must leave it alone."""
         return key in self.changed_at and step < self.changed_at[key] + self.min_residence_steps
 
-    def _widths(self, options: Options,
-                shape: Hashable | None) -> tuple[dict[Key, list[Choice]], dict[Key, dict[int, int]]]:
+    def _widths(self, options: Options, shape: Hashable | None,
+                weights: Weights | None) -> tuple[dict[Key, list[Choice]], dict[Key, dict[int, int]]]:
         """`_allowed(options, self.floors)` and each key's bits -> index in its allowed list.
 
         With a `shape` token the checks and the floor filter are done once per change of the
@@ -434,11 +448,14 @@ class Arbiter:
         increasing bytes) keep that order, so only the costs differ from step to step."""
         token = (shape, self._floors_version)
         cache = self._shape_cache
-        if shape is not None and cache is not None and cache[0] == token and len(cache[1]) == len(options):
+        if shape is not None and cache is not None and cache[0] == token and len(cache[2]) == len(options):
             keep = cache[1]
-            allowed = {k: opts if keep[k] is None else [opts[i] for i in keep[k]] for k, opts in options.items()}
+            if keep is None and isinstance(options, dict):  # no floor removes an option: as given
+                return options, cache[2]
+            keep = keep or {}
+            allowed = {k: opts if keep.get(k) is None else [opts[i] for i in keep[k]] for k, opts in options.items()}
             return allowed, cache[2]
-        allowed = _allowed(options, self.floors)
+        allowed = _allowed(options, self.floors, weights)
         if missing := [k for k in self.bits if k not in allowed]:
             raise ValueError(f"options lack tracked keys {missing[:5]}")
         for k, opts in allowed.items():
@@ -450,17 +467,24 @@ class Arbiter:
             keep = {}
             for k, opts in options.items():
                 kept = tuple(i for i, o in enumerate(opts) if o.bits >= self.floors.get(k, 0))
-                keep[k] = None if len(kept) == len(opts) else kept
-            self._shape_cache = (token, keep, pos)
+                if len(kept) < len(opts):
+                    keep[k] = kept
+            self._shape_cache = (token, keep or None, pos)
         return allowed, pos
 
-    def plan(self, step: int, capacity: int, options: Options, shape: Hashable | None = None) -> Decision:
-        """This step's decision for the bytes `capacity` over `options`. `shape`: a token the
-        caller changes whenever any key's (bits, nbytes) options change (None: check every step)."""
+    def plan(self, step: int, capacity: int, options: Options, shape: Hashable | None = None,
+             weights: Weights | None = None) -> Decision:
+        """This step's decision for the bytes `capacity` over `options`.
+
+        shape: a token the caller changes whenever any key's (bits, nbytes) options change
+        (None: check them every step). weights: a key's option costs are weights[key] x
+        choice.cost (None: the choices' costs as they are), so a caller whose costs are
+        importance x sensitivity can keep one list per key and pass the importances."""
         if self._step is not None and step < self._step:
             raise ValueError(f"step went backwards: {step} after {self._step}")
         self._step = step
-        allowed, pos = self._widths(options, shape)
+        allowed, pos = self._widths(options, shape, weights)
+        w = dict.fromkeys(allowed, 1.0) if weights is None else weights
         inflight, bits = self._inflight, self.bits
         eff = {}  # the assignment once in-flight moves land: what bytes are promised to
         for k, opts in allowed.items():
@@ -476,7 +500,7 @@ class Arbiter:
         budget = math.inf if self.transition_bytes_per_step is None else self.transition_bytes_per_step
 
         if total > capacity:
-            total = self._force(step, capacity, allowed, pos, eff, cancelled)
+            total = self._force(step, capacity, allowed, pos, w, eff, cancelled)
             for k in keys:
                 if k not in self._inflight and eff[k].bits != self.bits[k]:
                     src = allowed[k][pos[k][self.bits[k]]]
@@ -489,7 +513,7 @@ class Arbiter:
         changed, wait = self.changed_at, self.min_residence_steps
         free = [k for k in keys if k not in inflight and (k not in changed or step >= changed[k] + wait)]
         room_free = capacity - (total - sum(eff[k].nbytes for k in free))
-        goal = self._adopt(step, capacity, free, allowed, pos, eff, room_free)
+        goal = self._adopt(step, capacity, free, allowed, pos, w, eff, room_free)
         self._target = {k: eff[k].bits for k in keys} | {k: o.bits for k, o in goal.items()}
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
@@ -498,7 +522,7 @@ class Arbiter:
         ups, downs = [], []
         for k, o in goal.items():
             if o.bits != eff[k].bits:
-                add, saved = o.nbytes - eff[k].nbytes, eff[k].cost - o.cost
+                add, saved = o.nbytes - eff[k].nbytes, w[k] * eff[k].cost - w[k] * o.cost
                 if add < 0:  # by added cost per byte freed, as in the greedy
                     downs.append((saved / add, -saved, order[k], k))
                 else:  # by cost saved per byte added, best first
@@ -535,22 +559,22 @@ class Arbiter:
             if alone:
                 break
 
-        return Decision(step, dict(self._target), tuple(moves), tuple(cancelled), total,
-                        sum(o.cost for o in eff.values()), total <= capacity)
+        return Decision(step, dict(self._target), tuple(moves), tuple(cancelled), total, _cost(eff, w),
+                        total <= capacity)
 
-    def _force(self, step: int, capacity: int, allowed: dict[Key, list[Choice]],
-               pos: dict[Key, dict[int, int]], eff: dict[Key, Choice], cancelled: list[Move]) -> int:
+    def _force(self, step: int, capacity: int, allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
+               w: Weights, eff: dict[Key, Choice], cancelled: list[Move]) -> int:
         """Demote `eff` in place until it fits: free keys, then in-flight promotions, then all."""
         total = sum(o.nbytes for o in eff.values())
         free = [k for k in allowed if k not in self._inflight and not self._resident(k, step)]
-        total = self._demote_among(free, capacity, allowed, eff, total)
+        total = self._demote_among(free, capacity, allowed, w, eff, total)
         if total > capacity:
             order = {k: i for i, k in enumerate(allowed)}
             ranked = []
             for k, m in self._inflight.items():
                 src, dst = allowed[k][pos[k][m.from_bits]], eff[k]
                 if dst.nbytes > src.nbytes:
-                    freed, added = dst.nbytes - src.nbytes, src.cost - dst.cost
+                    freed, added = dst.nbytes - src.nbytes, w[k] * src.cost - w[k] * dst.cost
                     ranked.append((added / freed, added, order[k], k))
             for *_, k in sorted(ranked):
                 if total <= capacity:
@@ -561,20 +585,21 @@ class Arbiter:
                 total -= eff[k].nbytes - src.nbytes
                 eff[k] = src
         if total > capacity:
-            total = self._demote_among([k for k in allowed if k not in self._inflight], capacity, allowed, eff, total)
+            total = self._demote_among([k for k in allowed if k not in self._inflight], capacity, allowed, w, eff,
+                                       total)
         return total
 
     @staticmethod
-    def _demote_among(keys: list[Key], capacity: int, allowed: dict[Key, list[Choice]],
+    def _demote_among(keys: list[Key], capacity: int, allowed: dict[Key, list[Choice]], w: Weights,
                       eff: dict[Key, Choice], total: int) -> int:
         pick = {k: eff[k] for k in keys}
         fixed = total - sum(o.nbytes for o in pick.values())
-        sub = _demote({k: allowed[k] for k in keys}, pick, capacity - fixed)
+        sub = _demote({k: allowed[k] for k in keys}, pick, capacity - fixed, w)
         eff.update(pick)
         return fixed + sub
 
     def _adopt(self, step: int, capacity: int, free: list[Key], allowed: dict[Key, list[Choice]],
-               pos: dict[Key, dict[int, int]], eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
+               pos: dict[Key, dict[int, int]], w: Weights, eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
         greedy (on a re-plan step) beats that base by the hysteresis margin."""
         keep = {k: eff[k] for k in free}
@@ -583,7 +608,7 @@ class Arbiter:
             capacity != self._replanned[1]
         if replan:
             self._replanned = (step, capacity)
-            cand, picked = _greedy_pick(sub, room)
+            cand, picked = _greedy_pick(sub, room, w)
         target = self._target
         old = {}
         for k in free:
@@ -593,10 +618,9 @@ class Arbiter:
                 break
             old[k] = sub[k][i]
         base = keep
-        if old is not None and sum(o.nbytes for o in old.values()) <= room and \
-                sum(o.cost for o in old.values()) < sum(o.cost for o in keep.values()):
+        if old is not None and sum(o.nbytes for o in old.values()) <= room and _cost(old, w) < _cost(keep, w):
             base = old
-        base_cost = sum(o.cost for o in base.values())
+        base_cost = _cost(base, w)
         if replan and cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
             return picked
         return base

@@ -107,7 +107,8 @@ class PagedController(Controller):
         self._floor_bytes: int | None = None  # paged.floor_bytes(), kept until a pin changes the floors
         self._refused: set[tuple[Key, int]] = set()  # pins refused for lack of KV room (recorded once)
         self._shapes: dict[Key, tuple[int, int]] = {}  # key -> (quality, floor) its row was made for
-        self._rows: dict[Key, tuple[tuple[int, int, float], ...]] = {}  # key -> options() row
+        self._rows: dict[Key, list[Choice]] = {}  # key -> its options() list, kept across steps
+        self._stale: set[Key] = set()  # keys whose list _apply_feedback made stale
         self.shape_version = 0  # raised when a key's widths change: the arbiter's `shape` token
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
@@ -118,7 +119,8 @@ class PagedController(Controller):
         if room.kv_on_device:
             reserve = room.kv_reserve_bytes if room.kv_reserve_bytes is not None else room.pages // 4
             reserve = min(max(reserve, room.kv_block_bytes), room.pages - p.floor_bytes())
-        initial = solve_greedy(self.options(), room.pages - reserve - self.backend.staging_bytes, p.floors)
+        initial = solve_greedy(self.options(), room.pages - reserve - self.backend.staging_bytes, p.floors,
+                               weights=p.importance.values())
         for key, bits in initial.bits.items():
             if bits:
                 self.backend.start_move(key, bits)
@@ -130,24 +132,23 @@ class PagedController(Controller):
                                replan_every=getattr(cfg, "replan_every", 1))
 
     def options(self) -> dict[Key, list[Choice]]:
-        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by).
-
-        A key's widths, bytes and sensitivities are kept (`_rows`) until its quality floor, floor
-        or a sensitivity changes (all three only in `_apply_feedback`, which drops its row);
-        each step only multiplies them by the key's importance."""
+        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by),
+        with costs per unit of importance: a choice's cost is its sensitivity (0 at an exact
+        width; MISS_COST at 0 bits, when the expert may leave). The arbiter weighs them by
+        `importance.values()`, so the lists change only with a key's quality floor, floor or
+        sensitivities (all three only in `_apply_feedback`, which marks its list stale) and are kept:
+        no per-step rebuild of every expert's choices."""
         stores, rows = self.backend.stores, self._rows
-        if len(rows) < len(stores):
+        if not rows:
             for key, store in stores.items():
-                if key not in rows:
-                    rows[key] = self._row(key, store)
-        imp = self.paged.importance.values()
-        new = tuple.__new__  # Choice(...) without its Python-level __new__: ~800 per Mixtral step
-        return {key: [new(Choice, (b, n, w * s)) for b, n, s in rows[key]]
-                for key, w in zip(stores, map(imp.__getitem__, stores))}
+                rows[key] = self._row(key, store)
+        while self._stale:  # replaced in place: the keys keep the stores' order (the arbiter's ties)
+            key = self._stale.pop()
+            rows[key] = self._row(key, stores[key])
+        return rows
 
-    def _row(self, key: Key, store: Any) -> tuple[tuple[int, int, float], ...]:
-        """(bits, bytes, sensitivity) per width `key` may hold, in increasing bytes: its cost is
-        importance x sensitivity (0 at an exact width; MISS_COST at 0 bits, when it may leave)."""
+    def _row(self, key: Key, store: Any) -> list[Choice]:
+        """`key`'s choices per unit of importance, in increasing bytes."""
         p = self.paged
         quality, floor, sens = p.quality[key], p.floors[key], p.sensitivity[key]
         shape = (quality, floor)
@@ -157,8 +158,8 @@ class PagedController(Controller):
         # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
         # the expert may leave the device, but not sit on it at a width over the bound).
         widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
-        row = [(0, 0, MISS_COST)] if floor == 0 else []  # it may leave the device
-        return (*row, *((b, n, 0.0 if exact else sens[b]) for n, b, exact in widths))
+        row = [Choice(0, 0, MISS_COST)] if floor == 0 else []  # it may leave the device
+        return row + [Choice(b, n, 0.0 if exact else sens[b]) for n, b, exact in widths]
 
     def kv_demand_blocks(self) -> int:
         """Blocks the running requests need to finish, plus what the queue would take next:
@@ -186,7 +187,7 @@ class PagedController(Controller):
         pages, on_device = room.pages, room.kv_on_device
         kv_bytes = min(self.kv_demand_blocks(), alloc.num_blocks) * block if on_device else 0
         decision = self.arbiter.plan(self.engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self.options(),
-                                     shape=self.shape_version)
+                                     shape=self.shape_version, weights=self.paged.importance.values())
         if decision.cancelled:
             backend.cancel([m.key for m in decision.cancelled])
         moved = promotions = demotions = deferred = 0
@@ -281,7 +282,7 @@ class PagedController(Controller):
         for key, (bits, err) in sample.expert_error.items():
             old = p.sensitivity[key][bits]
             p.sensitivity[key][bits] = (1 - w) * old + w * err
-            self._rows.pop(key, None)
+            self._stale.add(key)
         pinned = 0
         for layer, err in sample.layer_error.items():
             if err <= cfg.feedback_threshold:
@@ -304,7 +305,7 @@ class PagedController(Controller):
                     self._floor_bytes = None
                     # Its quality floor rises with it (the widths it may hold, and fetch at).
                     p.quality[key] = max(p.quality[key], higher)
-                    self._rows.pop(key, None)
+                    self._stale.add(key)
                     backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
                     if self.arbiter.raise_floor(key, higher, self.engine_step):
                         backend.cancel([key])

@@ -57,15 +57,19 @@ def _run(seed: int, steps: int = 30) -> int:
     leave = {k: rng.random() < 0.3 for k in keys}  # may leave the device (bits 0)
     shuffled = rng.random() < 0.2  # options not in increasing bytes: nothing may be cached
 
-    def options() -> dict:
-        out = {}
+    factored = rng.random() < 0.5  # costs per unit of importance, weighed by `weights` (the controller's way)
+
+    def options() -> tuple[dict, dict]:
+        """(the reference's options, the fast arbiter's: the same, or factored)."""
+        whole, per_unit = {}, {}
         for k in keys:
-            opts = [Choice(0, 0, imp[k] * 20.0)] if leave[k] else []
-            opts += [Choice(b, _nbytes(elems[k], b), imp[k] * sens[k][b]) for b in sorted(BITS) if b >= low[k]]
+            opts = [Choice(0, 0, 20.0)] if leave[k] else []
+            opts += [Choice(b, _nbytes(elems[k], b), sens[k][b]) for b in sorted(BITS) if b >= low[k]]
             if shuffled:
                 rng.shuffle(opts)
-            out[k] = opts
-        return out
+            per_unit[k] = opts
+            whole[k] = [Choice(o.bits, o.nbytes, imp[k] * o.cost) for o in opts]
+        return whole, per_unit if factored else whole
 
     lo = sum(min(_nbytes(elems[k], b) for b in ((0,) if leave[k] else (low[k],))) for k in keys)
     hi = sum(_nbytes(elems[k], 16) for k in keys)
@@ -86,14 +90,15 @@ def _run(seed: int, steps: int = 30) -> int:
             if low[k] < 4 and all(m.key != k for m in a.inflight) and a.bits.get(k, 0) >= 4:
                 low[k] = 4
                 shape += 1
-        opts = options()
+        opts, mine = options()
+        weights = dict(imp) if factored else None
         try:
             db = b.plan(step, cap, opts)
         except (KeyError, ValueError) as exc:  # a state the reference refuses (e.g. a move from a width now
             with pytest.raises(type(exc)):  # under a raised floor): the fast one must refuse it too
-                a.plan(step, cap, opts, shape=shape)
+                a.plan(step, cap, mine, shape=shape, weights=weights)
             return busy
-        da = a.plan(step, cap, opts, shape=shape)
+        da = a.plan(step, cap, mine, shape=shape, weights=weights)
         assert _decision(da) == _decision(db), f"seed {seed} step {step}"
         busy += bool(da.moves)
         done = [i for i in range(len(da.moves)) if rng.random() < 0.8]
@@ -115,7 +120,7 @@ def _run(seed: int, steps: int = 30) -> int:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_arbiter_decides_as_the_reference(seed):
-    _run(seed)
+    _run(seed)  # half the runs give the fast arbiter factored costs (weights x per-unit costs)
 
 
 def test_the_random_runs_move_experts():
@@ -136,6 +141,10 @@ def test_greedy_scans_match_the_reference_on_single_solves():
         hi = sum(o[-1].nbytes for o in opts.values())
         cap = int(rng.uniform(0.9 * lo, hi))
         got, want = fast.solve_greedy(opts, cap), ref.solve_greedy(opts, cap)
+        assert (got.bits, got.nbytes, got.cost, got.fits) == (want.bits, want.nbytes, want.cost, want.fits)
+        weights = {k: rng.random() + 0.01 for k in opts}
+        whole = {k: [Choice(o.bits, o.nbytes, weights[k] * o.cost) for o in v] for k, v in opts.items()}
+        got, want = fast.solve_greedy(opts, cap, weights=weights), ref.solve_greedy(whole, cap)
         assert (got.bits, got.nbytes, got.cost, got.fits) == (want.bits, want.nbytes, want.cost, want.fits)
 
 
@@ -216,7 +225,9 @@ def test_kept_option_rows_equal_a_rebuild(seed):
             sample.layer_error[layer] = rng.random() * 0.1
             ctrl._apply_feedback(sample)
         got = ctrl.options()
-        assert got == _rebuilt(ctrl)
+        w = ctrl.paged.importance.values()
+        assert list(got) == list(ctrl.backend.stores)  # the stores' order, whatever went stale
+        assert {k: [Choice(o.bits, o.nbytes, w[k] * o.cost) for o in v] for k, v in got.items()} == _rebuilt(ctrl)
         shape = {k: [(o.bits, o.nbytes) for o in v] for k, v in got.items()}
         if last_shape is not None and shape != last_shape:
             assert ctrl.shape_version != last_version  # the arbiter's cache token moved with the shape
