@@ -2,7 +2,10 @@
 
 Objective. Every key (layer, expert) takes exactly one `Choice(bits, nbytes, cost)`; cost is
 importance x sensitivity(bits) (0 at 16 bits, a miss cost at bits 0 = not resident). Minimise
-the summed cost with the summed bytes <= capacity: a multiple-choice knapsack (MCKP).
+the summed cost with the summed bytes <= capacity: a multiple-choice knapsack (MCKP). A caller
+may give the costs factored (`weights`: a key's cost is weights[key] x choice.cost), so its
+per-key choices stay the same objects from step to step while only the importances move; each
+product is formed as the caller would have, so the decisions are the same floats either way.
 
 Greedy (`solve_greedy`). Start each key at its cheapest allowed option, then demote by the
 least added cost per byte freed (ties: added cost, key order, higher bits). From a key's
@@ -121,11 +124,14 @@ def _top(opts: list[Choice], w: float) -> Choice:
     return best
 
 
-def _down(opts: list[Choice], cur: Choice, w: float,
+def _down(opts: list[Choice], cur: Choice, w: float, i: int,
           below: float = math.inf) -> tuple[float, float, int, Choice] | None:
     """Least-slope demotion from `cur` freeing under `below` bytes: the next lower-hull vertex
-    (the nearest one on a tie); (slope, added cost, -bits, option)."""
+    (the nearest one on a tie), as the heap entry (slope, added cost, i, option). The best so
+    far is kept in locals, not tuples: this runs once per greedy step, thousands per plan."""
     best = None
+    br = ba = 0.0
+    bb = 0
     cn, cc = cur.nbytes, w * cur.cost
     for o in opts:
         freed = cn - o.nbytes
@@ -134,16 +140,17 @@ def _down(opts: list[Choice], cur: Choice, w: float,
         if freed < below:
             added = w * o.cost - cc
             r = added / freed
-            if best is None or r < best[0] or r == best[0] and (
-                    added < best[1] or added == best[1] and -o.bits < best[2]):
-                best = (r, added, -o.bits, o)
-    return best
+            if best is None or r < br or r == br and (added < ba or added == ba and o.bits > bb):
+                best, br, ba, bb = o, r, added, o.bits
+    return None if best is None else (br, ba, i, best)
 
 
-def _up(opts: list[Choice], cur: Choice, w: float, slack: int) -> tuple[float, float, int, Choice] | None:
-    """Promotion from `cur` within `slack` bytes saving the most cost per byte added;
-    (-saving per byte, -saving, -bits, option)."""
+def _up(opts: list[Choice], cur: Choice, w: float, i: int, slack: int) -> tuple[float, float, int, Choice] | None:
+    """Promotion from `cur` within `slack` bytes saving the most cost per byte added, as the
+    heap entry (-saving per byte, -saving, i, option)."""
     best = None
+    br = bs = 0.0
+    bb = 0
     cn, cc = cur.nbytes, w * cur.cost
     for o in opts:
         added = o.nbytes - cn
@@ -151,23 +158,24 @@ def _up(opts: list[Choice], cur: Choice, w: float, slack: int) -> tuple[float, f
             saved = cc - w * o.cost
             if saved > 0:
                 r, s = -saved / added, -saved
-                if best is None or r < best[0] or r == best[0] and (
-                        s < best[1] or s == best[1] and -o.bits < best[2]):
-                    best = (r, s, -o.bits, o)
-    return best
+                if best is None or r < br or r == br and (s < bs or s == bs and o.bits > bb):
+                    best, br, bs, bb = o, r, s, o.bits
+    return None if best is None else (br, bs, i, best)
 
 
-def _closing(opts: list[Choice], cur: Choice, w: float, deficit: int) -> tuple[float, int, Choice] | None:
-    """The option of least (added cost, -bits) freeing at least `deficit` bytes from `cur`."""
+def _closing(opts: list[Choice], cur: Choice, w: float, deficit: int) -> tuple[float, Choice] | None:
+    """The option of least (added cost, -bits) freeing at least `deficit` bytes from `cur`;
+    (added cost, option)."""
     best = None
+    ba = 0.0
     most, cc = cur.nbytes - deficit, w * cur.cost
     for o in opts:
         if o.nbytes > most:
             break
         added = w * o.cost - cc
-        if best is None or added < best[0] or added == best[0] and -o.bits < best[1]:
-            best = (added, -o.bits, o)
-    return best
+        if best is None or added < ba or added == ba and o.bits > best.bits:
+            best, ba = o, added
+    return None if best is None else (ba, best)
 
 
 def _cost(pick: Mapping[Key, Choice], weights: Weights) -> float:
@@ -191,8 +199,8 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     # Entries (slope, added, index, option): one per key, so the index breaks every tie.
     heap = []
     for i, k in enumerate(keys):
-        if (d := _down(opts[i], pick[k], ws[i])) is not None:
-            heap.append((d[0], d[1], i, d[3]))
+        if (d := _down(opts[i], pick[k], ws[i], i)) is not None:
+            heap.append(d)
     heapq.heapify(heap)
     log: list[tuple[Key, Choice]] = []  # applied steps, with the option each replaced
     spent = 0.0
@@ -207,12 +215,12 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
             total -= cur.nbytes - o.nbytes
             spent += added
             pick[k] = o
-            d = _down(opts[i], o, ws[i])
+            d = _down(opts[i], o, ws[i], i)
         else:
             first = best is None
             c = _closing(opts[i], cur, ws[i], deficit)  # never None: o frees enough
             if best is None or spent + c[0] < best[0]:
-                best = (spent + c[0], len(log), k, c[2])
+                best = (spent + c[0], len(log), k, c[1])
             if first:
                 # The first time the deficit can be closed, also try every key's single
                 # move (the knapsack's "best single item" guard); a key whose least-bytes
@@ -222,10 +230,10 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
                     if have.nbytes - opts[j][0].nbytes >= deficit:
                         c = _closing(opts[j], have, ws[j], deficit)
                         if spent + c[0] < best[0]:
-                            best = (spent + c[0], len(log), key, c[2])
-            d = _down(opts[i], cur, ws[i], below=deficit)
+                            best = (spent + c[0], len(log), key, c[1])
+            d = _down(opts[i], cur, ws[i], i, below=deficit)
         if d is not None:
-            heapq.heappush(heap, (d[0], d[1], i, d[3]))
+            heapq.heappush(heap, d)
     if best is None:
         return total  # every key at its least bytes and still over: the floors do not fit
     for k, prev in reversed(log[best[1]:]):
@@ -246,8 +254,8 @@ def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity
     slack = capacity - total
     heap = []  # entries (-saving per byte, -saving, index, option)
     for i, k in enumerate(keys):
-        if (u := _up(opts[i], pick[k], ws[i], slack)) is not None:
-            heap.append((u[0], u[1], i, u[3]))
+        if (u := _up(opts[i], pick[k], ws[i], i, slack)) is not None:
+            heap.append(u)
     heapq.heapify(heap)
     # Lazy: slack only shrinks, so an entry's rank bounds what its key can do now; the top
     # entry is the true best if it still fits, else its key is re-ranked under the new slack.
@@ -257,8 +265,8 @@ def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity
         if o.nbytes - pick[k].nbytes <= slack:
             slack -= o.nbytes - pick[k].nbytes
             pick[k] = o
-        if (u := _up(opts[i], pick[k], ws[i], slack)) is not None:
-            heapq.heappush(heap, (u[0], u[1], i, u[3]))
+        if (u := _up(opts[i], pick[k], ws[i], i, slack)) is not None:
+            heapq.heappush(heap, u)
     return capacity - slack
 
 
