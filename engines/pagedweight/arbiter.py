@@ -2,7 +2,10 @@
 
 Objective. Every key (layer, expert) takes exactly one `Choice(bits, nbytes, cost)`; cost is
 importance x sensitivity(bits) (0 at 16 bits, a miss cost at bits 0 = not resident). Minimise
-the summed cost with the summed bytes <= capacity: a multiple-choice knapsack (MCKP).
+the summed cost with the summed bytes <= capacity: a multiple-choice knapsack (MCKP). A caller
+may give the costs factored (`weights`: a key's cost is weights[key] x choice.cost), so its
+per-key choices stay the same objects from step to step while only the importances move; each
+product is formed as the caller would have, so the decisions are the same floats either way.
 
 Greedy (`solve_greedy`). Start each key at its cheapest allowed option, then demote by the
 least added cost per byte freed (ties: added cost, key order, higher bits). From a key's
@@ -22,11 +25,15 @@ Floors. `floors[key]` removes options below those bits. If even the floors do no
 solvers return the floors (least bytes allowed per key) with `fits=False`; the arbiter does
 not drop floors: the engine must queue or preempt requests until the KV demand falls.
 
-`Arbiter` keeps the assignment across steps (never reset per epoch) and adds three rules:
-- hysteresis: an optional re-plan is adopted only if cost(base) - cost(new) >
-  hysteresis * cost(base) + min_gain, where base is the goal adopted earlier (while it still
-  fits and beats the current assignment) or else the current assignment; a goal once adopted
-  is pursued over later steps without re-passing the test, so deferred moves complete;
+`Arbiter` keeps the assignment across steps (never reset per epoch) and adds these rules:
+- hysteresis: an optional re-plan (a fresh greedy over the keys free to move) is adopted only
+  if cost(base) - cost(new) > hysteresis * cost(base) + min_gain, where base is the goal
+  adopted earlier (while it still fits and beats the current assignment) or else the current
+  assignment; a goal once adopted is pursued over later steps without re-passing the test, so
+  deferred moves complete;
+- re-plan period: the optional re-plan runs once `replan_every` steps have passed since the
+  latest one (1: every step) or when the capacity differs from the latest one's; on other
+  steps the goal is the base. Forced demotions and the walk toward the goal run every step;
 - residence: a key changed (committed) at step s is not changed by optional moves before
   s + min_residence_steps;
 - transition budget: optional moves (promotions, and the demotions that make room for them)
@@ -69,7 +76,11 @@ class Allocation:
     fits: bool  # False: even the floors exceed the capacity (bits is then the floors)
 
 
-def _allowed(options: Options, floors: Mapping[Key, int] | None) -> dict[Key, list[Choice]]:
+Weights = Mapping[Key, float]
+
+
+def _allowed(options: Options, floors: Mapping[Key, int] | None,
+             weights: Weights | None = None) -> dict[Key, list[Choice]]:
     """Each key's options at or above its floor, sorted by (bytes, cost): [0] is its floor pick."""
     out = {}
     for key, opts in options.items():
@@ -87,55 +98,92 @@ def _allowed(options: Options, floors: Mapping[Key, int] | None) -> dict[Key, li
         floor = floors.get(key, 0) if floors else 0
         ok = [o for o in opts if o.bits >= floor]
         if not ordered:
-            ok.sort(key=_rank)
+            w = 1.0 if weights is None else weights[key]
+            ok.sort(key=lambda o: (o.nbytes, w * o.cost, -o.bits))
         if not ok:
             raise ValueError(f"floors[{key!r}]={floor} leaves no option; bits are {sorted(o.bits for o in opts)}")
         out[key] = ok
     return out
 
 
-def _rank(o: Choice) -> tuple[int, float, int]:
-    return o.nbytes, o.cost, -o.bits
+# The helpers below scan one key's allowed options, which `_allowed` sorts by bytes: the
+# options that free bytes from `cur` are a prefix, so the scans stop at the first that does not.
+# Each keeps the first of equal ranks, as min() over (rank, ...) tuples in list order would.
+# An option's cost is its key's weight x its `cost` (see `Arbiter.plan`'s weights; 1.0 when the
+# options carry whole costs): each product is formed as the caller would have formed it, so
+# sums and differences are the same floats either way.
 
 
-def _top(opts: list[Choice]) -> Choice:
-    return min(opts, key=lambda o: (o.cost, o.nbytes, -o.bits))
+def _top(opts: list[Choice], w: float) -> Choice:
+    """The option of least (cost, bytes, -bits)."""
+    best, bc = opts[0], w * opts[0].cost
+    for o in opts:
+        c = w * o.cost
+        if c < bc or c == bc and (o.nbytes < best.nbytes or o.nbytes == best.nbytes and o.bits > best.bits):
+            best, bc = o, c
+    return best
 
 
-def _down(opts: list[Choice], cur: Choice, below: float = math.inf) -> tuple[tuple[float, float, int], Choice] | None:
+def _down(opts: list[Choice], cur: Choice, w: float, i: int,
+          below: float = math.inf) -> tuple[float, float, int, Choice] | None:
     """Least-slope demotion from `cur` freeing under `below` bytes: the next lower-hull vertex
-    (the nearest one on a tie)."""
+    (the nearest one on a tie), as the heap entry (slope, added cost, i, option). The best so
+    far is kept in locals, not tuples: this runs once per greedy step, thousands per plan."""
     best = None
+    br = ba = 0.0
+    bb = 0
+    cn, cc = cur.nbytes, w * cur.cost
     for o in opts:
-        freed = cur.nbytes - o.nbytes
-        if 0 < freed < below:
-            added = o.cost - cur.cost
-            rank = (added / freed, added, -o.bits)
-            if best is None or rank < best[0]:
-                best = (rank, o)
-    return best
+        freed = cn - o.nbytes
+        if freed <= 0:
+            break
+        if freed < below:
+            added = w * o.cost - cc
+            r = added / freed
+            if best is None or r < br or r == br and (added < ba or added == ba and o.bits > bb):
+                best, br, ba, bb = o, r, added, o.bits
+    return None if best is None else (br, ba, i, best)
 
 
-def _up(opts: list[Choice], cur: Choice, slack: int) -> tuple[tuple[float, float, int], Choice] | None:
-    """Promotion from `cur` within `slack` bytes saving the most cost per byte added."""
+def _up(opts: list[Choice], cur: Choice, w: float, i: int, slack: int) -> tuple[float, float, int, Choice] | None:
+    """Promotion from `cur` within `slack` bytes saving the most cost per byte added, as the
+    heap entry (-saving per byte, -saving, i, option)."""
     best = None
+    br = bs = 0.0
+    bb = 0
+    cn, cc = cur.nbytes, w * cur.cost
     for o in opts:
-        added = o.nbytes - cur.nbytes
-        saved = cur.cost - o.cost
-        if 0 < added <= slack and saved > 0:
-            rank = (-saved / added, -saved, -o.bits)
-            if best is None or rank < best[0]:
-                best = (rank, o)
-    return best
+        added = o.nbytes - cn
+        if 0 < added <= slack:
+            saved = cc - w * o.cost
+            if saved > 0:
+                r, s = -saved / added, -saved
+                if best is None or r < br or r == br and (s < bs or s == bs and o.bits > bb):
+                    best, br, bs, bb = o, r, s, o.bits
+    return None if best is None else (br, bs, i, best)
 
 
-def _closing(opts: list[Choice], cur: Choice, deficit: int) -> tuple[float, int, Choice] | None:
-    """The option of least added cost freeing at least `deficit` bytes from `cur`."""
-    return min(((o.cost - cur.cost, -o.bits, o) for o in opts if cur.nbytes - o.nbytes >= deficit),
-               key=lambda c: c[:2], default=None)
+def _closing(opts: list[Choice], cur: Choice, w: float, deficit: int) -> tuple[float, Choice] | None:
+    """The option of least (added cost, -bits) freeing at least `deficit` bytes from `cur`;
+    (added cost, option)."""
+    best = None
+    ba = 0.0
+    most, cc = cur.nbytes - deficit, w * cur.cost
+    for o in opts:
+        if o.nbytes > most:
+            break
+        added = w * o.cost - cc
+        if best is None or added < ba or added == ba and o.bits > best.bits:
+            best, ba = o, added
+    return None if best is None else (ba, best)
 
 
-def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> int:
+def _cost(pick: Mapping[Key, Choice], weights: Weights) -> float:
+    """The summed cost of `pick`, in its key order."""
+    return sum([weights[k] * o.cost for k, o in pick.items()])
+
+
+def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, weights: Weights) -> int:
     """Demote `pick` in place until its bytes fit (or every key is at its floor); the total.
 
     Steps go in order of added cost per byte freed. A step that would close the deficit is
@@ -146,36 +194,46 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     total = sum(pick[k].nbytes for k in keys)
     if total <= capacity:
         return total
+    opts = list(allowed.values())
+    ws = [weights[k] for k in keys]
+    # Entries (slope, added, index, option): one per key, so the index breaks every tie.
     heap = []
     for i, k in enumerate(keys):
-        if (d := _down(allowed[k], pick[k])) is not None:
-            heap.append((*d[0][:2], i, d[0][2], d[1]))
+        if (d := _down(opts[i], pick[k], ws[i], i)) is not None:
+            heap.append(d)
     heapq.heapify(heap)
     log: list[tuple[Key, Choice]] = []  # applied steps, with the option each replaced
     spent = 0.0
     best: tuple[float, int, Key, Choice] | None = None  # (total added, steps kept, key, option)
     # One entry per key, replaced only when that key is popped: no stale entries to skip.
     while heap and (best is None or spent < best[0]):
-        _, added, i, _, o = heapq.heappop(heap)
+        _, added, i, o = heapq.heappop(heap)
         k, deficit = keys[i], total - capacity
-        if pick[k].nbytes - o.nbytes < deficit:
-            log.append((k, pick[k]))
-            total -= pick[k].nbytes - o.nbytes
+        cur = pick[k]
+        if cur.nbytes - o.nbytes < deficit:
+            log.append((k, cur))
+            total -= cur.nbytes - o.nbytes
             spent += added
             pick[k] = o
-            d = _down(allowed[k], o)
+            d = _down(opts[i], o, ws[i], i)
         else:
-            finishes = [(k, _closing(allowed[k], pick[k], deficit))]
-            if best is None:
+            first = best is None
+            c = _closing(opts[i], cur, ws[i], deficit)  # never None: o frees enough
+            if best is None or spent + c[0] < best[0]:
+                best = (spent + c[0], len(log), k, c[1])
+            if first:
                 # The first time the deficit can be closed, also try every key's single
-                # move (the knapsack's "best single item" guard).
-                finishes += [(j, _closing(allowed[j], pick[j], deficit)) for j in keys]
-            for j, c in finishes:
-                if c is not None and (best is None or spent + c[0] < best[0]):
-                    best = (spent + c[0], len(log), j, c[2])
-            d = _down(allowed[k], pick[k], below=deficit)
+                # move (the knapsack's "best single item" guard); a key whose least-bytes
+                # option frees too little has none.
+                for j, key in enumerate(keys):
+                    have = pick[key]
+                    if have.nbytes - opts[j][0].nbytes >= deficit:
+                        c = _closing(opts[j], have, ws[j], deficit)
+                        if spent + c[0] < best[0]:
+                            best = (spent + c[0], len(log), key, c[1])
+            d = _down(opts[i], cur, ws[i], i, below=deficit)
         if d is not None:
-            heapq.heappush(heap, (*d[0][:2], i, d[0][2], d[1]))
+            heapq.heappush(heap, d)
     if best is None:
         return total  # every key at its least bytes and still over: the floors do not fit
     for k, prev in reversed(log[best[1]:]):
@@ -187,53 +245,56 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
     return total
 
 
-def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> int:
+def _promote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, weights: Weights) -> int:
     """Fill the slack in place by the best cost saved per byte added; the total."""
     keys = list(allowed)
+    opts = list(allowed.values())
+    ws = [weights[k] for k in keys]
     total = sum(pick[k].nbytes for k in keys)
     slack = capacity - total
-    heap = []
+    heap = []  # entries (-saving per byte, -saving, index, option)
     for i, k in enumerate(keys):
-        if (u := _up(allowed[k], pick[k], slack)) is not None:
-            heap.append((*u[0][:2], i, u[0][2], u[1]))
+        if (u := _up(opts[i], pick[k], ws[i], i, slack)) is not None:
+            heap.append(u)
     heapq.heapify(heap)
     # Lazy: slack only shrinks, so an entry's rank bounds what its key can do now; the top
     # entry is the true best if it still fits, else its key is re-ranked under the new slack.
     while heap:
-        _, _, i, _, o = heapq.heappop(heap)
+        _, _, i, o = heapq.heappop(heap)
         k = keys[i]
         if o.nbytes - pick[k].nbytes <= slack:
             slack -= o.nbytes - pick[k].nbytes
             pick[k] = o
-        if (u := _up(allowed[k], pick[k], slack)) is not None:
-            heapq.heappush(heap, (*u[0][:2], i, u[0][2], u[1]))
+        if (u := _up(opts[i], pick[k], ws[i], i, slack)) is not None:
+            heapq.heappush(heap, u)
     return capacity - slack
 
 
-def _plan(pick: Mapping[Key, Choice], capacity: int) -> Allocation:
+def _plan(pick: Mapping[Key, Choice], capacity: int, weights: Weights) -> Allocation:
     nbytes = sum(o.nbytes for o in pick.values())
-    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, sum(o.cost for o in pick.values()),
-                      nbytes <= capacity)
+    return Allocation({k: o.bits for k, o in pick.items()}, nbytes, _cost(pick, weights), nbytes <= capacity)
 
 
-def _fit(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, fixed: Key) -> bool:
+def _fit(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int, fixed: Key,
+         weights: Weights) -> bool:
     """Demote then fill every key but `fixed` in place around it; False if it cannot fit."""
     rest = {k: opts for k, opts in allowed.items() if k != fixed}
     room = capacity - pick[fixed].nbytes
     if sum(opts[0].nbytes for opts in rest.values()) > room:
         return False
     sub = {k: pick[k] for k in rest}
-    _demote(rest, sub, room)
-    _promote(rest, sub, room)
+    _demote(rest, sub, room, weights)
+    _promote(rest, sub, room, weights)
     pick.update(sub)
     return True
 
 
-def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int) -> dict[Key, Choice]:
+def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity: int,
+            weights: Weights) -> dict[Key, Choice]:
     """Local search: set one key to another option and re-fit the others, both from the
     current picks and from the cheapest ones; take any strict improvement, until none."""
-    top = {k: _top(opts) for k, opts in allowed.items()}
-    cost = sum(o.cost for o in pick.values())
+    top = {k: _top(opts, weights[k]) for k, opts in allowed.items()}
+    cost = _cost(pick, weights)
     improved = True
     while improved:
         improved = False
@@ -244,33 +305,38 @@ def _polish(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
                         break
                     trial = dict(src)
                     trial[k] = o
-                    if not _fit(allowed, trial, capacity, k):
+                    if not _fit(allowed, trial, capacity, k, weights):
                         break  # the floors of the rest do not fit beside o: neither source can
-                    c = sum(x.cost for x in trial.values())
+                    c = _cost(trial, weights)
                     # Strictly better by more than float noise, so the search cannot cycle.
                     if c < cost - 1e-12 * max(1.0, abs(cost)):
                         pick, cost, improved = trial, c, True
     return pick
 
 
-def _greedy(allowed: dict[Key, list[Choice]], capacity: int, start: dict[Key, Choice] | None = None,
-            polish_keys: int = POLISH_KEYS) -> Allocation:
+def _greedy_pick(allowed: dict[Key, list[Choice]], capacity: int, weights: Weights,
+                 start: dict[Key, Choice] | None = None,
+                 polish_keys: int = POLISH_KEYS) -> tuple[Allocation, dict[Key, Choice]]:
+    """The greedy's allocation and the option it picked per key."""
     if sum(opts[0].nbytes for opts in allowed.values()) > capacity:
-        return _plan({k: opts[0] for k, opts in allowed.items()}, capacity)
-    pick = dict(start) if start is not None else {k: _top(opts) for k, opts in allowed.items()}
-    _demote(allowed, pick, capacity)
-    _promote(allowed, pick, capacity)
+        pick = {k: opts[0] for k, opts in allowed.items()}
+        return _plan(pick, capacity, weights), pick
+    pick = dict(start) if start is not None else {k: _top(opts, weights[k]) for k, opts in allowed.items()}
+    _demote(allowed, pick, capacity, weights)
+    _promote(allowed, pick, capacity, weights)
     if len(allowed) <= polish_keys:
-        pick = _polish(allowed, pick, capacity)
-    return _plan(pick, capacity)
+        pick = _polish(allowed, pick, capacity, weights)
+    return _plan(pick, capacity, weights), pick
 
 
 def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | None = None,
-                 start: Mapping[Key, int] | None = None, polish_keys: int = POLISH_KEYS) -> Allocation:
+                 start: Mapping[Key, int] | None = None, polish_keys: int = POLISH_KEYS,
+                 weights: Weights | None = None) -> Allocation:
     """Hull greedy for the MCKP, then the local search if there are <= `polish_keys` keys (0: never).
 
-    From `start` (key -> bits) instead of each key's cheapest option if given."""
-    allowed = _allowed(options, floors)
+    From `start` (key -> bits) instead of each key's cheapest option if given. `weights`: each
+    key's option costs are weights[key] x choice.cost (None: the choices' costs as they are)."""
+    allowed = _allowed(options, floors, weights)
     first = None
     if start is not None:
         by_bits = {k: {o.bits: o for o in opts} for k, opts in allowed.items()}
@@ -278,7 +344,8 @@ def solve_greedy(options: Options, capacity: int, floors: Mapping[Key, int] | No
         if missing:
             raise ValueError(f"start bits not among the allowed options for keys {missing[:5]}")
         first = {k: by_bits[k][start[k]] for k in allowed}
-    return _greedy(allowed, capacity, first, polish_keys)
+    ws = dict.fromkeys(allowed, 1.0) if weights is None else weights
+    return _greedy_pick(allowed, capacity, ws, first, polish_keys)[0]
 
 
 def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | None = None) -> Allocation:
@@ -287,7 +354,7 @@ def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | Non
     Exponential in the worst case (about 5^keys totals); meant for <= 12 keys, as a test oracle."""
     allowed = _allowed(options, floors)
     if sum(opts[0].nbytes for opts in allowed.values()) > capacity:
-        return _plan({k: opts[0] for k, opts in allowed.items()}, capacity)
+        return _plan({k: opts[0] for k, opts in allowed.items()}, capacity, dict.fromkeys(allowed, 1.0))
     states: dict[int, tuple[float, tuple[Choice, ...]]] = {0: (0.0, ())}
     for opts in allowed.values():
         grown: dict[int, tuple[float, tuple[Choice, ...]]] = {}
@@ -302,7 +369,7 @@ def solve_exact(options: Options, capacity: int, floors: Mapping[Key, int] | Non
             if grown[nb][0] < best:
                 states[nb], best = grown[nb], grown[nb][0]
     _, picks = min(states.values(), key=lambda s: s[0])
-    return _plan(dict(zip(allowed, picks)), capacity)
+    return _plan(dict(zip(allowed, picks)), capacity, dict.fromkeys(allowed, 1.0))
 
 
 @dataclass(frozen=True)
@@ -338,25 +405,32 @@ class Arbiter:
 
     def __init__(self, *, hysteresis: float = 0.02, min_gain: float = 0.0, min_residence_steps: int = 0,
                  transition_bytes_per_step: int | None = None, transfer: str | TransferFn = "bitplane",
-                 floors: Mapping[Key, int] | None = None, initial: Mapping[Key, int] | None = None) -> None:
+                 floors: Mapping[Key, int] | None = None, initial: Mapping[Key, int] | None = None,
+                 replan_every: int = 1) -> None:
         if hysteresis < 0 or min_gain < 0:
             raise ValueError(f"hysteresis and min_gain must be >= 0, got {hysteresis}, {min_gain}")
         if min_residence_steps < 0:
             raise ValueError(f"min_residence_steps must be >= 0, got {min_residence_steps}")
         if transition_bytes_per_step is not None and transition_bytes_per_step < 0:
             raise ValueError(f"transition_bytes_per_step must be >= 0 or None, got {transition_bytes_per_step}")
+        if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+            raise ValueError(f"replan_every must be an integer >= 1, got {replan_every!r}")
         if not callable(transfer) and transfer not in ("bitplane", "requantize"):
             raise ValueError(f"transfer must be 'bitplane', 'requantize' or a callable, got {transfer!r}")
         self.hysteresis, self.min_gain = hysteresis, min_gain
         self.min_residence_steps = min_residence_steps
         self.transition_bytes_per_step = transition_bytes_per_step
         self.transfer = transfer
+        self.replan_every = replan_every
+        self._replanned: tuple[int, int] | None = None  # (step, capacity) of the latest optional re-plan
         self.floors = dict(floors or {})
         self.bits: dict[Key, int] = dict(initial or {})  # committed: what the device holds
         self.changed_at: dict[Key, int] = {}  # step of each key's last committed change
         self._inflight: dict[Key, Move] = {}
         self._target: dict[Key, int] = {}
         self._step: int | None = None
+        self._floors_version = 0  # raised by raise_floor: the cached widths (see _widths) are stale
+        self._shape_cache: tuple | None = None  # ((shape, floors version), keep, pos) from _widths
 
     @property
     def inflight(self) -> tuple[Move, ...]:
@@ -373,22 +447,60 @@ class Arbiter:
         """Still inside its residence window: optional moves must leave it alone."""
         return key in self.changed_at and step < self.changed_at[key] + self.min_residence_steps
 
-    def plan(self, step: int, capacity: int, options: Options) -> Decision:
+    def _widths(self, options: Options, shape: Hashable | None,
+                weights: Weights | None) -> tuple[dict[Key, list[Choice]], dict[Key, dict[int, int]]]:
+        """`_allowed(options, self.floors)` and each key's bits -> index in its allowed list.
+
+        With a `shape` token the checks and the floor filter are done once per change of the
+        token (or of the floors) and reused: options in the controller's order (strictly
+        increasing bytes) keep that order, so only the costs differ from step to step."""
+        token = (shape, self._floors_version)
+        cache = self._shape_cache
+        if shape is not None and cache is not None and cache[0] == token and len(cache[2]) == len(options):
+            keep = cache[1]
+            if keep is None and isinstance(options, dict):  # no floor removes an option: as given
+                return options, cache[2]
+            keep = keep or {}
+            allowed = {k: opts if keep.get(k) is None else [opts[i] for i in keep[k]] for k, opts in options.items()}
+            return allowed, cache[2]
+        allowed = _allowed(options, self.floors, weights)
+        if missing := [k for k in self.bits if k not in allowed]:
+            raise ValueError(f"options lack tracked keys {missing[:5]}")
+        for k, opts in allowed.items():
+            self.bits.setdefault(k, opts[0].bits)
+        pos = {k: {o.bits: i for i, o in enumerate(opts)} for k, opts in allowed.items()}
+        self._shape_cache = None
+        if shape is not None and all(all(a.nbytes < b.nbytes for a, b in zip(opts, opts[1:]))
+                                     for opts in options.values()):
+            keep = {}
+            for k, opts in options.items():
+                kept = tuple(i for i, o in enumerate(opts) if o.bits >= self.floors.get(k, 0))
+                if len(kept) < len(opts):
+                    keep[k] = kept
+            self._shape_cache = (token, keep or None, pos)
+        return allowed, pos
+
+    def plan(self, step: int, capacity: int, options: Options, shape: Hashable | None = None,
+             weights: Weights | None = None) -> Decision:
+        """This step's decision for the bytes `capacity` over `options`.
+
+        shape: a token the caller changes whenever any key's (bits, nbytes) options change
+        (None: check them every step). weights: a key's option costs are weights[key] x
+        choice.cost (None: the choices' costs as they are), so a caller whose costs are
+        importance x sensitivity can keep one list per key and pass the importances."""
         if self._step is not None and step < self._step:
             raise ValueError(f"step went backwards: {step} after {self._step}")
         self._step = step
-        allowed = _allowed(options, self.floors)
-        if missing := [k for k in self.bits if k not in allowed]:
-            raise ValueError(f"options lack tracked keys {missing[:5]}")
-        by_bits = {k: {o.bits: o for o in opts} for k, opts in allowed.items()}
-        for k, opts in allowed.items():
-            self.bits.setdefault(k, opts[0].bits)
+        allowed, pos = self._widths(options, shape, weights)
+        w = dict.fromkeys(allowed, 1.0) if weights is None else weights
+        inflight, bits = self._inflight, self.bits
         eff = {}  # the assignment once in-flight moves land: what bytes are promised to
-        for k in allowed:
-            b = self._inflight[k].to_bits if k in self._inflight else self.bits[k]
-            if b not in by_bits[k]:
-                raise ValueError(f"key {k!r} holds {b} bits, not an allowed option {sorted(by_bits[k])}")
-            eff[k] = by_bits[k][b]
+        for k, opts in allowed.items():
+            b = inflight[k].to_bits if k in inflight else bits[k]
+            i = pos[k].get(b)
+            if i is None:
+                raise ValueError(f"key {k!r} holds {b} bits, not an allowed option {sorted(pos[k])}")
+            eff[k] = opts[i]
         keys = list(allowed)
         total = sum(o.nbytes for o in eff.values())
         moves: list[Move] = []
@@ -396,18 +508,20 @@ class Arbiter:
         budget = math.inf if self.transition_bytes_per_step is None else self.transition_bytes_per_step
 
         if total > capacity:
-            total = self._force(step, capacity, allowed, by_bits, eff, cancelled)
+            total = self._force(step, capacity, allowed, pos, w, eff, cancelled)
             for k in keys:
                 if k not in self._inflight and eff[k].bits != self.bits[k]:
-                    m = Move(k, self.bits[k], eff[k].bits, self._bytes_moved(k, by_bits[k][self.bits[k]], eff[k]), True)
+                    src = allowed[k][pos[k][self.bits[k]]]
+                    m = Move(k, self.bits[k], eff[k].bits, self._bytes_moved(k, src, eff[k]), True)
                     moves.append(m)
                     self._inflight[k] = m
                     budget -= m.bytes_moved
         full_budget = budget
 
-        free = [k for k in keys if k not in self._inflight and not self._resident(k, step)]
+        changed, wait = self.changed_at, self.min_residence_steps
+        free = [k for k in keys if k not in inflight and (k not in changed or step >= changed[k] + wait)]
         room_free = capacity - (total - sum(eff[k].nbytes for k in free))
-        goal = self._adopt(free, allowed, by_bits, eff, room_free)
+        goal = self._adopt(step, capacity, free, allowed, pos, w, eff, room_free)
         self._target = {k: eff[k].bits for k in keys} | {k: o.bits for k, o in goal.items()}
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
@@ -416,7 +530,7 @@ class Arbiter:
         ups, downs = [], []
         for k, o in goal.items():
             if o.bits != eff[k].bits:
-                add, saved = o.nbytes - eff[k].nbytes, eff[k].cost - o.cost
+                add, saved = o.nbytes - eff[k].nbytes, w[k] * eff[k].cost - w[k] * o.cost
                 if add < 0:  # by added cost per byte freed, as in the greedy
                     downs.append((saved / add, -saved, order[k], k))
                 else:  # by cost saved per byte added, best first
@@ -453,57 +567,70 @@ class Arbiter:
             if alone:
                 break
 
-        return Decision(step, dict(self._target), tuple(moves), tuple(cancelled), total,
-                        sum(o.cost for o in eff.values()), total <= capacity)
+        return Decision(step, dict(self._target), tuple(moves), tuple(cancelled), total, _cost(eff, w),
+                        total <= capacity)
 
-    def _force(self, step: int, capacity: int, allowed: dict[Key, list[Choice]],
-               by_bits: dict[Key, dict[int, Choice]], eff: dict[Key, Choice], cancelled: list[Move]) -> int:
+    def _force(self, step: int, capacity: int, allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
+               w: Weights, eff: dict[Key, Choice], cancelled: list[Move]) -> int:
         """Demote `eff` in place until it fits: free keys, then in-flight promotions, then all."""
         total = sum(o.nbytes for o in eff.values())
         free = [k for k in allowed if k not in self._inflight and not self._resident(k, step)]
-        total = self._demote_among(free, capacity, allowed, eff, total)
+        total = self._demote_among(free, capacity, allowed, w, eff, total)
         if total > capacity:
             order = {k: i for i, k in enumerate(allowed)}
             ranked = []
             for k, m in self._inflight.items():
-                src, dst = by_bits[k][m.from_bits], eff[k]
+                src, dst = allowed[k][pos[k][m.from_bits]], eff[k]
                 if dst.nbytes > src.nbytes:
-                    freed, added = dst.nbytes - src.nbytes, src.cost - dst.cost
+                    freed, added = dst.nbytes - src.nbytes, w[k] * src.cost - w[k] * dst.cost
                     ranked.append((added / freed, added, order[k], k))
             for *_, k in sorted(ranked):
                 if total <= capacity:
                     break
                 m = self._inflight.pop(k)
                 cancelled.append(m)
-                total -= eff[k].nbytes - by_bits[k][m.from_bits].nbytes
-                eff[k] = by_bits[k][m.from_bits]
+                src = allowed[k][pos[k][m.from_bits]]
+                total -= eff[k].nbytes - src.nbytes
+                eff[k] = src
         if total > capacity:
-            total = self._demote_among([k for k in allowed if k not in self._inflight], capacity, allowed, eff, total)
+            total = self._demote_among([k for k in allowed if k not in self._inflight], capacity, allowed, w, eff,
+                                       total)
         return total
 
     @staticmethod
-    def _demote_among(keys: list[Key], capacity: int, allowed: dict[Key, list[Choice]],
+    def _demote_among(keys: list[Key], capacity: int, allowed: dict[Key, list[Choice]], w: Weights,
                       eff: dict[Key, Choice], total: int) -> int:
         pick = {k: eff[k] for k in keys}
         fixed = total - sum(o.nbytes for o in pick.values())
-        sub = _demote({k: allowed[k] for k in keys}, pick, capacity - fixed)
+        sub = _demote({k: allowed[k] for k in keys}, pick, capacity - fixed, w)
         eff.update(pick)
         return fixed + sub
 
-    def _adopt(self, free: list[Key], allowed: dict[Key, list[Choice]], by_bits: dict[Key, dict[int, Choice]],
-               eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
+    def _adopt(self, step: int, capacity: int, free: list[Key], allowed: dict[Key, list[Choice]],
+               pos: dict[Key, dict[int, int]], w: Weights, eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
-        greedy beats that base by the hysteresis margin."""
+        greedy (on a re-plan step) beats that base by the hysteresis margin."""
         keep = {k: eff[k] for k in free}
-        cand = _greedy({k: allowed[k] for k in free}, room)
-        old = {k: by_bits[k].get(self._target.get(k, eff[k].bits)) for k in free}
+        sub = {k: allowed[k] for k in free}
+        replan = self._replanned is None or step >= self._replanned[0] + self.replan_every or \
+            capacity != self._replanned[1]
+        if replan:
+            self._replanned = (step, capacity)
+            cand, picked = _greedy_pick(sub, room, w)
+        target = self._target
+        old = {}
+        for k in free:
+            i = pos[k].get(target.get(k, eff[k].bits))
+            if i is None:  # an earlier goal no longer allowed (a floor rose): the current bits
+                old = None
+                break
+            old[k] = sub[k][i]
         base = keep
-        if all(old.values()) and sum(o.nbytes for o in old.values()) <= room and \
-                sum(o.cost for o in old.values()) < sum(o.cost for o in keep.values()):
+        if old is not None and sum(o.nbytes for o in old.values()) <= room and _cost(old, w) < _cost(keep, w):
             base = old
-        base_cost = sum(o.cost for o in base.values())
-        if cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
-            return {k: by_bits[k][cand.bits[k]] for k in free}
+        base_cost = _cost(base, w)
+        if replan and cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
+            return picked
         return base
 
     def commit(self, moves: Iterable[Move], step: int | None = None) -> None:
@@ -523,6 +650,7 @@ class Arbiter:
         in-flight move, if any, is dropped, and `bits` becomes its committed width, changed at
         `step`. Returns whether the caller must make that move."""
         self.floors[key] = max(self.floors.get(key, 0), bits)
+        self._floors_version += 1
         held = self._inflight[key].to_bits if key in self._inflight else self.bits.get(key, 0)
         if held >= bits:
             return False

@@ -89,6 +89,7 @@ class PagedWeightBackend(ExpertBackend):
         self.stores = dict(stores)
         self.copies, self.device, self.importance = copies, device, importance
         self.held: dict[Key, Held] = {}  # changed only through _hold (the byte ledger follows it)
+        self._widths: dict[int, int] = {0: len(self.stores)}  # bits -> experts holding it (kept by _hold)
         self.pending: list[Move] = []  # changed only through _track / _untrack
         # The byte ledger: id(tensor) -> [references from held versions and moves in flight,
         # bytes, the tensor], and the bytes of all of them. A part shared by two versions (the
@@ -134,6 +135,15 @@ class PagedWeightBackend(ExpertBackend):
         held = self.held.get((layer, expert))
         return held.nbytes if held is not None else 0
 
+    def count_experts(self, layer: int, counts: list[int]) -> None:
+        """ExpertBackend's count (the held bytes of each expert with tokens), without a call per
+        expert: every simulated step counts every MoE layer."""
+        held, read = self.held, 0
+        for e, n in enumerate(counts):
+            if n and (h := held.get((layer, e))) is not None:
+                read += h.nbytes
+        self._stats["expert_bytes_read"] += read
+
     def device_bytes(self) -> int:
         """Committed versions, the buffers of moves in flight and the on-demand staging slot
         (what the device holds now, at most)."""
@@ -167,6 +177,15 @@ class PagedWeightBackend(ExpertBackend):
             old = self.held.pop(key, None)
         if old is not None:
             self._ref(old.parts, -1)
+        widths = self._widths
+        was, now = 0 if old is None else old.bits, 0 if version is None else version.bits
+        widths[was] -= 1
+        widths[now] = widths.get(now, 0) + 1
+
+    def width_counts(self) -> dict[int, int]:
+        """Bits -> how many experts hold that width now (0: not resident); a tally kept by every
+        change of a held version, so reading it walks no expert."""
+        return {b: n for b, n in self._widths.items() if n}
 
     def _track(self, move: Move) -> None:
         self._ref(move.held.parts, 1)
@@ -212,9 +231,11 @@ class PagedWeightBackend(ExpertBackend):
             move = Move(key, from_bits, 0, Held(0, {}), None, 0)
             self._hold(key, None)
             return move
-        parts, pairs = self.stores[key].device_tensors(to_bits, self.device, have)
+        store = self.stores[key]
+        parts, pairs = store.device_tensors(to_bits, self.device, have)
         new = Held(to_bits, parts)
-        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+        # The held parts are those of its width, so the copies' bytes are the store's (memoised).
+        nbytes = store.transfer_bytes(from_bits, to_bits)
         handle = self.copies.h2d(pairs, tag="expert_pages") if pairs else None
         move = Move(key, from_bits, to_bits, new, handle, nbytes)
         if handle is not None and to_bits < from_bits:
@@ -327,6 +348,8 @@ class PagedWeightBackend(ExpertBackend):
         feedback (it compares outputs)."""
         self._count(layer, d)
         self.importance.observe_counts(layer, d.counts)
+        if len(self.held) == len(self.stores):  # every expert held (floors above 0): none to fetch
+            return
         missing = [e for e in segments(d) if self._resident((layer, e)) is None]
         for e in missing:
             self._fetch((layer, e))

@@ -106,7 +106,10 @@ class PagedController(Controller):
         self._pin_moves: list[Move] = []  # moves the quality feedback started after this step's compute
         self._floor_bytes: int | None = None  # paged.floor_bytes(), kept until a pin changes the floors
         self._refused: set[tuple[Key, int]] = set()  # pins refused for lack of KV room (recorded once)
-        self._shapes: dict[Key, tuple] = {}  # key -> (quality, floor, ((bits, bytes, exact), ...))
+        self._shapes: dict[Key, tuple[int, int]] = {}  # key -> (quality, floor) its row was made for
+        self._rows: dict[Key, list[Choice]] = {}  # key -> its options() list, kept across steps
+        self._stale: set[Key] = set()  # keys whose list _apply_feedback made stale
+        self.shape_version = 0  # raised when a key's widths change: the arbiter's `shape` token
 
     # -- start: the widths the budget allows, copied in, handed to the arbiter ---------------------
     def start(self, kv: PagedKVCache, scheduler: Scheduler) -> None:
@@ -116,7 +119,8 @@ class PagedController(Controller):
         if room.kv_on_device:
             reserve = room.kv_reserve_bytes if room.kv_reserve_bytes is not None else room.pages // 4
             reserve = min(max(reserve, room.kv_block_bytes), room.pages - p.floor_bytes())
-        initial = solve_greedy(self.options(), room.pages - reserve - self.backend.staging_bytes, p.floors)
+        initial = solve_greedy(self.options(), room.pages - reserve - self.backend.staging_bytes, p.floors,
+                               weights=p.importance.values())
         for key, bits in initial.bits.items():
             if bits:
                 self.backend.start_move(key, bits)
@@ -124,25 +128,38 @@ class PagedController(Controller):
         self.arbiter = Arbiter(hysteresis=cfg.hysteresis, min_residence_steps=cfg.min_residence_steps,
                                transition_bytes_per_step=cfg.transition_bytes_per_step,
                                transfer=lambda key, a, b: self.backend.stores[key].transfer_bytes(a, b),
-                               floors=p.floors, initial=dict(initial.bits))
+                               floors=p.floors, initial=dict(initial.bits),
+                               replan_every=getattr(cfg, "replan_every", 1))
 
     def options(self) -> dict[Key, list[Choice]]:
-        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by)."""
-        p, out = self.paged, {}
-        shapes = self._shapes
-        for key, store in self.backend.stores.items():
-            imp, sens = p.importance[key], p.sensitivity[key]
-            quality, floor = p.quality[key], p.floors[key]
-            shape = shapes.get(key)
-            if shape is None or shape[0] != quality or shape[1] != floor:  # the widths and bytes once
-                # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
-                # the expert may leave the device, but not sit on it at a width over the bound).
-                widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
-                shape = shapes[key] = (quality, floor, tuple((b, n, x) for n, b, x in widths))
-            opts = [Choice(0, 0, imp * MISS_COST)] if floor == 0 else []  # it may leave the device
-            opts += [Choice(b, n, imp * (0.0 if exact else sens[b])) for b, n, exact in shape[2]]
-            out[key] = opts
-        return out
+        """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by),
+        with costs per unit of importance: a choice's cost is its sensitivity (0 at an exact
+        width; MISS_COST at 0 bits, when the expert may leave). The arbiter weighs them by
+        `importance.values()`, so the lists change only with a key's quality floor, floor or
+        sensitivities (all three only in `_apply_feedback`, which marks its list stale) and are kept:
+        no per-step rebuild of every expert's choices."""
+        stores, rows = self.backend.stores, self._rows
+        if not rows:
+            for key, store in stores.items():
+                rows[key] = self._row(key, store)
+        while self._stale:  # replaced in place: the keys keep the stores' order (the arbiter's ties)
+            key = self._stale.pop()
+            rows[key] = self._row(key, stores[key])
+        return rows
+
+    def _row(self, key: Key, store: Any) -> list[Choice]:
+        """`key`'s choices per unit of importance, in increasing bytes."""
+        p = self.paged
+        quality, floor, sens = p.quality[key], p.floors[key], p.sensitivity[key]
+        shape = (quality, floor)
+        if self._shapes.get(key) != shape:  # a width's bytes are the store's: walked once per shape
+            self._shapes[key] = shape
+            self.shape_version += 1
+        # Never below the quality floor (with floor_bits 0 the floor in p.floors is 0:
+        # the expert may leave the device, but not sit on it at a width over the bound).
+        widths = sorted((store.nbytes(b), b, b in store.exact_bits) for b in p.bit_widths if b >= quality)
+        row = [Choice(0, 0, MISS_COST)] if floor == 0 else []  # it may leave the device
+        return row + [Choice(b, n, 0.0 if exact else sens[b]) for n, b, exact in widths]
 
     def kv_demand_blocks(self) -> int:
         """Blocks the running requests need to finish, plus what the queue would take next:
@@ -163,14 +180,14 @@ class PagedController(Controller):
     def before_step(self) -> None:
         backend, room, alloc = self.backend, self.room, self.kv.allocator
         backend.take_token_bits()  # rows of forwards outside a step belong to no request
-        committed = backend.commit()
-        self.arbiter.commit([m for m in self.arbiter.inflight if any(c.key == m.key for c in committed)],
-                            self.engine_step)
+        landed = {m.key for m in backend.commit()}
+        self.arbiter.commit([m for m in self.arbiter.inflight if m.key in landed], self.engine_step)
         block = self.kv.block_bytes
         # What the pages, the staging slots and (KV on the device) the KV blocks share.
         pages, on_device = room.pages, room.kv_on_device
         kv_bytes = min(self.kv_demand_blocks(), alloc.num_blocks) * block if on_device else 0
-        decision = self.arbiter.plan(self.engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self.options())
+        decision = self.arbiter.plan(self.engine_step, max(0, pages - backend.staging_bytes - kv_bytes), self.options(),
+                                     shape=self.shape_version, weights=self.paged.importance.values())
         if decision.cancelled:
             backend.cancel([m.key for m in decision.cancelled])
         moved = promotions = demotions = deferred = 0
@@ -236,13 +253,15 @@ class PagedController(Controller):
 
     def _observe(self, fits: bool, moved: int, promotions: int, demotions: int) -> dict[str, float]:
         backend, p = self.backend, self.paged
-        bits = {k: backend.bits(k) for k in backend.stores}
-        mean = sum(p.weight_bits(b) for b in bits.values()) / len(bits)
+        # From the backend's tally of held widths, not a walk over every expert: widths are
+        # multiples of 1/4 bit, so count x width sums exactly what the walk summed.
+        held = backend.width_counts()
+        mean = sum(n * p.weight_bits(b) for b, n in held.items()) / len(backend.stores)
         extras: dict[str, float] = {"engine_step": self.engine_step, "mean_bits": mean,
                                     "promotions": promotions, "demotions": demotions, "move_bytes": moved,
                                     "floors_fit": int(fits)}
         for b in (*p.bit_widths, 0):
-            extras[f"experts_at_{width_name(b, p.mxfp4)}_bits"] = sum(v == b for v in bits.values())
+            extras[f"experts_at_{width_name(b, p.mxfp4)}_bits"] = held.get(b, 0)
         feedback = backend.take_feedback() if backend.feedback_due else None
         extras.update(feedback_checks=0, fallbacks=0)
         if feedback is not None and feedback.layer_error:
@@ -250,8 +269,9 @@ class PagedController(Controller):
                           feedback_rows=feedback.rows, feedback_s=feedback.seconds, feedback_bytes=feedback.bytes)
             extras["fallbacks"] = self._apply_feedback(feedback)
         if self.engine_step % max(1, self.cfg.matrix_every) == 0:
-            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1], "bits": p.weight_bits(b),
-                             "importance": p.importance[k]} for k, b in bits.items()]
+            self.matrix += [{"engine_step": self.engine_step, "layer": k[0], "expert": k[1],
+                             "bits": p.weight_bits(backend.bits(k)), "importance": p.importance[k]}
+                            for k in backend.stores]
         return extras
 
     def _apply_feedback(self, sample: FeedbackSample) -> int:
@@ -262,6 +282,7 @@ class PagedController(Controller):
         for key, (bits, err) in sample.expert_error.items():
             old = p.sensitivity[key][bits]
             p.sensitivity[key][bits] = (1 - w) * old + w * err
+            self._stale.add(key)
         pinned = 0
         for layer, err in sample.layer_error.items():
             if err <= cfg.feedback_threshold:
@@ -284,6 +305,7 @@ class PagedController(Controller):
                     self._floor_bytes = None
                     # Its quality floor rises with it (the widths it may hold, and fetch at).
                     p.quality[key] = max(p.quality[key], higher)
+                    self._stale.add(key)
                     backend.fetch_bits[key] = max(backend.fetch_bits.get(key, 0), higher)
                     if self.arbiter.raise_floor(key, higher, self.engine_step):
                         backend.cancel([key])

@@ -58,12 +58,16 @@ class Importance:
         """Add one simulated forward's routing: token counts only (no routing weights, so the
         layer's mass is not moved by it)."""
         mass, seen = self._step.setdefault(layer, ([0.0] * len(counts), [0] * len(counts)))
-        for e, n in enumerate(counts):
-            seen[e] += n
+        if len(seen) == len(counts):
+            seen[:] = [a + n for a, n in zip(seen, counts)]
+        else:
+            for e, n in enumerate(counts):
+                seen[e] += n
 
     def end_step(self) -> None:
         """Fold this step's shares into the averages (layers that ran nothing keep theirs)."""
-        a = self.decay
+        a, b = self.decay, 1 - self.decay
+        mass_ema, tokens, total_tokens, total_mass = self.mass, self.tokens, self.total_tokens, self.total_mass
         for layer, (mass, counts) in self._step.items():
             total_m, total_n = sum(mass), sum(counts)
             if not total_n:
@@ -71,11 +75,17 @@ class Importance:
             for e, (m, n) in enumerate(zip(mass, counts)):
                 key = (layer, e)
                 if total_m:  # a simulated step has counts but no mass
-                    self.mass[key] = a * self.mass[key] + (1 - a) * m / total_m
-                self.tokens[key] = a * self.tokens[key] + (1 - a) * n / total_n
-                self.total_tokens[key] += n
-                self.total_mass[key] += m
+                    mass_ema[key] = a * mass_ema[key] + b * m / total_m
+                tokens[key] = a * tokens[key] + b * n / total_n
+                if n:  # adding 0 changes neither total
+                    total_tokens[key] += n
+                if m:
+                    total_mass[key] += m
         self._step = {}
 
     def __getitem__(self, key: Key) -> float:
         return self.tokens[key] if self.signal == "tokens" else self.mass[key]
+
+    def values(self) -> dict[Key, float]:
+        """Every key's importance (the live table: do not write it)."""
+        return self.tokens if self.signal == "tokens" else self.mass

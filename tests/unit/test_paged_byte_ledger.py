@@ -5,6 +5,7 @@ representations (bit planes share parts between widths; re-quantized versions do
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def test_the_ledger_equals_a_walk_over_every_part(representation, link_gbps):
         else:
             backend.cancel(rng.sample(keys, 2))
         assert backend.device_bytes() == backend.walked_bytes()
+        walked = Counter(backend.bits(k) for k in keys)  # the width tally _observe reads
+        assert backend.width_counts() == {b: n for b, n in walked.items() if n}
         checked += backend.device_bytes() > 0
     backend.commit()
     assert backend.device_bytes() == backend.walked_bytes() == sum(h.nbytes for h in backend.held.values())
