@@ -7,19 +7,21 @@ what is drawn for decode rows:
 
 - Decode rows, a window ahead. When a request's decode needs rows it has none for, its next
   `window` positions are drawn as one chain (one `route_layers` call serves every request that
-  needs rows in that step, and tops up those with less than half a window left), and each step
+  needs rows in that step, and tops up those with less than a window left), and each step
   reads its row from the buffer. Same law as drawing each row when its step runs: the chain is
   the same Markov chain, drawn earlier. A request that ends or is preempted leaves the rest of
   its window unused (`rows_drawn_unused`); a request whose next position is not the one its
   buffer continues (a restart) draws a new window.
 - Long prefill chunks, counted in bulk. Only per-layer token counts per expert reach the expert
-  backends and the cost model in a simulated step. A chunk's last `tail` rows are drawn as a
-  chain (the state its decode continues from, and the chunk's end as the law draws it); the rows
-  before them are counted per layer from the layer's inclusion probabilities, each expert
-  Binomial(rows, pi_e) (`bulk_counts`): the exact count of an expert over rows drawn
-  independently. What it leaves out: the locality between those rows, which makes an expert's
-  count over a chunk vary more (its mean is the same), and the exactly-top_k rows (the counts'
-  sum varies around rows x top_k).
+  backends and the cost model in a simulated step. A chunk of more than `tail` rows has its last
+  row drawn by the source (the state its decode continues from: a row whose previous position
+  the source has not seen takes the stationary law); the rows before it are counted per layer
+  from the layer's inclusion probabilities, each expert Binomial(rows, pi_e) (`bulk_counts`):
+  the exact count of an expert over rows drawn independently. What it leaves out: the locality
+  between those rows, which makes an expert's count over a chunk vary more (its mean is the
+  same), and the exactly-top_k rows (the counts' sum varies around rows x top_k). A chunk of
+  `tail` rows or fewer is drawn as a chain, row by row (there the locality changes how many
+  experts a step runs).
 
 A replayed trace is read row by row as recorded: the executor uses this only for a source with
 `draws_ahead` (synthetic, uniform).
@@ -50,14 +52,18 @@ class AheadRouter:
         self._free: list[int] = []
         self._grow(64)
         self._step = 0
+        # The last decode step's (ids, positions, slots, rows every one has left beyond it, offsets,
+        # step); its next positions and step are written back by `_settle`.
+        self._run: tuple | None = None
         self.stats = {"decode_rows": 0, "rows_drawn_ahead": 0, "rows_drawn_unused": 0, "window_calls": 0,
                       "prefill_rows_chained": 0, "prefill_rows_counted": 0}
 
     def describe(self) -> dict[str, Any]:
         return {"decode_window": self.window, "prefill_tail": self.tail, **self.stats,
                 "rule": "decode rows drawn per request a window ahead as one chain (the same law); a prefill "
-                        "chunk's last prefill_tail rows drawn as a chain, the rows before them counted per expert "
-                        "as Binomial(rows, inclusion probability) (engines/sim/ahead.py)"}
+                        "chunk over prefill_tail rows: its last row drawn, the rows before it counted per expert as "
+                        "Binomial(rows, inclusion probability); shorter chunks drawn as chains "
+                        "(engines/sim/ahead.py)"}
 
     # -- buffers ------------------------------------------------------------------------------------
     def _grow(self, cap: int) -> None:
@@ -91,7 +97,17 @@ class AheadRouter:
         self._rid[s] = None
         self._free.append(s)
 
+    def _settle(self) -> None:
+        """Write back what steps on the fast path (`_decode`) kept aside: each request's next position
+        and the step it was read at. Before anything reads them or frees a slot."""
+        run, self._run = self._run, None
+        if run is not None:
+            _, starts, slots, _, _, step = run
+            self._next[slots] = np.array(starts, dtype=np.int64) + 1
+            self._seen[slots] = step
+
     def _prune(self) -> None:
+        self._settle()
         for s in np.flatnonzero(self._seen < self._step - STALE_STEPS).tolist():
             if self._rid[s] is not None:
                 self._release(s)
@@ -110,8 +126,9 @@ class AheadRouter:
         for c in batch.chunks[nd:]:
             rid = c.seq.request.request_id
             if rid in self._slot_of:  # its positions start again: the buffer no longer continues
+                self._settle()
                 self._release(self._slot_of[rid])
-            head = max(0, c.length - self.tail)
+            head = c.length - 1 if c.length > self.tail else 0  # counted; the last row drawn (the state)
             counted += head
             keys += [(rid, p) for p in range(c.start + head, c.start + c.length)]
         if counted:
@@ -129,22 +146,30 @@ class AheadRouter:
 
     def _decode(self, chunks: list[Any]) -> np.ndarray:
         rids = [c.seq.request.request_id for c in chunks]
+        starts = [c.start for c in chunks]
+        self.stats["decode_rows"] += len(rids)
+        run = self._run
+        # The fast path: the same requests as the previous step, each one position on, and every
+        # one's buffer holding the row (the usual decode step): no lookups, no checks.
+        if run is not None and run[3] > 0 and run[0] == rids and all(a == b + 1 for a, b in zip(starts, run[1])):
+            off = run[4] + 1
+            self._run = (rids, starts, run[2], run[3] - 1, off, self._step)
+            return self._buf[run[2], :, off]
+        self._settle()
         slots = np.fromiter(map(self._slot, rids), dtype=np.int64, count=len(rids))
-        pos = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(rids))
+        pos = np.array(starts, dtype=np.int64)
         off = pos - self._start[slots]
         ok = (self._next[slots] == pos) & (off < self._fill[slots])
         if not ok.all():
             self._refill(rids, slots, pos, ok, off)
             off = pos - self._start[slots]
-        self._next[slots] = pos + 1
-        self._seen[slots] = self._step
-        self.stats["decode_rows"] += len(rids)
+        self._run = (rids, starts, slots, int((self._fill[slots] - off).min()) - 1, off, self._step)
         return self._buf[slots, :, off]
 
     def _refill(self, rids: list[str], slots: np.ndarray, pos: np.ndarray, ok: np.ndarray, off: np.ndarray) -> None:
-        """Rows for every request without its next one, and a top-up for those under half a window."""
+        """Rows for every request without its next one, and a top-up for those with under a window left."""
         w, n_layers = self.window, len(self.layers)
-        top = ok & (self._fill[slots] - off < w // 2)
+        top = ok & (self._fill[slots] - off < w)
         keys: list[tuple[str, int]] = []
         sel = np.flatnonzero(~ok | top).tolist()
         for i in sel:

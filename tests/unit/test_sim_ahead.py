@@ -95,7 +95,7 @@ def test_a_long_prefill_chunk_is_counted_from_the_inclusion_probabilities():
     rows = 20_000
     m = ahead.matrix(_batch([], [_chunk("p", 0, rows)]))
     assert m.shape == (len(LAYERS), E)
-    assert ahead.stats == {**ahead.stats, "prefill_rows_counted": rows - 64, "prefill_rows_chained": 64}
+    assert ahead.stats == {**ahead.stats, "prefill_rows_counted": rows - 1, "prefill_rows_chained": 1}
     pi = np.stack([src.expected_shares(layer, E, K) * K for layer in LAYERS])  # inclusion probabilities
     # Binomial(rows, pi): standard deviation <= sqrt(rows / 4) ~ 71 per expert
     assert np.abs(m - rows * pi).max() < 5 * np.sqrt(rows / 4)
