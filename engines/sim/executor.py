@@ -155,7 +155,7 @@ class SimExecutor(Executor):
         if self._layer_bytes is not None:  # counts only, one size per layer: every layer at once
             runs = self._counted_runs(matrix)
         else:
-            runs = []
+            alike: Counter = Counter()  # (tokens, stored bytes) -> experts over the step (cost is per such pair)
             # A backend with its own simulate makes decisions (offload's cache): timed as control.
             simulate = self.timed_simulate if self._wants_upcoming and self.control_time else experts.simulate
             n_moe = len(moe_layers)
@@ -170,11 +170,11 @@ class SimExecutor(Executor):
                     simulate(layer, Dispatch(_NO_ROWS, _NO_ROWS, layer_counts), upcoming)
                 else:  # ExpertBackend.simulate only counts: skip building the Dispatch
                     experts.count_experts(layer, layer_counts)
-                # Experts of a layer with the same tokens and stored bytes cost the same: one run each.
-                alike = Counter((tokens, experts.expert_bytes(layer, e)) for e, tokens in enumerate(layer_counts)
-                                if tokens)
-                runs += [ExpertRun(layer, tokens, nbytes, 8 * nbytes / self.params_per_expert, count, self._scheme)
-                         for (tokens, nbytes), count in alike.items()]
+                # Experts with the same tokens and stored bytes cost the same: one run each over the step.
+                alike.update((tokens, experts.expert_bytes(layer, e)) for e, tokens in enumerate(layer_counts)
+                             if tokens)
+            runs = [ExpertRun(-1, tokens, nbytes, 8 * nbytes / self.params_per_expert, count, self._scheme)
+                    for (tokens, nbytes), count in alike.items()]
         moved = self.ledger.peek_step()
         work = StepWork(
             prefill=tuple((c.length, c.start) for c in batch.chunks[batch.num_decode:]),
