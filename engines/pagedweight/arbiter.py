@@ -526,15 +526,16 @@ class Arbiter:
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
         # goal demotions that make its room; stop spending at the transfer budget.
-        order = {k: i for i, k in enumerate(keys)}
+        moving = [k for k, o in goal.items() if o.bits != eff[k].bits]
+        order = {k: i for i, k in enumerate(keys)} if moving else {}
         ups, downs = [], []
-        for k, o in goal.items():
-            if o.bits != eff[k].bits:
-                add, saved = o.nbytes - eff[k].nbytes, w[k] * eff[k].cost - w[k] * o.cost
-                if add < 0:  # by added cost per byte freed, as in the greedy
-                    downs.append((saved / add, -saved, order[k], k))
-                else:  # by cost saved per byte added, best first
-                    ups.append((-saved / add if add else -math.inf, order[k], k))
+        for k in moving:
+            o = goal[k]
+            add, saved = o.nbytes - eff[k].nbytes, w[k] * eff[k].cost - w[k] * o.cost
+            if add < 0:  # by added cost per byte freed, as in the greedy
+                downs.append((saved / add, -saved, order[k], k))
+            else:  # by cost saved per byte added, best first
+                ups.append((-saved / add if add else -math.inf, order[k], k))
         ups.sort()
         downs.sort()
         d = 0
@@ -611,12 +612,11 @@ class Arbiter:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
         greedy (on a re-plan step) beats that base by the hysteresis margin."""
         keep = {k: eff[k] for k in free}
-        sub = {k: allowed[k] for k in free}
         replan = self._replanned is None or step >= self._replanned[0] + self.replan_every or \
             capacity != self._replanned[1]
         if replan:
             self._replanned = (step, capacity)
-            cand, picked = _greedy_pick(sub, room, w)
+            cand, picked = _greedy_pick({k: allowed[k] for k in free}, room, w)
         target = self._target
         old = {}
         for k in free:
@@ -624,12 +624,17 @@ class Arbiter:
             if i is None:  # an earlier goal no longer allowed (a floor rose): the current bits
                 old = None
                 break
-            old[k] = sub[k][i]
-        base = keep
-        if old is not None and sum(o.nbytes for o in old.values()) <= room and _cost(old, w) < _cost(keep, w):
-            base = old
-        base_cost = _cost(base, w)
-        if replan and cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
+            old[k] = allowed[k][i]
+        base, base_cost = keep, None
+        if old is not None and sum(o.nbytes for o in old.values()) <= room:
+            old_cost, base_cost = _cost(old, w), _cost(keep, w)
+            if old_cost < base_cost:
+                base, base_cost = old, old_cost
+        if not replan:
+            return base
+        if base_cost is None:
+            base_cost = _cost(base, w)
+        if cand.fits and base_cost - cand.cost > self.hysteresis * base_cost + self.min_gain:
             return picked
         return base
 
