@@ -169,13 +169,20 @@ class PagedWeightBackend(ExpertBackend):
 
     def _hold(self, key: Key, version: Held | None) -> None:
         """Make `version` the held one of `key` (None: nothing held)."""
+        old = self.held.get(key)
         if version is not None:
-            self._ref(version.parts, 1)
-            old = self.held.get(key)
             self.held[key] = version
         else:
-            old = self.held.pop(key, None)
-        if old is not None:
+            self.held.pop(key, None)
+        if version is not None and old is not None:
+            # Only the parts the versions do not share change references (a bit-plane demotion
+            # keeps most of its planes): +1 then -1 on a shared part would leave it as it was.
+            was, now = old.parts, version.parts
+            self._ref({n: t for n, t in now.items() if was.get(n) is not t}, 1)
+            self._ref({n: t for n, t in was.items() if now.get(n) is not t}, -1)
+        elif version is not None:
+            self._ref(version.parts, 1)
+        elif old is not None:
             self._ref(old.parts, -1)
         widths = self._widths
         was, now = 0 if old is None else old.bits, 0 if version is None else version.bits

@@ -57,8 +57,9 @@ class PagedWeightConfig(RuntimeConfig):
     min_residence_steps: int = 8  # steps an expert keeps a width before an optional change
     # Steps between the arbiter's optional re-plans (its fresh greedy, the bulk of the control
     # code's CPU per step; a step whose page capacity changed re-plans too); forced demotions and
-    # moves toward the adopted goal run every step. docs/pagedweight.md has its measured cost.
-    replan_every: int = 1
+    # moves toward the adopted goal run every step. 1: every step (the decisions before the knob);
+    # 4 measured harmless (docs/pagedweight.md, "Control cost per step").
+    replan_every: int = 4
     transition_bytes_per_step: int | None = None  # bytes of optional page moves per step; None: any
     kv_reserve_bytes: int | None = None  # KV room planned for at start; None: 25% of budget - dense
     feedback_every: int = 16  # steps between quality-feedback checks (0: off)

@@ -41,6 +41,11 @@ def test_the_ledger_equals_a_walk_over_every_part(representation, link_gbps):
         assert backend.device_bytes() == backend.walked_bytes()
         walked = Counter(backend.bits(k) for k in keys)  # the width tally _observe reads
         assert backend.width_counts() == {b: n for b, n in walked.items() if n}
+        counts = [rng.choice((0, 0, 1, 3)) for _ in range(experts)]  # the layer's count, as ExpertBackend's
+        backend.step_stats()  # reset
+        backend.count_experts(1, counts)
+        assert backend.step_stats()["expert_bytes_read"] == sum(
+            backend.expert_bytes(1, e) for e, n in enumerate(counts) if n)
         checked += backend.device_bytes() > 0
     backend.commit()
     assert backend.device_bytes() == backend.walked_bytes() == sum(h.nbytes for h in backend.held.values())
