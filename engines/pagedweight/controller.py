@@ -129,7 +129,7 @@ class PagedController(Controller):
                                transition_bytes_per_step=cfg.transition_bytes_per_step,
                                transfer=lambda key, a, b: self.backend.stores[key].transfer_bytes(a, b),
                                floors=p.floors, initial=dict(initial.bits),
-                               replan_every=getattr(cfg, "replan_every", 1))
+                               replan_every=cfg.replan_every)
 
     def options(self) -> dict[Key, list[Choice]]:
         """Every expert's choices, each key's in increasing bytes (what the arbiter sorts them by),
