@@ -44,7 +44,7 @@ class AheadRouter:
         self.source, self.layers, self.e, self.k, self.tail = source, tuple(layers), int(num_experts), int(top_k), tail
         n_layers = len(self.layers)
         w = BUFFER_BYTES // max(1, 2 * n_layers * self.k)
-        self.window = max(8, min(64, 1 << (w.bit_length() - 1))) if w else 8
+        self.window = max(8, min(128, 1 << (w.bit_length() - 1))) if w else 8
         self._offsets = (np.arange(n_layers, dtype=np.int64) * self.e)[:, None]
         self._dtype = np.int16 if self.e < (1 << 15) else np.int32
         self._slot_of: dict[str, int] = {}

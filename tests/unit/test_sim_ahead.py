@@ -47,18 +47,19 @@ def _stats(ids: np.ndarray) -> tuple[float, np.ndarray]:
 
 def test_decode_rows_drawn_ahead_keep_the_sources_locality_and_popularity():
     ahead = AheadRouter(_source(1), LAYERS, E, K)
-    ahead_ids = _decode_rows(ahead._decode)
+    ahead_ids = _decode_rows(ahead._decode, steps=600)
     step_src = _source(1)  # the oracle: the same law (same popularity), drawn one step at a time
     step_ids = _decode_rows(lambda chunks: step_src.route_layers(
-        LAYERS, [(c.seq.request.request_id, c.start) for c in chunks], E, K).transpose(1, 0, 2))
+        LAYERS, [(c.seq.request.request_id, c.start) for c in chunks], E, K).transpose(1, 0, 2), steps=600)
     ahead_overlap, ahead_shares = _stats(ahead_ids)
     step_overlap, step_shares = _stats(step_ids)
-    # 299 x 6 x 4 x 2 slots: the reuse share's standard error is ~0.006
+    # 599 x 6 x 4 x 2 slots: the reuse share's standard error is ~0.005; a layer's expert share
+    # over 3,600 correlated rows ~0.009 (their difference ~0.013: the bound is ~4 of those)
     assert ahead_overlap == pytest.approx(step_overlap, abs=0.03)
     assert ahead_overlap == pytest.approx(0.5, abs=0.04)
-    assert np.abs(ahead_shares - step_shares).max() < 0.04
-    assert ahead.stats["decode_rows"] == 300 * 6
-    assert ahead.stats["window_calls"] < 300 / (ahead.window // 2) + 2  # a call per half window, not per step
+    assert np.abs(ahead_shares - step_shares).max() < 0.05
+    assert ahead.stats["decode_rows"] == 600 * 6
+    assert ahead.stats["window_calls"] <= 600 / ahead.window + 6  # about a call per window, not one per step
 
 
 def test_a_window_follows_positions_and_a_restart_draws_a_new_one():
