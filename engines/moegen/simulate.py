@@ -212,7 +212,7 @@ class MoEGenSimExecutor(SimExecutor):
         copied_before = self._copied_bytes()
         moe_layers = experts.layers()
         simulate = self.timed_simulate if self.control_time else experts.simulate  # its decisions: control time
-        ahead = sum(c.length for c in batch.chunks) * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward
+        ahead = batch.token_ids.shape[0] * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward decides
         if ahead and moe_layers:
             experts.prefetch(moe_layers[0])
         runs = Counter()

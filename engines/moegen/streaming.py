@@ -65,7 +65,6 @@ class StreamingBackend(HostTierBackend):
         self._queued_layers: set[int] = set()
         self._stall = 0.0  # compute's wait for expert copies this step
         self._packed: dict[Key, tuple[PackedWeight | Tensor, PackedWeight | Tensor]] = {}  # prepack
-        self._copy_size: dict[int, tuple[int, int]] = {}  # layer -> (bytes, transfers) of one expert's copy
         self._device_bytes: int | None = None
 
     def prepack(self) -> int:
@@ -168,14 +167,6 @@ class StreamingBackend(HostTierBackend):
         while self._queue and self._free:
             layer, e = key = self._queue.popleft()
             slot = self._free.popleft()
-            if self.copies.simulated:  # counted from the stack's shapes (one size per layer), no slicing
-                size = self._copy_size.get(layer)
-                if size is None:
-                    size = self._copy_size[layer] = self.ring.copy_size(self.host[layer], e)
-                handle = self.copies.counted("h2d", *size, tag="experts")
-                self._stats["streamed_bytes"] += size[0]
-            else:
-                pairs = self.ring.copies(slot, self.host[layer], e)
-                handle = self.copies.h2d(pairs, tag="experts")
-                self._stats["streamed_bytes"] += sum(src.numel() * src.element_size() for _, src in pairs)
+            handle, nbytes = self.copy_in(self.ring, slot, layer, e)
+            self._stats["streamed_bytes"] += nbytes
             self._issued[key] = (slot, handle)

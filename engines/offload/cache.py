@@ -100,7 +100,6 @@ class OffloadBackend(HostTierBackend):
             self.slot_buffers[i] = slots_like(w, k, device)
             self.caches[i] = ExpertCache(k, policy)
         self._tick = 0
-        self._copy_size: dict[int, tuple[int, int]] = {}  # layer -> (bytes, transfers) of one expert's copy
 
     # -- ExpertBackend ---------------------------------------------------------------------------
     def device_bytes(self) -> int:
@@ -176,14 +175,7 @@ class OffloadBackend(HostTierBackend):
         if placed is None:
             return False
         slot, _ = placed
-        if self.copies.simulated:  # counted from the layer's expert size (every expert of a stack has one)
-            size = self._copy_size.get(layer)
-            if size is None:
-                size = self._copy_size[layer] = self.slot_buffers[layer].copy_size(self.host[layer], expert)
-            cache.loading[expert] = self.copies.counted("h2d", *size, tag="experts")
-            return True
-        pairs = self.slot_buffers[layer].copies(slot, self.host[layer], expert)
-        cache.loading[expert] = self.copies.h2d(pairs, tag="experts")
+        cache.loading[expert], _ = self.copy_in(self.slot_buffers[layer], slot, layer, expert)
         return True
 
     def _prefetch(self, guess: tuple[int, list[int]] | None) -> None:

@@ -389,12 +389,10 @@ class ExpertStore:
         to the one at `to_bits` (0: drop it): the parts of the target the held one lacks."""
         if to_bits == 0:
             return 0
-        got = self.__dict__.get("_size_memo", {}).get(("t", from_bits, to_bits))
-        if got is not None:  # asked for every move, and the arbiter's too: skip building the closure
-            return got
-        have = self.parts(from_bits) if from_bits else {}
-        return self._sized(("t", from_bits, to_bits), lambda: sum(
-            t.numel() * t.element_size() for name, t in self.parts(to_bits).items() if name not in have))
+        def size() -> int:
+            have = self.parts(from_bits) if from_bits else {}
+            return sum(t.numel() * t.element_size() for name, t in self.parts(to_bits).items() if name not in have)
+        return self._sized(("t", from_bits, to_bits), size)
 
     def freed_bytes(self, from_bits: int, to_bits: int) -> int:
         """Device bytes released by that move: the held parts the target does not use."""

@@ -58,11 +58,7 @@ class Importance:
         """Add one simulated forward's routing: token counts only (no routing weights, so the
         layer's mass is not moved by it)."""
         mass, seen = self._step.setdefault(layer, ([0.0] * len(counts), [0] * len(counts)))
-        if len(seen) == len(counts):
-            seen[:] = [a + n for a, n in zip(seen, counts)]
-        else:
-            for e, n in enumerate(counts):
-                seen[e] += n
+        seen[:] = [a + n for a, n in zip(seen, counts, strict=True)]
 
     def end_step(self) -> None:
         """Fold this step's shares into the averages (layers that ran nothing keep theirs)."""

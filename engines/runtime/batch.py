@@ -91,16 +91,17 @@ def build_batch(plan: Schedule, allocator: BlockAllocator, ledger: TransferLedge
         ids, pos = ledger.tensor(token_ids, long), ledger.tensor(positions, long)
     return StepBatch(
         chunks, len(decodes), ids, pos, ledger.tensor(logit_rows, long),
-        _attention_batch(chunks, len(decodes), rows if meta else slots, allocator, ledger), sampled, prompt_rows,
+        _attention_batch(chunks, len(decodes), slots, rows, allocator, ledger), sampled, prompt_rows,
     )
 
 
-def _attention_batch(chunks: list[Chunk], num_decode: int, slots: list[int] | int, allocator: BlockAllocator,
+def _attention_batch(chunks: list[Chunk], num_decode: int, slots: list[int], rows: int, allocator: BlockAllocator,
                      ledger: TransferLedger) -> AttentionBatch:
-    """Decode chunks come first in `chunks`; each later chunk is a prefill segment."""
+    """Decode chunks come first in `chunks`; each later chunk is a prefill segment. On the meta
+    device (a simulated run) shapes only: `slots` is not listed there, `rows` gives its length."""
     tables, tensor, long = allocator.tables, ledger.tensor, torch.long
-    meta = isinstance(slots, int)  # a simulated run: shapes only (`slots` is the row count)
-    batch = AttentionBatch(slots=ledger.shaped((slots,), long) if meta else tensor(slots, long),
+    meta = ledger.device.type == "meta"
+    batch = AttentionBatch(slots=ledger.shaped((rows,), long) if meta else tensor(slots, long),
                            num_decode=num_decode)
     dec = [tables[c.seq.id] for c in chunks[:num_decode]]  # shortest first
     for lo, hi in group_by_length([len(t) for t in dec]):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engines.runtime.copies import CopyEngine
+from engines.runtime.copies import CopyEngine, CopyHandle
 from engines.runtime.experts import StackedBackend, swiglu
 from engines.runtime.mxfp4 import Mxfp4Expert, Mxfp4Experts, mxfp4_expert_forward
 from engines.runtime.weights import DenseExperts
@@ -140,3 +140,16 @@ class HostTierBackend(StackedBackend):
         self.copies = copies
         self.host = {i: host_stack(w, copies) for i, w in experts.items()}
         super().__init__(self.host)
+        self._copy_size: dict[int, tuple[int, int]] = {}  # layer -> (bytes, transfers) of one expert's copy
+
+    def copy_in(self, slots: Slots, slot: int, layer: int, expert: int) -> tuple[CopyHandle, int]:
+        """Copy host expert `expert` of `layer` into device slot `slot` of `slots`: the handle and
+        the bytes copied. A simulated run counts the copy from the layer's expert size (every
+        expert of a stack has one), memoised, without slicing its meta tensors."""
+        if self.copies.simulated:
+            size = self._copy_size.get(layer)
+            if size is None:
+                size = self._copy_size[layer] = slots.copy_size(self.host[layer], expert)
+            return self.copies.counted("h2d", *size, tag="experts"), size[0]
+        pairs = slots.copies(slot, self.host[layer], expert)
+        return self.copies.h2d(pairs, tag="experts"), sum(src.numel() * src.element_size() for _, src in pairs)

@@ -39,13 +39,19 @@ BUFFER_BYTES = 1 << 15  # per request and window: layers x window x top_k ids of
 STALE_STEPS = 256  # a buffer unread this many steps is freed (its request ended or waits preempted)
 
 
+def tally_layers(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """Tokens per expert [layers, E] from expert ids [layers, ...] (any rows per layer)."""
+    n_layers = ids.shape[0]
+    offsets = (np.arange(n_layers, dtype=np.int64) * num_experts).reshape(-1, *([1] * (ids.ndim - 1)))
+    return np.bincount((ids + offsets).ravel(), minlength=n_layers * num_experts).reshape(n_layers, num_experts)
+
+
 class AheadRouter:
     def __init__(self, source: Any, layers: tuple[int, ...], num_experts: int, top_k: int, tail: int = 64) -> None:
         self.source, self.layers, self.e, self.k, self.tail = source, tuple(layers), int(num_experts), int(top_k), tail
         n_layers = len(self.layers)
         w = BUFFER_BYTES // max(1, 2 * n_layers * self.k)
         self.window = max(8, min(128, 1 << (w.bit_length() - 1))) if w else 8
-        self._offsets = (np.arange(n_layers, dtype=np.int64) * self.e)[:, None]
         self._dtype = np.int16 if self.e < (1 << 15) else np.int32
         self._slot_of: dict[str, int] = {}
         self._rid: list[str | None] = []
@@ -90,9 +96,14 @@ class AheadRouter:
             self._next[s], self._fill[s] = -1, 0
         return s
 
-    def _release(self, s: int) -> None:
+    def _discard_rows(self, s: int) -> None:
+        """Count the rows of slot `s`'s window never read (its request ended or restarted), then empty it."""
         used = self._next[s] - self._start[s] if self._next[s] >= 0 else 0
         self.stats["rows_drawn_unused"] += int(max(0, self._fill[s] - used))
+        self._fill[s] = 0
+
+    def _release(self, s: int) -> None:
+        self._discard_rows(s)
         del self._slot_of[self._rid[s]]
         self._rid[s] = None
         self._free.append(s)
@@ -119,7 +130,7 @@ class AheadRouter:
         if self._step % STALE_STEPS == 0:
             self._prune()
         n_layers, e, k = len(self.layers), self.e, self.k
-        total = np.zeros(n_layers * e, dtype=np.int64)
+        total = np.zeros((n_layers, e), dtype=np.int64)
         nd = batch.num_decode
         keys: list[tuple[str, int]] = []
         counted = 0
@@ -132,17 +143,15 @@ class AheadRouter:
             counted += head
             keys += [(rid, p) for p in range(c.start + head, c.start + c.length)]
         if counted:
-            total += self.source.bulk_counts(self.layers, counted, e, k).ravel()
+            total += self.source.bulk_counts(self.layers, counted, e, k)
             self.stats["prefill_rows_counted"] += counted
         if keys:
-            ids = self.source.route_layers(self.layers, keys, e, k).reshape(n_layers, -1)
-            total += np.bincount((ids + self._offsets).ravel(), minlength=n_layers * e)
+            total += tally_layers(self.source.route_layers(self.layers, keys, e, k), e)
             self.stats["prefill_rows_chained"] += len(keys)
         if nd:
             ids = self._decode(batch.chunks[:nd])  # [B, layers, k]
-            ids = ids.transpose(1, 0, 2).reshape(n_layers, -1).astype(np.int64)
-            total += np.bincount((ids + self._offsets).ravel(), minlength=n_layers * e)
-        return total.reshape(n_layers, e)
+            total += tally_layers(ids.transpose(1, 0, 2).astype(np.int64), e)
+        return total
 
     def _decode(self, chunks: list[Any]) -> np.ndarray:
         rids = [c.seq.request.request_id for c in chunks]
@@ -179,9 +188,7 @@ class AheadRouter:
                 self._buf[s, :, : f - o] = self._buf[s, :, o:f]
                 self._fill[s] = f - o
             else:  # a new window from this position (the source continues its chain where it can)
-                used = self._next[s] - self._start[s] if self._next[s] >= 0 else 0
-                self.stats["rows_drawn_unused"] += int(max(0, self._fill[s] - used))
-                self._fill[s] = 0
+                self._discard_rows(s)
             self._start[s] = p
             begin = p + int(self._fill[s])
             keys += [(rids[i], q) for q in range(begin, begin + w)]

@@ -33,7 +33,7 @@ from engines.runtime.experts import Dispatch, ExpertBackend, StackedBackend
 from engines.runtime.model import MoEModel
 from engines.runtime.shape import model_shape
 from engines.runtime.transfer import TransferLedger
-from engines.sim.ahead import AheadRouter
+from engines.sim.ahead import AheadRouter, tally_layers
 from engines.sim.clock import VirtualClock
 from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork
 
@@ -65,7 +65,6 @@ class SimExecutor(Executor):
         self.kv_bytes_per_token = model.kv.block_bytes // model.kv.block_size
         self.last: StepCost | None = None
         self._layer_tuple = tuple(self.moe_layers)
-        self._layer_offsets = (np.arange(len(self.moe_layers), dtype=np.int64) * self.num_experts)[:, None]
         self.ahead = AheadRouter(routing, self._layer_tuple, self.num_experts, self.top_k) \
             if getattr(routing, "draws_ahead", False) and self.moe_layers else None
         # A backend whose `simulate` is ExpertBackend's only counts: it never reads `upcoming`.
@@ -74,10 +73,11 @@ class SimExecutor(Executor):
         # A backend that only counts, with one stored size per layer fixed at load (StackedBackend's
         # expert_bytes): its steps are priced from the counts matrix at once (`_counted_runs`).
         self._layer_bytes: np.ndarray | None = None
+        self._size_groups: list[tuple[int, float, np.ndarray]] = []  # (bytes, bits, its layers' rows)
         if not self._wants_upcoming and type(experts).expert_bytes is StackedBackend.expert_bytes and self.moe_layers:
             self._layer_bytes = np.array([experts.expert_bytes(layer, 0) for layer in self.moe_layers], dtype=np.int64)
-            one = int(self._layer_bytes[0])
-            self._one_size = (one, 8 * one / self.params_per_expert) if (self._layer_bytes == one).all() else None
+            self._size_groups = [(int(b), 8 * int(b) / self.params_per_expert, np.flatnonzero(self._layer_bytes == b))
+                                 for b in np.unique(self._layer_bytes)]
         self.totals = SimTotals()
         self._logits: dict[int, torch.Tensor] = {}
         self.control_time = control_time  # RuntimeConfig.control_time == "measured"
@@ -119,8 +119,7 @@ class SimExecutor(Executor):
         else:
             ids = np.stack([self.routing.route(layer, keys, e, k).ravel() for layer in layers]) if layers else \
                 np.empty((0, 0), dtype=np.int64)
-        ids = ids + self._layer_offsets
-        return np.bincount(ids.ravel(), minlength=len(layers) * e).reshape(len(layers), e)
+        return tally_layers(ids, e)
 
     def route_counts(self, batch: StepBatch) -> dict[int, list[int]]:
         """`route_matrix` as MoE layer -> tokens per expert (what StepResult carries)."""
@@ -132,19 +131,13 @@ class SimExecutor(Executor):
         expert's cost does not depend on its layer)."""
         ran = matrix > 0
         self.experts.count_bytes(int(ran.sum(axis=1) @ self._layer_bytes))
-        if self._one_size:  # the usual case: runs differ by tokens only
-            by_tokens = np.bincount(matrix[ran])
-            tokens = np.flatnonzero(by_tokens)
-            nbytes, bits = self._one_size
-            return [ExpertRun(-1, t, nbytes, bits, n, self._scheme)
-                    for t, n in zip(tokens.tolist(), by_tokens[tokens].tolist())]
-        step = 1 + int(matrix.max(initial=0))
-        key = (self._layer_bytes[:, None] * step + matrix)[ran]  # (bytes, tokens) as one number
-        uniq, count = np.unique(key, return_counts=True)
         runs = []
-        for packed, n in zip(uniq.tolist(), count.tolist()):
-            nbytes, tokens = divmod(packed, step)
-            runs.append(ExpertRun(-1, tokens, nbytes, 8 * nbytes / self.params_per_expert, n, self._scheme))
+        for nbytes, bits, rows in self._size_groups:  # usually one group: every layer stores one size
+            m = matrix if len(self._size_groups) == 1 else matrix[rows]
+            by_tokens = np.bincount(m[m > 0])
+            tokens = np.flatnonzero(by_tokens)
+            runs += [ExpertRun(-1, t, nbytes, bits, n, self._scheme)
+                     for t, n in zip(tokens.tolist(), by_tokens[tokens].tolist())]
         return runs
 
     def execute(self, batch: StepBatch) -> StepResult:
