@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -57,7 +58,7 @@ class Held:
 
     @cached_property
     def nbytes(self) -> int:  # parts are never written once committed
-        return sum(t.numel() * t.element_size() for t in self.parts.values())
+        return sum(t.nbytes for t in self.parts.values())
 
 
 @dataclass
@@ -114,6 +115,10 @@ class PagedWeightBackend(ExpertBackend):
         self._token_bits: tuple[Tensor, Tensor, Tensor] | None = None  # per batch row: sum, min, choices
         self._layers = sorted({layer for layer, _ in self.stores})
         self._num = {i: sum(1 for layer, _ in self.stores if layer == i) for i in self._layers}
+        # Held bytes per (layer, expert) as a matrix over self._layers x experts, kept by _hold:
+        # a simulated step reads every layer's bytes at once (simulate_step).
+        self._row = {layer: i for i, layer in enumerate(self._layers)}
+        self._held_bytes = np.zeros((len(self._layers), max(self._num.values(), default=0)), dtype=np.int64)
 
     # -- ExpertBackend -----------------------------------------------------------------------------
     def layers(self) -> list[int]:
@@ -160,7 +165,7 @@ class PagedWeightBackend(ExpertBackend):
         for t in parts.values():
             r = self._refs.get(id(t))
             if r is None:
-                r = self._refs[id(t)] = [0, t.numel() * t.element_size(), t]
+                r = self._refs[id(t)] = [0, t.nbytes, t]
                 self._bytes += r[1]
             r[0] += n
             if r[0] == 0:
@@ -184,6 +189,7 @@ class PagedWeightBackend(ExpertBackend):
             self._ref(version.parts, 1)
         elif old is not None:
             self._ref(old.parts, -1)
+        self._held_bytes[self._row[key[0]], key[1]] = 0 if version is None else version.nbytes
         widths = self._widths
         was, now = 0 if old is None else old.bits, 0 if version is None else version.bits
         widths[was] -= 1
@@ -243,7 +249,7 @@ class PagedWeightBackend(ExpertBackend):
         new = Held(to_bits, parts)
         # The held parts are those of its width, so the copies' bytes are the store's (memoised).
         nbytes = store.transfer_bytes(from_bits, to_bits)
-        handle = self.copies.h2d(pairs, tag="expert_pages") if pairs else None
+        handle = self._copy_in(pairs, nbytes) if pairs else None
         move = Move(key, from_bits, to_bits, new, handle, nbytes)
         if handle is not None and to_bits < from_bits:
             # A demotion that copies (re-quantize, or from the 16-bit master) frees memory the
@@ -255,6 +261,12 @@ class PagedWeightBackend(ExpertBackend):
         else:
             self._track(move)
         return move
+
+    def _copy_in(self, pairs: list[tuple[Tensor, Tensor]], nbytes: int) -> CopyHandle:
+        """A move's host->device copies (`nbytes`: their source bytes); counted in a simulated run."""
+        if self.copies.simulated:
+            return self.copies.counted("h2d", nbytes, len(pairs), tag="expert_pages")
+        return self.copies.h2d(pairs, tag="expert_pages")
 
     def commit(self) -> list[Move]:
         """At a step boundary: wait for the moves issued so far and make their versions the
@@ -360,6 +372,17 @@ class PagedWeightBackend(ExpertBackend):
         missing = [e for e in segments(d) if self._resident((layer, e)) is None]
         for e in missing:
             self._fetch((layer, e))
+
+    def simulate_step(self, layers: list[int], counts: np.ndarray) -> np.ndarray | None:
+        """`simulate` for every layer at once when every expert is held (no on-demand fetch to
+        decide, so layer order changes nothing): the bytes read and the importance from the
+        counts; each expert's held bytes returned. Otherwise None (layer by layer)."""
+        held = self._held_bytes
+        if len(self.held) != len(self.stores) or layers != self._layers or counts.shape != held.shape:
+            return None
+        self._stats["expert_bytes_read"] += int(held[counts > 0].sum())
+        self.importance.observe_matrix(layers, counts)
+        return held
 
     @property
     def copies_overlap(self) -> bool:

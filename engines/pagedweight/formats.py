@@ -92,6 +92,25 @@ def _nbytes(parts: Parts) -> int:
     return sum(t.numel() * t.element_size() for t in parts.values())
 
 
+class MetaPart:
+    """A simulated run's device part (--simulate): its shape, dtype and bytes and no data, like a
+    meta tensor, at a fraction of a tensor's cost to make (a simulated Mixtral step makes ~100).
+    Nothing computes on it; the backend's ledger and the copy counts read `nbytes`."""
+
+    __slots__ = ("shape", "dtype", "nbytes")
+    is_meta = True
+    device = torch.device("meta")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> None:
+        self.shape, self.dtype, self.nbytes = shape, dtype, nbytes
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+
 # --- bit planes -------------------------------------------------------------------------------
 # Plane j (1 = most significant) holds bit 8 - j of every code, 8 consecutive inputs per byte,
 # input k at bit k % 8: a plane of an [out, in] matrix is out * in / 8 bytes, uint8 [out, in/8].
@@ -409,17 +428,30 @@ class ExpertStore:
         copies that fill them, for CopyEngine.h2d. Sum of the pairs' src bytes = transfer_bytes."""
         have = held or {}
         parts, pairs = {}, []
-        meta = torch.device(device).type == "meta"
+        if torch.device(device).type == "meta":  # --simulate: parts that hold shapes (MetaPart)
+            for name, src, spec in self._meta_specs(bits):
+                if name in have:
+                    parts[name] = have[name]
+                else:
+                    parts[name] = part = MetaPart(*spec)
+                    pairs.append((part, src))
+            return parts, pairs
         for name, src in self.parts(bits).items():
             if name in have:
                 parts[name] = have[name]
             else:
-                # --simulate: a meta part's detached alias is a new meta tensor of its shape and
-                # dtype (meta tensors hold no data) at a fifth of torch.empty's cost.
-                parts[name] = src.detach() if meta and src.is_meta else \
-                    torch.empty(src.shape, dtype=src.dtype, device=device)
+                parts[name] = torch.empty(src.shape, dtype=src.dtype, device=device)
                 pairs.append((parts[name], src))
         return parts, pairs
+
+    def _meta_specs(self, bits: int) -> list[tuple[str, Tensor, tuple]]:
+        """(name, host part, (shape, dtype, bytes)) of the version at `bits`, once per width."""
+        memo = self.__dict__.setdefault("_meta_memo", {})
+        specs = memo.get(bits)
+        if specs is None:
+            specs = memo[bits] = [(name, src, (src.shape, src.dtype, src.numel() * src.element_size()))
+                                  for name, src in self.parts(bits).items()]
+        return specs
 
     # -- compute -----------------------------------------------------------------------------------
     def forward(self, parts: Parts, bits: int, x: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from engines.runtime.experts import Dispatch
@@ -27,6 +28,11 @@ SIGNALS = ("mass", "tokens")
 
 
 class Importance:
+    """The averages are kept as arrays over every (layer, expert) in key order, so a step's
+    fold is a few vector operations (a simulated Mixtral step folds 32 layers x 8 experts);
+    each array element follows the same float operations, in the same order, as a per-key
+    loop would (tests/unit/test_importance.py checks it against one)."""
+
     def __init__(self, experts_per_layer: Mapping[int, int], decay: float = 0.9,
                  prior: Mapping[Key, float] | None = None, signal: str = "mass") -> None:
         if not 0.0 <= decay < 1.0:
@@ -34,54 +40,105 @@ class Importance:
         if signal not in SIGNALS:
             raise ValueError(f"importance signal must be one of {', '.join(SIGNALS)}, got {signal!r}")
         self.decay, self.signal = decay, signal
-        self.mass: dict[Key, float] = {}
-        self.tokens: dict[Key, float] = {}
-        for layer, n in experts_per_layer.items():
-            for e in range(n):
-                key = (layer, e)
-                self.mass[key] = self.tokens[key] = prior[key] if prior and key in prior else 1.0 / n
-        self.total_tokens: dict[Key, int] = dict.fromkeys(self.mass, 0)
-        self.total_mass: dict[Key, float] = dict.fromkeys(self.mass, 0.0)
-        self._step: dict[int, tuple[list[float], list[int]]] = {}
+        self.keys: list[Key] = [(layer, e) for layer, n in experts_per_layer.items() for e in range(n)]
+        self._index = {key: i for i, key in enumerate(self.keys)}
+        sizes = list(experts_per_layer.values())
+        self._size = dict(experts_per_layer)
+        self._start = dict(zip(experts_per_layer, np.cumsum([0, *sizes[:-1]]).tolist()))
+        self._sizes = np.array(sizes, dtype=np.int64)
+        self._offsets = np.array(list(self._start.values()), dtype=np.int64)
+        first = [prior[key] if prior and key in prior else 1.0 / experts_per_layer[key[0]] for key in self.keys]
+        self._mass = np.array(first, dtype=np.float64)
+        self._tokens = self._mass.copy()
+        self._total_tokens = np.zeros(len(self.keys), dtype=np.int64)
+        self._total_mass = np.zeros(len(self.keys), dtype=np.float64)
+        self._step_mass = np.zeros(len(self.keys), dtype=np.float64)
+        self._step_counts = np.zeros(len(self.keys), dtype=np.int64)
+        self._observed = False
+        self._views: dict[str, dict] = {}
 
     def observe(self, layer: int, d: Dispatch) -> None:
         """Add one forward's routing (a layer runs once per step; twice adds up)."""
-        masses = torch.zeros(len(d.counts), dtype=torch.float64)
-        index = torch.repeat_interleave(torch.arange(len(d.counts)), torch.tensor(d.counts))
+        n = len(d.counts)
+        masses = torch.zeros(n, dtype=torch.float64)
+        index = torch.repeat_interleave(torch.arange(n), torch.tensor(d.counts))
         masses.index_add_(0, index, d.weights.detach().to("cpu", torch.float64))
-        mass, counts = self._step.setdefault(layer, ([0.0] * len(d.counts), [0] * len(d.counts)))
-        for e, (m, n) in enumerate(zip(masses.tolist(), d.counts)):
-            mass[e] += m
-            counts[e] += n
+        s = self._slice(layer, n)
+        self._step_mass[s] += masses.numpy()
+        self._step_counts[s] += d.counts
+        self._observed = True
 
     def observe_counts(self, layer: int, counts: list[int]) -> None:
         """Add one simulated forward's routing: token counts only (no routing weights, so the
         layer's mass is not moved by it)."""
-        mass, seen = self._step.setdefault(layer, ([0.0] * len(counts), [0] * len(counts)))
-        seen[:] = [a + n for a, n in zip(seen, counts, strict=True)]
+        self._step_counts[self._slice(layer, len(counts))] += counts
+        self._observed = True
+
+    def observe_matrix(self, layers: list[int], counts: np.ndarray) -> None:
+        """`observe_counts` for every layer of a simulated step at once: counts [len(layers), E]."""
+        if len(layers) == len(self._start) and counts.size == len(self.keys) and list(self._start) == list(layers):
+            self._step_counts += counts.ravel()
+            self._observed = True
+        else:
+            for layer, row in zip(layers, counts):
+                self.observe_counts(layer, row)
+
+    def _slice(self, layer: int, n: int) -> slice:
+        if n != self._size.get(layer):
+            raise ValueError(f"layer {layer}: {n} experts routed, {self._size.get(layer, 0)} tracked")
+        start = self._start[layer]
+        return slice(start, start + n)
 
     def end_step(self) -> None:
         """Fold this step's shares into the averages (layers that ran nothing keep theirs)."""
+        if not self._observed:
+            return
         a, b = self.decay, 1 - self.decay
-        mass_ema, tokens, total_tokens, total_mass = self.mass, self.tokens, self.total_tokens, self.total_mass
-        for layer, (mass, counts) in self._step.items():
-            total_m, total_n = sum(mass), sum(counts)
-            if not total_n:
-                continue
-            for e, (m, n) in enumerate(zip(mass, counts)):
-                key = (layer, e)
-                if total_m:  # a simulated step has counts but no mass
-                    mass_ema[key] = a * mass_ema[key] + b * m / total_m
-                tokens[key] = a * tokens[key] + b * n / total_n
-                if n:  # adding 0 changes neither total
-                    total_tokens[key] += n
-                if m:
-                    total_mass[key] += m
-        self._step = {}
+        counts, mass = self._step_counts, self._step_mass
+        total_n = np.add.reduceat(counts, self._offsets)
+        # Each layer's mass summed left to right, as a loop would (numpy's sums may pair terms).
+        spans = list(zip(self._offsets.tolist(), self._sizes.tolist()))
+        total_m = np.array([sum(mass[o:o + n].tolist()) for o, n in spans]) if mass.any() else np.zeros(len(spans))
+        ran = np.repeat(total_n > 0, self._sizes)
+        tn = np.repeat(np.where(total_n > 0, total_n, 1), self._sizes)
+        self._tokens = np.where(ran, a * self._tokens + b * counts / tn, self._tokens)
+        weighed = np.repeat((total_n > 0) & (total_m != 0), self._sizes)  # a simulated step has counts but no mass
+        tm = np.repeat(np.where(total_m != 0, total_m, 1.0), self._sizes)
+        self._mass = np.where(weighed, a * self._mass + b * mass / tm, self._mass)
+        self._total_tokens += np.where(ran, counts, 0)
+        self._total_mass = np.where(ran & (mass != 0), self._total_mass + mass, self._total_mass)
+        counts[:] = 0
+        mass[:] = 0.0
+        self._observed = False
+        self._views = {}
+
+    def _view(self, name: str) -> dict:
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = dict(zip(self.keys, getattr(self, "_" + name).tolist()))
+        return view
+
+    @property
+    def mass(self) -> dict[Key, float]:
+        """Each expert's EMA share of its layer's routing mass (a read-only view)."""
+        return self._view("mass")
+
+    @property
+    def tokens(self) -> dict[Key, float]:
+        """Each expert's EMA share of its layer's token assignments (a read-only view)."""
+        return self._view("tokens")
+
+    @property
+    def total_tokens(self) -> dict[Key, int]:
+        return self._view("total_tokens")
+
+    @property
+    def total_mass(self) -> dict[Key, float]:
+        return self._view("total_mass")
 
     def __getitem__(self, key: Key) -> float:
-        return self.tokens[key] if self.signal == "tokens" else self.mass[key]
+        return float((self._tokens if self.signal == "tokens" else self._mass)[self._index[key]])
 
     def values(self) -> dict[Key, float]:
-        """Every key's importance (the live table: do not write it)."""
+        """Every key's importance (a view built once per step: do not write it)."""
         return self.tokens if self.signal == "tokens" else self.mass

@@ -186,6 +186,13 @@ class ExpertBackend(ABC):
         resident just count; one that moves experts runs its residency decisions and copies."""
         self._count(layer, d)
 
+    def simulate_step(self, layers: list[int], counts: Any) -> Any:
+        """A simulated step's `simulate` for every MoE layer at once, where the backend can: counts
+        [len(layers), E] (numpy) are the tokens per expert; returns each expert's stored bytes as
+        the step ran them ([len(layers), E], for pricing), or None, and the executor calls
+        `simulate` layer by layer (the default; a backend whose decisions depend on layer order)."""
+        return None
+
     def _count(self, layer: int, d: Dispatch) -> None:
         """Record the experts `d` runs in `layer` (backends call this from forward)."""
         self.count_experts(layer, d.counts)

@@ -140,6 +140,25 @@ class SimExecutor(Executor):
                      for t, n in zip(tokens.tolist(), by_tokens[tokens].tolist())]
         return runs
 
+    def _simulate_step(self, matrix: np.ndarray) -> np.ndarray | None:
+        """The backend's `simulate_step` (timed as control when it makes decisions, as `simulate` is)."""
+        if not self._wants_upcoming or not self.control_time:
+            return self.experts.simulate_step(self.moe_layers, matrix)
+        t = time.thread_time()
+        held = self.experts.simulate_step(self.moe_layers, matrix)
+        self._control += time.thread_time() - t
+        return held
+
+    def _alike_runs(self, matrix: np.ndarray, nbytes: np.ndarray) -> list[ExpertRun]:
+        """One run per (tokens, stored bytes) over the step's experts that ran, in the order a
+        layer-by-layer walk meets them first (the cost model sums the runs in that order)."""
+        ran = matrix > 0
+        pairs = np.stack([matrix[ran], nbytes[ran]], axis=1)
+        alike, first, count = np.unique(pairs, axis=0, return_index=True, return_counts=True)
+        order = np.argsort(first, kind="stable")
+        return [ExpertRun(-1, t, b, 8 * b / self.params_per_expert, n, self._scheme)
+                for (t, b), n in zip(alike[order].tolist(), count[order].tolist())]
+
     def execute(self, batch: StepBatch) -> StepResult:
         self.begin()
         matrix = self.route_matrix(batch)
@@ -147,6 +166,8 @@ class SimExecutor(Executor):
         experts, moe_layers = self.experts, self.moe_layers
         if self._layer_bytes is not None:  # counts only, one size per layer: every layer at once
             runs = self._counted_runs(matrix)
+        elif (held := self._simulate_step(matrix)) is not None:  # the backend's every layer at once
+            runs = self._alike_runs(matrix, held)
         else:
             alike: Counter = Counter()  # (tokens, stored bytes) -> experts over the step (cost is per such pair)
             # A backend with its own simulate makes decisions (offload's cache): timed as control.
