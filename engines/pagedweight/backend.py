@@ -175,10 +175,6 @@ class PagedWeightBackend(ExpertBackend):
     def _hold(self, key: Key, version: Held | None) -> None:
         """Make `version` the held one of `key` (None: nothing held)."""
         old = self.held.get(key)
-        if version is not None:
-            self.held[key] = version
-        else:
-            self.held.pop(key, None)
         if version is not None and old is not None:
             # Only the parts the versions do not share change references (a bit-plane demotion
             # keeps most of its planes): +1 then -1 on a shared part would leave it as it was.
@@ -189,6 +185,15 @@ class PagedWeightBackend(ExpertBackend):
             self._ref(version.parts, 1)
         elif old is not None:
             self._ref(old.parts, -1)
+        self._tally(key, old, version)
+
+    def _tally(self, key: Key, old: Held | None, version: Held | None) -> None:
+        """The held map, the held-bytes matrix and the width counts follow `key`'s change from
+        `old` to `version` (the byte ledger is the caller's)."""
+        if version is None:
+            self.held.pop(key, None)
+        else:
+            self.held[key] = version
         self._held_bytes[self._row[key[0]], key[1]] = 0 if version is None else version.nbytes
         widths = self._widths
         was, now = 0 if old is None else old.bits, 0 if version is None else version.bits
@@ -271,11 +276,17 @@ class PagedWeightBackend(ExpertBackend):
     def commit(self) -> list[Move]:
         """At a step boundary: wait for the moves issued so far and make their versions the
         held ones (deterministic: every move issued in a step is committed at the next)."""
-        for move in self.pending:
+        moves, self.pending = self.pending, []
+        for move in moves:
             if move.handle is not None:
                 move.handle.wait()
-            self._hold(move.key, move.held)
-        return self._untrack(lambda m: False)
+            # The move's reference to each of its parts (taken by _track) becomes the held
+            # version's; the version it replaces gives up its own.
+            old = self.held.get(move.key)
+            self._tally(move.key, old, move.held)
+            if old is not None:
+                self._ref(old.parts, -1)
+        return moves
 
     def cancel(self, keys: list[Key]) -> None:
         """Drop in-flight moves of `keys` (the arbiter took their room back): the copies still

@@ -153,11 +153,13 @@ class SimExecutor(Executor):
         """One run per (tokens, stored bytes) over the step's experts that ran, in the order a
         layer-by-layer walk meets them first (the cost model sums the runs in that order)."""
         ran = matrix > 0
-        pairs = np.stack([matrix[ran], nbytes[ran]], axis=1)
-        alike, first, count = np.unique(pairs, axis=0, return_index=True, return_counts=True)
-        order = np.argsort(first, kind="stable")
-        return [ExpertRun(-1, t, b, 8 * b / self.params_per_expert, n, self._scheme)
-                for (t, b), n in zip(alike[order].tolist(), count[order].tolist())]
+        # One int64 per (tokens, bytes): an expert's bytes fit 40 bits (1 TiB), its tokens the rest.
+        keys = (matrix[ran].astype(np.int64) << 40) | nbytes[ran]
+        alike, first, count = np.unique(keys, return_index=True, return_counts=True)
+        order = np.argsort(first)
+        mask = (1 << 40) - 1
+        return [ExpertRun(-1, k >> 40, k & mask, 8 * (k & mask) / self.params_per_expert, n, self._scheme)
+                for k, n in zip(alike[order].tolist(), count[order].tolist())]
 
     def execute(self, batch: StepBatch) -> StepResult:
         self.begin()
