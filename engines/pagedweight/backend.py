@@ -380,19 +380,38 @@ class PagedWeightBackend(ExpertBackend):
         self.importance.observe_counts(layer, d.counts)
         if len(self.held) == len(self.stores):  # every expert held (floors above 0): none to fetch
             return
-        missing = [e for e in segments(d) if self._resident((layer, e)) is None]
-        for e in missing:
-            self._fetch((layer, e))
+        self._count_fetches([(layer, e) for e in segments(d) if self._resident((layer, e)) is None])
+
+    def _count_fetches(self, keys: list[Key]) -> None:
+        """A simulated step's on-demand fetches of `keys`: what `_fetch` counts, from the stores'
+        memoised sizes, in one copy record (nothing reads a simulated fetch's parts; the ledger
+        keeps sums)."""
+        nbytes = transfers = 0
+        for key in keys:
+            store, width = self.stores[key], self._fetch_width(key)
+            nbytes += store.transfer_bytes(0, width)
+            transfers += len(store.parts(width))
+        if keys:
+            self._stats["on_demand_fetches"] += len(keys)
+            self._stats["on_demand_fetch_bytes"] += nbytes
+            self.copies.counted("h2d", nbytes, transfers, tag="expert_pages")
 
     def simulate_step(self, layers: list[int], counts: np.ndarray) -> np.ndarray | None:
-        """`simulate` for every layer at once when every expert is held (no on-demand fetch to
-        decide, so layer order changes nothing): the bytes read and the importance from the
-        counts; each expert's held bytes returned. Otherwise None (layer by layer)."""
+        """`simulate` for every layer at once (nothing it decides depends on layer order): the
+        bytes read and the importance from the counts, and the on-demand fetches of the experts
+        with tokens that are neither held nor being moved in, counted in one copy record (the
+        ledger keeps sums). Returns each expert's held bytes (0: not held), as `expert_bytes`
+        gives them layer by layer."""
         held = self._held_bytes
-        if len(self.held) != len(self.stores) or layers != self._layers or counts.shape != held.shape:
+        if layers != self._layers or counts.shape != held.shape:
             return None
-        self._stats["expert_bytes_read"] += int(held[counts > 0].sum())
+        ran = counts > 0
+        self._stats["expert_bytes_read"] += int(held[ran].sum())
         self.importance.observe_matrix(layers, counts)
+        if len(self.held) != len(self.stores):
+            moving = {m.key for m in self.pending}
+            self._count_fetches([key for r, e in np.argwhere(ran & (held == 0)).tolist()
+                                 if (key := (layers[r], e)) not in moving])
         return held
 
     @property
