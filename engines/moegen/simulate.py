@@ -206,22 +206,26 @@ class MoEGenSimExecutor(SimExecutor):
     def execute(self, batch: StepBatch) -> StepResult:
         self.begin()
         cfg = self.model.config
-        counts = self.route_counts(batch)
+        matrix = self.route_matrix(batch)
+        counts = dict(zip(self.moe_layers, matrix.tolist()))
         experts = self.experts
         parts = self._parts(batch)
         copied_before = self._copied_bytes()
         moe_layers = experts.layers()
+        # A backend that prefetches nothing has no per-layer order to keep with the ring's
+        # copies: its whole step at once where it can (engine full's pagedweight backend).
+        held = self._simulate_step(matrix) if type(experts).prefetch is ExpertBackend.prefetch else None
         simulate = self.timed_simulate if self.control_time else experts.simulate  # its decisions: control time
-        ahead = batch.token_ids.shape[0] * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor.forward decides
+        ahead = held is None and batch.token_ids.shape[0] * cfg.top_k >= cfg.num_experts  # as LayerMajorExecutor
         if ahead and moe_layers:
             experts.prefetch(moe_layers[0])
-        runs = Counter()
+        runs = Counter() if held is None else Counter(held[matrix > 0].tolist())  # layer by layer, expert order
         for i in range(cfg.num_layers):
-            nxt = next((j for j in moe_layers if j > i), None)
-            if ahead and nxt is not None:
+            nxt = next((j for j in moe_layers if j > i), None) if ahead else None
+            if nxt is not None:
                 experts.prefetch(nxt)
             self._attention_copies(i, parts)
-            if i in counts:
+            if held is None and i in counts:
                 simulate(i, Dispatch(_NO_ROWS, _NO_ROWS, counts[i]))
                 runs.update(experts.expert_bytes(i, e) for e, n in enumerate(counts[i]) if n)
         return self.finish(batch, self._price(batch, counts, runs, self._copied_bytes() - copied_before), counts)
