@@ -9,6 +9,13 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   basis, engines/sim/hardware.py), so a GEMM reading W weight bytes for F FLOPs over r rows takes
   max(W / bandwidth, F / peak) / eff(r) (its activations' bytes are left out of W: a few
   percent at decode, nothing where it is compute-bound).
+- Curves measured on the model's own shapes: a profile may carry `gemm@K`, `grouped_gemm@K` and
+  `head@K` for K = `shape_key(shape)` (`pwbench hw calibrate --model DIR` measures the model's dense
+  projections, one expert's gate_up + down and its LM head at 1-512 rows); for that model they
+  replace "gemm", "grouped_gemm" and the LM head's curve (else "gemm"). A GEMM's efficiency
+  depends on its (K, N), not only its rows: on this CPU a [1536, 512] expert matrix at 1-4 rows
+  streams at ~6-10 GB/s where the square [1024, 1024] one the generic curve is measured on
+  reaches ~16.
 - Dense weights (`StepWork.dense_bytes_read`, the LM head split off) are read once per step,
   with FLOPs 2 x their parameters x the step's tokens (every dense weight is one multiply-add per
   token: projections, router, shared experts, dense MLPs), "gemm" over the step's tokens.
@@ -90,6 +97,17 @@ ACT_PER_TOKEN_HIDDEN, ACT_PER_TOKEN_QKV, ACT_PER_ASSIGNMENT_HIDDEN, ACT_PER_ASSI
 # Curves the model reads; an absent one is taken as efficiency 1.0 and said in assumptions().
 CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elementwise", "sample", "copy",
           "copy_overlap")
+# Curves a profile may carry for one model's shapes (`name@shape_key(shape)`, fitted by `pwbench hw
+# calibrate --model`): the model reads them in place of the generic curve of the same name; "head"
+# (the LM head's [vocab, hidden] GEMM, rows sampled) falls back to "gemm" where it has none.
+SHAPED = ("gemm", "grouped_gemm", "head")
+
+
+def shape_key(shape: ModelShape) -> str:
+    """The key a profile's shape-measured curves are stored under for a model of `shape`: the
+    dimensions its dense projections, experts and LM head are measured at, and the dtype's width."""
+    return (f"d{shape.hidden}-q{shape.q_size}-kv{shape.kv_size}-i{shape.intermediate}-v{shape.vocab}"
+            f"-b{shape.dtype_bytes}")
 _MEMO_LIMIT = 1 << 16
 
 
@@ -183,8 +201,10 @@ def _bits_key(efficiency: dict[str, Any], bits: float) -> str | None:
 
 class CostModel:
     # 2: the cpu profile prices quantized experts as the torch reference runs them; 3: that
-    # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves)
-    VERSION: ClassVar[str] = "3"
+    # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves);
+    # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`)
+    # replace the generic ones, and the LM head reads a "head" curve where the profile has one
+    VERSION: ClassVar[str] = "4"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -197,8 +217,16 @@ class CostModel:
         self.op_overhead_s = float(getattr(profile, "op_overhead_s", 0.0) or 0.0)
         self.shared = profile.shared
         eff = profile.efficiency
-        self.missing = [k for k in CURVES if k not in eff]
-        self.curves = {k: _Interp(eff[k].points if k in eff else ()) for k in CURVES}
+        # This model's shape-measured curves, where the profile has them, in place of the generic ones.
+        self.shape_key = shape_key(shape)
+        self.shaped = {k: f"{k}@{self.shape_key}" for k in SHAPED if f"{k}@{self.shape_key}" in eff}
+        chosen = {k: eff[self.shaped.get(k, k)] for k in CURVES if k in eff or k in self.shaped}
+        head = eff.get(self.shaped.get("head", "head"))
+        if head is not None:
+            chosen["head"] = head
+        self.missing = [k for k in CURVES if k not in chosen]
+        self.curves = {k: _Interp(chosen[k].points if k in chosen else ()) for k in CURVES}
+        self.curves["head"] = _Interp(chosen["head"].points) if "head" in chosen else self.curves["gemm"]
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(c.points) for k, c in eff.items()
@@ -258,10 +286,10 @@ class CostModel:
             dense = max(layer_bytes / bw, 2 * T * self.layer_params * s.layers / peak) / c["gemm"].at(T)
             rows = work.logit_rows
             if rows:
-                head = max(head_bytes / bw, 2 * rows * self.head_params / peak) / c["gemm"].at(rows)
+                head = max(head_bytes / bw, 2 * rows * self.head_params / peak) / c["head"].at(rows)
                 head += rows * s.vocab * s.dtype_bytes / (bw * c["sample"].at(rows))
             else:  # no row sampled: the head is not run, but the step reports its bytes read
-                head = head_bytes / bw / c["gemm"].at(1)
+                head = head_bytes / bw / c["head"].at(1)
             # Experts, memoised by (tokens, bytes, bits): their cost does not depend on the layer.
             memo = self._expert_memo
             if len(memo) > _MEMO_LIMIT:
@@ -344,7 +372,7 @@ class CostModel:
         p = self.profile
         eff = p.efficiency
         curves = {k: {"points": [list(pt) for pt in eff[k].points], "source": eff[k].source}
-                  for k in sorted(eff)}
+                  for k in sorted(eff) if "@" not in k or k in self.shaped.values()}
         for k in self.missing:
             curves[k] = {"points": [[1.0, 1.0]], "source": "not in the profile: efficiency 1.0 assumed"}
         sources = dict(getattr(p, "sources", {}) or {})
@@ -364,6 +392,10 @@ class CostModel:
             else "h2d and d2h run at once (full duplex); with copies_overlap one transfer is waited for and the "
                  "rest runs beside compute at copy_overlap x its speed: first + max(compute, rest)",
             "efficiency": curves, "sources": sources,
+            "shape_key": self.shape_key,
+            "shaped_curves": {k: v for k, v in self.shaped.items()} or
+            f"none: the profile has no curve measured on this model's shapes (`pwbench hw calibrate --model` fits "
+            f"them, keyed @{self.shape_key}); the generic ones are used",
             "counts": {"ops_per_layer": OPS_PER_LAYER, "ops_per_attention_group": OPS_PER_ATTENTION_GROUP,
                        "ops_per_expert": OPS_PER_EXPERT,
                        "source": "torch calls counted over this runtime's decode steps (engines/moegen/cost.py)",
@@ -375,8 +407,8 @@ class CostModel:
                 "gemm": "max(weight bytes / memory_bytes_per_s, FLOPs / flops_per_s) / eff(rows) (eff: a "
                         "fraction of the roofline bound)",
                 "dense": "dense_bytes_read less the LM head, 2 x dense params x T FLOPs, gemm(T)",
-                "head": "LM head bytes, 2 x logit_rows x (hidden + 1) x vocab FLOPs, gemm(rows); argmax reads "
-                        "the logits at sample(rows) x memory_bytes_per_s",
+                "head": "LM head bytes, 2 x logit_rows x (hidden + 1) x vocab FLOPs, head(rows) (else gemm); "
+                        "argmax reads the logits at sample(rows) x memory_bytes_per_s",
                 "experts": "per expert that ran: nbytes and 6 x hidden x intermediate x tokens FLOPs at "
                            "grouped_gemm(rows); bits < the dtype's: nbytes at dequant_gemm_{nearest bits}(rows) "
                            "x memory_bytes_per_s",
