@@ -189,8 +189,9 @@ def measure_step_overhead() -> tuple[float, str]:
     source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
               f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, one torch thread) of the "
               f"measured CPU time per step ({d['median_measured_s'] * 1e3:.2f} ms) minus the same step simulated "
-              f"without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute plus the "
-              "control code's measured CPU time): the model code's Python per step beyond the priced torch calls"
+              f"without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute, its GEMMs "
+              "by the bundled model's own shape curves where measured, plus the control code's measured CPU "
+              "time): the model code's Python per step beyond the priced torch calls"
               + (" (negative: clipped to 0)" if d["clipped"] else ""))
     return seconds, source
 
@@ -201,7 +202,8 @@ def hw_calibrate(
     output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
                                                "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
     step_overhead: Annotated[bool, typer.Option(help="Also fit the per-step overhead on the bundled model "
-                                                "(a few seconds).")] = True,
+                                                "(a few seconds; its GEMM shapes are measured first, as --model "
+                                                "does).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own GEMM shapes to measure: its attention "
         "projections, one expert (gate_up + down) and its LM head at 1-1024 rows. The fitted curves are kept "
@@ -231,11 +233,16 @@ def hw_calibrate(
             raise fail(f"--model {folder}: {exc}") from None
     previous = (cached_peaks().get(cpu_model()) or {}).get("model_gemm") or {}
     result = measure("cpu")
-    if model or previous:
+    folders = list(model or ())
+    if step_overhead:  # the probe's model, priced by its own shapes: the residual is then the per-step Python
+        from engines.common.demo import demo_model_path
+
+        folders.append(str(demo_model_path()))
+    if folders or previous:
         from harness.bench.cpu_ops import model_gemm_entry
 
         result["model_gemm"] = dict(previous)  # models calibrated before keep their curves
-        for folder in model or ():
+        for folder in folders:
             key, entry = model_gemm_entry(folder)
             result["model_gemm"][key] = entry
     save_cached(result)
