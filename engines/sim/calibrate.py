@@ -27,6 +27,9 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
                         (gate_up then down) and of its LM head at each row count, as the runtime
                         calls them (harness/bench/cpu_ops.py `model_gemm_seconds`), against the
                         roofline bound of those matrices: max(bytes / bandwidth, FLOPs / peak)
+    attention_prefill@K the same entry's causal SDPA over one chunk of n tokens with the model's
+                        heads, KV heads and head_dim (not for MLA), at each n: the cost model's
+                        FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
 
 The FLOP peak is the best float32 GEMM rate measured in the session (`best_flops`): the 1024^3
 matmul, the square curve's row counts and the model shapes' (one core's rate moves 10-30% between
@@ -195,4 +198,12 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float)
         out[f"{curve}@{key}"] = _curve(pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at "
                                             f"{entry.get('measured_at', '?')}: {part} ({shapes}) timed at each row "
                                             "count as the runtime calls it, against its roofline bound")
+    att, per_chunk = entry.get("attention") or {}, seconds.get("attention") or {}
+    if att and per_chunk:
+        per_key = 4 * int(att["heads"]) * int(att["head_dim"])
+        pts = [(float(n), per_key * int(n) * int(n) / 2 / peak / _rate(per_chunk, n)) for n in per_chunk]
+        out[f"attention_prefill@{key}"] = _curve(
+            pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: causal "
+                 f"SDPA over one chunk ({att['heads']} heads, {att['kv_heads']} KV heads of {att['head_dim']}) at "
+                 "each chunk size, 4 x heads x head_dim x chunk^2 / 2 FLOPs / flops_per_s / seconds")
     return out

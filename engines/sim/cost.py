@@ -9,10 +9,11 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   basis, engines/sim/hardware.py), so a GEMM reading W weight bytes for F FLOPs over r rows takes
   max(W / bandwidth, F / peak) / eff(r) (its activations' bytes are left out of W: a few
   percent at decode, nothing where it is compute-bound).
-- Curves measured on the model's own shapes: a profile may carry `gemm@K`, `grouped_gemm@K` and
-  `head@K` for K = `shape_key(shape)` (`pwbench hw calibrate --model DIR` measures the model's dense
-  projections, one expert's gate_up + down and its LM head at 1-512 rows); for that model they
-  replace "gemm", "grouped_gemm" and the LM head's curve (else "gemm"). A GEMM's efficiency
+- Curves measured on the model's own shapes: a profile may carry `gemm@K`, `grouped_gemm@K`,
+  `head@K` and `attention_prefill@K` for K = `shape_key(shape)` (`pwbench hw calibrate --model DIR`
+  measures the model's dense projections, one expert's gate_up + down and its LM head at 1-1024
+  rows, and causal SDPA over its heads at 16-1024-token chunks); for that model they replace
+  "gemm", "grouped_gemm", the LM head's curve (else "gemm") and "attention_prefill". A GEMM's efficiency
   depends on its (K, N), not only its rows: on this CPU a [1536, 512] expert matrix at 1-4 rows
   streams at ~6-10 GB/s where the square [1024, 1024] one the generic curve is measured on
   reaches ~16.
@@ -100,14 +101,14 @@ CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elem
 # Curves a profile may carry for one model's shapes (`name@shape_key(shape)`, fitted by `pwbench hw
 # calibrate --model`): the model reads them in place of the generic curve of the same name; "head"
 # (the LM head's [vocab, hidden] GEMM, rows sampled) falls back to "gemm" where it has none.
-SHAPED = ("gemm", "grouped_gemm", "head")
+SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill")
 
 
 def shape_key(shape: ModelShape) -> str:
     """The key a profile's shape-measured curves are stored under for a model of `shape`: the
     dimensions its dense projections, experts and LM head are measured at, and the dtype's width."""
-    return (f"d{shape.hidden}-q{shape.q_size}-kv{shape.kv_size}-i{shape.intermediate}-v{shape.vocab}"
-            f"-b{shape.dtype_bytes}")
+    return (f"d{shape.hidden}-h{shape.heads}-q{shape.q_size}-kv{shape.kv_size}-i{shape.intermediate}"
+            f"-v{shape.vocab}-b{shape.dtype_bytes}")
 _MEMO_LIMIT = 1 << 16
 
 
@@ -202,8 +203,8 @@ def _bits_key(efficiency: dict[str, Any], bits: float) -> str | None:
 class CostModel:
     # 2: the cpu profile prices quantized experts as the torch reference runs them; 3: that
     # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves);
-    # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`)
-    # replace the generic ones, and the LM head reads a "head" curve where the profile has one
+    # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`,
+    # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one
     VERSION: ClassVar[str] = "4"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:

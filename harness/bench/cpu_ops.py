@@ -117,6 +117,7 @@ def attention_rows(rounds: int) -> tuple[float, float, float] | None:
     return _median(torch_path), _median(kernel), _median(ratio)
 
 
+ATTENTION_CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
 MODEL_ROWS = {"dense": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
               "expert": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
               "head": (1, 2, 4, 8, 16, 32, 64, 128, 256)}
@@ -186,7 +187,46 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004) -> dic
     out: dict[str, dict[str, float]] = {part: {} for part in MODEL_ROWS}
     for (part, r), ts in times.items():
         out[part][str(r)] = _median(ts)
+    heads = attention_heads(shape)
+    if heads is not None:
+        out["attention"] = prefill_attention_seconds(*heads, rounds=rounds)
     return out
+
+
+def attention_heads(shape) -> tuple[int, int, int] | None:
+    """(query heads, KV heads, head_dim) of the model's prefill SDPA; None for MLA (its shape's
+    kv_size is half a latent, not whole heads) or a shape without heads."""
+    if not shape.head_dim or shape.kv_size % shape.head_dim or shape.q_size != shape.heads * shape.head_dim:
+        return None
+    return shape.heads, shape.kv_size // shape.head_dim, shape.head_dim
+
+
+def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, rounds: int = 5) -> dict[str, float]:
+    """Seconds of one causal SDPA over a chunk of n tokens (no context before it), as the runtime
+    calls it per prefill chunk (engines/runtime/attention.py: [1, heads, n, head_dim] queries over
+    [1, kv_heads, n, head_dim] keys and values, enable_gqa), at each n of ATTENTION_CHUNKS; the
+    median over `rounds` rounds of every n. {n: seconds}."""
+    args = {n: (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim),
+                torch.randn(1, kv_heads, n, head_dim)) for n in ATTENTION_CHUNKS}
+
+    def call(n: int) -> None:
+        q, k, v = args[n]
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+
+    reps = {}
+    for n in ATTENTION_CHUNKS:
+        call(n)
+        t = time.perf_counter()
+        call(n)
+        reps[n] = max(1, int(0.004 / max(time.perf_counter() - t, 1e-7)))
+    times: dict[int, list[float]] = {n: [] for n in ATTENTION_CHUNKS}
+    for _ in range(rounds):
+        for n in ATTENTION_CHUNKS:
+            t = time.perf_counter()
+            for _ in range(reps[n]):
+                call(n)
+            times[n].append((time.perf_counter() - t) / reps[n])
+    return {str(n): _median(ts) for n, ts in times.items()}
 
 
 def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
@@ -200,8 +240,10 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     shape = model_shape(open_checkpoint(model, config_only=True).config, 4)  # the CPU runs float32
     mats = model_matrices(shape)
     seconds = model_gemm_seconds(shape, rounds)
+    heads = attention_heads(shape)
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                               "dtype_bytes": 4, "threads": torch.get_num_threads(),
+                              "attention": dict(zip(("heads", "kv_heads", "head_dim"), heads)) if heads else None,
                               "matrices": {k: [list(m) for m in v] for k, v in mats.items()},
                               "params": {k: sum(n * k_ for n, k_ in v) for k, v in mats.items()},
                               "seconds": seconds}

@@ -205,9 +205,10 @@ def hw_calibrate(
                                                 "(a few seconds; its GEMM shapes are measured first, as --model "
                                                 "does).")] = True,
     model: Annotated[list[str] | None, typer.Option(
-        "--model", help="A model folder (config.json is enough) whose own GEMM shapes to measure: its attention "
-        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows. The fitted curves are kept "
-        "under the model's shape key (gemm@KEY, grouped_gemm@KEY, head@KEY) beside those of models calibrated "
+        "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
+        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, and causal SDPA over its heads "
+        "at 16-1024-token chunks. The fitted curves are kept under the model's shape key (gemm@KEY, "
+        "grouped_gemm@KEY, head@KEY, attention_prefill@KEY) beside those of models calibrated "
         "before, and `--simulate cpu` prices a model of that shape by them instead of the generic curves "
         "(measured on one square matrix). Repeat for several models.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,

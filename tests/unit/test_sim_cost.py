@@ -313,7 +313,7 @@ def test_curves_measured_on_the_models_shapes_replace_the_generic_ones():
     from engines.sim.cost import shape_key
 
     key = shape_key(TINY)
-    assert key == "d4-q4-kv4-i8-v10-b2"
+    assert key == "d4-h1-q4-kv4-i8-v10-b2"
     shaped = profile(**{f"gemm@{key}": flat(0.25), f"grouped_gemm@{key}": flat(0.125), f"head@{key}": flat(1.0),
                         "gemm@d9-q9-kv9-i9-v9-b2": flat(0.01)})
     plain, mine = CostModel(profile(), TINY, "bfloat16"), CostModel(shaped, TINY, "bfloat16")
@@ -326,6 +326,10 @@ def test_curves_measured_on_the_models_shapes_replace_the_generic_ones():
     assert other.step(TINY_WORK).parts == a
     notes = mine.assumptions()
     assert notes["shaped_curves"] == {k: f"{k}@{key}" for k in ("gemm", "grouped_gemm", "head")}
+    # prefill attention: chunk 8 x (0 + 8 / 2) x 4 x 1 x 4 FLOPs / (1e12 x eff), eff 0.4 generic, 0.1 measured
+    pre = StepWork(prefill=((8, 0),), kv_bytes_per_token=0, dense_bytes_read=288, logit_rows=1)
+    att = CostModel(profile(**{f"attention_prefill@{key}": flat(0.1)}), TINY, "bfloat16").step(pre).parts
+    assert att["attention"] == pytest.approx(4 * plain.step(pre).parts["attention"])
     assert f"gemm@{key}" in notes["efficiency"] and "gemm@d9-q9-kv9-i9-v9-b2" not in notes["efficiency"]
     assert "none" in plain.assumptions()["shaped_curves"]
 
@@ -351,4 +355,7 @@ def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
     assert cpu_rates(m)["flops_per_s"]["float32"] == pytest.approx(6.144e9)
     fit = fit_cpu_curves(m)
     assert fit["grouped_gemm@K"]["points"][-1] == [64.0, pytest.approx(1.0)]
+    # causal SDPA of 2 heads of 4 over a 10-token chunk in 1 us: 4 x 2 x 4 x 10 x 10 / 2 FLOPs / peak / seconds
+    att = {**entry, "attention": {"heads": 2, "kv_heads": 1, "head_dim": 4}, "seconds": {"attention": {"10": 1e-6}}}
+    assert fit_model_curves("K", att, bw, peak)["attention_prefill@K"]["points"] == [[10.0, pytest.approx(0.16)]]
     assert fit["gemm"]["points"][0][1] <= 1
