@@ -85,11 +85,17 @@ OPS_PER_ATTENTION_GROUP = 2
 OPS_PER_EXPERT = 8
 # On a shared processor (the cpu profile) a quantized expert runs this runtime's torch reference
 # (engines/quant/ops.py): it dequantizes both weights to the model dtype each call (written and
-# read again: 2 x the full-width bytes through the elementwise kernels) in ~733 more torch calls,
-# counted with a TorchFunctionMode: one static-rtn decode step of 4 experts on the demo model
-# (bits 4 and 8 alike) makes 3,288 calls against engine moe's 356. On a GPU the fused Triton
-# kernel runs instead (the profile's dequant_gemm curves).
-OPS_PER_QUANTIZED_EXPERT_CPU = 733
+# read again: 2 x the full-width bytes through the elementwise kernels) in more torch calls,
+# counted with a TorchFunctionMode per storage scheme. "packed" (static-*): a static-rtn decode
+# step of 6 sequences makes 1,054 calls against engine moe's 394 over 8 expert runs on the demo
+# model (82.5 each; bits 2, 4 and 8 alike) and 6,166 against 1,686 over 55 on the Mixtral-shaped
+# one (81.5); 733 before engines/quant's unpack_bits became one broadcast shift. "bitplanes"
+# (pagedweight): its Mixtral-shaped decode step makes 2,621 calls against moe's 1,686 with ~32 of
+# its 56 expert runs below 16 bits (37 of 64 resident experts at 8 bits): at most ~29 each (its
+# controller's calls are in the difference). On a GPU the fused Triton kernel runs instead (the
+# profile's dequant_gemm curves).
+OPS_PER_QUANTIZED_EXPERT_CPU = {"packed": 82, "bitplanes": 29}
+_QUANTIZED_OPS = OPS_PER_QUANTIZED_EXPERT_CPU
 # Activation elements the elementwise kernels read and write per layer, counted from
 # engines/runtime/model.py and experts.py (duplicated from engines/moegen/cost.py ACT_*): per
 # token 14 x hidden + 6 x (q + kv) + q; per expert assignment 6 x hidden + 5 x intermediate.
@@ -204,7 +210,8 @@ class CostModel:
     # 2: the cpu profile prices quantized experts as the torch reference runs them; 3: that
     # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves);
     # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`,
-    # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one
+    # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one;
+    # a quantized expert's torch calls on the CPU counted again, per storage scheme (82 / 29, were 733)
     VERSION: ClassVar[str] = "4"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
@@ -296,7 +303,7 @@ class CostModel:
             if len(memo) > _MEMO_LIMIT:
                 memo.clear()
             get = memo.__getitem__
-            assignments = n_runs = quantized_runs = 0
+            assignments = n_runs = quantized_ops = 0
             for r in work.experts:
                 n, t = r.count, r.tokens
                 experts += get((t, r.nbytes, r.bits, r.scheme)) * n
@@ -304,7 +311,7 @@ class CostModel:
                 read += r.nbytes * n
                 n_runs += n
                 if r.bits < self.dtype_bits:
-                    quantized_runs += n
+                    quantized_ops += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * n
             # Attention.
             dmemo = self._decode_memo
             if dmemo.kv_bytes_per_token != kvb or len(dmemo) > _MEMO_LIMIT:
@@ -325,8 +332,7 @@ class CostModel:
                 groups = (1 if decode else 0) + (1 if prefill_tokens else 0)
                 dispatch = self.op_overhead_s * ((OPS_PER_LAYER + OPS_PER_ATTENTION_GROUP * groups) * s.layers
                                                  + OPS_PER_EXPERT * n_runs
-                                                 + (OPS_PER_QUANTIZED_EXPERT_CPU * quantized_runs if self.shared
-                                                    else 0))
+                                                 + (quantized_ops if self.shared else 0))
         else:
             read = 0.0  # no token computed: nothing read
         compute = dense + head + experts + attention + activations
@@ -361,7 +367,8 @@ class CostModel:
         return StepCost(seconds, parts, read / bw)
 
     def _quantized_note(self) -> str:
-        old = f"2 x full-width bytes at the elementwise rate, {OPS_PER_QUANTIZED_EXPERT_CPU} more torch calls"
+        calls = ", ".join(f"{k} {v}" for k, v in OPS_PER_QUANTIZED_EXPERT_CPU.items())
+        old = f"2 x full-width bytes at the elementwise rate, more torch calls per expert run ({calls})"
         if not self.cpu_dequant:
             return f"shared processor: the torch reference dequantizes each call ({old}), then a dense GEMM"
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
