@@ -21,8 +21,22 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
                         reference dequantizing an expert's matrices (s = packed: RTN records;
                         bitplanes: pagedweight's planes), full-width bytes written per second
 
-A ratio above 1 (a cache-resident kernel beating the copy bandwidth) is clipped to 1 and the
-curve's source says so; a measurement that is absent leaves its curve out (the cost model then
+    gemm@K, grouped_gemm@K, head@K   one model's shapes (`pwbench hw calibrate --model DIR`,
+                        measurements["model_gemm"][K], K = engines/sim/cost.py `shape_key`): the
+                        seconds of its dense projections (q, k, v, o of one layer), of one expert
+                        (gate_up then down) and of its LM head at each row count, as the runtime
+                        calls them (harness/bench/cpu_ops.py `model_gemm_seconds`), against the
+                        roofline bound of those matrices: max(bytes / bandwidth, FLOPs / peak)
+    attention_prefill@K the same entry's causal SDPA over one chunk of n tokens with the model's
+                        heads, KV heads and head_dim (not for MLA), at each n: the cost model's
+                        FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
+
+The FLOP peak is the best float32 GEMM rate measured in the session (`best_flops`): the 1024^3
+matmul, the square curve's row counts and the model shapes' (one core's rate moves 10-30% between
+shapes and minutes; a peak below a measured rate would clip that curve at 1 and price the GEMM
+slower than it ran). Every curve is a fraction of that one peak, so a module's time is its
+measured rate either way. A ratio above 1 (a cache-resident kernel beating the copy bandwidth)
+is clipped to 1 and the curve's source says so; a measurement that is absent leaves its curve out (the cost model then
 states its default). `copy_overlap` is not fitted: on one processor copies never overlap.
 """
 
@@ -47,11 +61,36 @@ def _rate(m: Mapping[str, Any], key: str) -> float:
     return float(value)
 
 
+def _model_rates(entry: Mapping[str, Any]) -> list[float]:
+    """FLOP/s of every (part, rows) one model's shape measurement timed."""
+    out = []
+    for part, per_row in (entry.get("seconds") or {}).items():
+        params = float((entry.get("params") or {}).get(part, 0))
+        for rows, seconds in per_row.items():
+            if params > 0 and isinstance(seconds, (int, float)) and seconds > 0:
+                out.append(2 * int(rows) * params / seconds)
+    return out
+
+
+def best_flops(m: Mapping[str, Any]) -> tuple[float, str]:
+    """The FLOP peak the curves are fractions of: the best float32 GEMM rate measured (the
+    1024^3 matmul, matmul_flops_at_rows, every model shape's); (rate, where it was measured)."""
+    peak, where = _rate(m, "matmul_flops_per_s"), "matmul_flops_per_s (1024^3 float32 matmul)"
+    for rows, value in (m.get("matmul_flops_at_rows") or {}).items():
+        if isinstance(value, (int, float)) and value > peak:
+            peak, where = float(value), f"matmul_flops_at_rows[{rows}] ([{rows}, 1024] x [1024, 1024])"
+    for key, entry in sorted((m.get("model_gemm") or {}).items()):
+        for rate in _model_rates(entry):
+            if rate > peak:
+                peak, where = rate, f"model_gemm[{key}] (a GEMM of that model's shapes)"
+    return peak, where
+
+
 def cpu_rates(measurements: Mapping[str, Any]) -> dict[str, Any]:
     """The peaks `fit_cpu_curves`' efficiencies are fractions of, as profile fields."""
     bw = _rate(measurements, "memory_bandwidth_bytes_per_s")
     out: dict[str, Any] = {"memory_bytes_per_s": bw,
-                           "flops_per_s": {"float32": _rate(measurements, "matmul_flops_per_s")},
+                           "flops_per_s": {"float32": best_flops(measurements)[0]},
                            "link_pinned_bytes_per_s": bw / 2}
     if measurements.get("op_overhead_s") is not None:
         out["op_overhead_s"] = _rate(measurements, "op_overhead_s")
@@ -71,7 +110,7 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     `efficiency` table takes (engines/sim/hardware.py `Curve(points, source)`). ValueError with
     one line when a rate is missing or not positive."""
     m = measurements
-    bw, peak = _rate(m, "memory_bandwidth_bytes_per_s"), _rate(m, "matmul_flops_per_s")
+    bw, peak = _rate(m, "memory_bandwidth_bytes_per_s"), best_flops(m)[0]
     src = f"pwbench hw --device cpu, measured at {m.get('measured_at', '?')}"
     out: dict[str, dict[str, Any]] = {}
     rows = m.get("matmul_flops_at_rows") or {}
@@ -110,6 +149,8 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     if m.get("argmax_bytes_per_s") is not None:
         out["sample"] = _curve([(ARGMAX_ROWS, _rate(m, "argmax_bytes_per_s") / bw)],
                                f"{src}: argmax_bytes_per_s / memory_bandwidth_bytes_per_s ({ARGMAX_ROWS} rows)")
+    for key, entry in sorted((m.get("model_gemm") or {}).items()):
+        out.update(fit_model_curves(key, entry, bw, peak))
     out["copy"] = {"points": [[1.0, 1.0]], "source": "one processor: a copy is a memcpy at "
                    "link_pinned_bytes_per_s = memory_bandwidth_bytes_per_s / 2 (read + write)"}
     return out
@@ -134,3 +175,35 @@ def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: i
                "median_predicted_s": sorted(p for _, p in pairs)[mid], "median_residual_s": median,
                "clipped": median < 0}
     return max(0.0, median), details
+
+
+# A model shape measurement's parts -> the curve each fits (engines/sim/cost.py SHAPED).
+MODEL_PARTS = {"dense": "gemm", "expert": "grouped_gemm", "head": "head"}
+
+
+def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float) -> dict[str, dict[str, Any]]:
+    """One model's shape measurement (measurements["model_gemm"][key]: `params` and `seconds`
+    by part and row count, `matrices`, `model`, `measured_at`) -> {"gemm@key", "grouped_gemm@key",
+    "head@key": curve}: at each row count r, the roofline bound of the part's matrices (4-byte
+    weights: max(4 x params / bw, 2 x r x params / peak)) over the seconds measured."""
+    out: dict[str, dict[str, Any]] = {}
+    params, seconds = entry.get("params") or {}, entry.get("seconds") or {}
+    width = float(entry.get("dtype_bytes", 4))
+    for part, curve in MODEL_PARTS.items():
+        n, per_row = float(params.get(part, 0)), seconds.get(part) or {}
+        if n <= 0 or not per_row:
+            continue
+        pts = [(float(r), max(width * n / bw, 2 * int(r) * n / peak) / _rate(per_row, r)) for r in per_row]
+        shapes = " + ".join(f"[{a}, {b}]" for a, b in (entry.get("matrices") or {}).get(part, ()))
+        out[f"{curve}@{key}"] = _curve(pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at "
+                                            f"{entry.get('measured_at', '?')}: {part} ({shapes}) timed at each row "
+                                            "count as the runtime calls it, against its roofline bound")
+    att, per_chunk = entry.get("attention") or {}, seconds.get("attention") or {}
+    if att and per_chunk:
+        per_key = 4 * int(att["heads"]) * int(att["head_dim"])
+        pts = [(float(n), per_key * int(n) * int(n) / 2 / peak / _rate(per_chunk, n)) for n in per_chunk]
+        out[f"attention_prefill@{key}"] = _curve(
+            pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: causal "
+                 f"SDPA over one chunk ({att['heads']} heads, {att['kv_heads']} KV heads of {att['head_dim']}) at "
+                 "each chunk size, 4 x heads x head_dim x chunk^2 / 2 FLOPs / flops_per_s / seconds")
+    return out

@@ -9,6 +9,14 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   basis, engines/sim/hardware.py), so a GEMM reading W weight bytes for F FLOPs over r rows takes
   max(W / bandwidth, F / peak) / eff(r) (its activations' bytes are left out of W: a few
   percent at decode, nothing where it is compute-bound).
+- Curves measured on the model's own shapes: a profile may carry `gemm@K`, `grouped_gemm@K`,
+  `head@K` and `attention_prefill@K` for K = `shape_key(shape)` (`pwbench hw calibrate --model DIR`
+  measures the model's dense projections, one expert's gate_up + down and its LM head at 1-1024
+  rows, and causal SDPA over its heads at 16-1024-token chunks); for that model they replace
+  "gemm", "grouped_gemm", the LM head's curve (else "gemm") and "attention_prefill". A GEMM's efficiency
+  depends on its (K, N), not only its rows: on this CPU a [1536, 512] expert matrix at 1-4 rows
+  streams at ~6-10 GB/s where the square [1024, 1024] one the generic curve is measured on
+  reaches ~16.
 - Dense weights (`StepWork.dense_bytes_read`, the LM head split off) are read once per step,
   with FLOPs 2 x their parameters x the step's tokens (every dense weight is one multiply-add per
   token: projections, router, shared experts, dense MLPs), "gemm" over the step's tokens.
@@ -77,11 +85,17 @@ OPS_PER_ATTENTION_GROUP = 2
 OPS_PER_EXPERT = 8
 # On a shared processor (the cpu profile) a quantized expert runs this runtime's torch reference
 # (engines/quant/ops.py): it dequantizes both weights to the model dtype each call (written and
-# read again: 2 x the full-width bytes through the elementwise kernels) in ~733 more torch calls,
-# counted with a TorchFunctionMode: one static-rtn decode step of 4 experts on the demo model
-# (bits 4 and 8 alike) makes 3,288 calls against engine moe's 356. On a GPU the fused Triton
-# kernel runs instead (the profile's dequant_gemm curves).
-OPS_PER_QUANTIZED_EXPERT_CPU = 733
+# read again: 2 x the full-width bytes through the elementwise kernels) in more torch calls,
+# counted with a TorchFunctionMode per storage scheme. "packed" (static-*): a static-rtn decode
+# step of 6 sequences makes 1,054 calls against engine moe's 394 over 8 expert runs on the demo
+# model (82.5 each; bits 2, 4 and 8 alike) and 6,166 against 1,686 over 55 on the Mixtral-shaped
+# one (81.5); 733 before engines/quant's unpack_bits became one broadcast shift. "bitplanes"
+# (pagedweight): its Mixtral-shaped decode step makes 2,621 calls against moe's 1,686 with ~32 of
+# its 56 expert runs below 16 bits (37 of 64 resident experts at 8 bits): at most ~29 each (its
+# controller's calls are in the difference). On a GPU the fused Triton kernel runs instead (the
+# profile's dequant_gemm curves).
+OPS_PER_QUANTIZED_EXPERT_CPU = {"packed": 82, "bitplanes": 29}
+_QUANTIZED_OPS = OPS_PER_QUANTIZED_EXPERT_CPU
 # Activation elements the elementwise kernels read and write per layer, counted from
 # engines/runtime/model.py and experts.py (duplicated from engines/moegen/cost.py ACT_*): per
 # token 14 x hidden + 6 x (q + kv) + q; per expert assignment 6 x hidden + 5 x intermediate.
@@ -90,6 +104,17 @@ ACT_PER_TOKEN_HIDDEN, ACT_PER_TOKEN_QKV, ACT_PER_ASSIGNMENT_HIDDEN, ACT_PER_ASSI
 # Curves the model reads; an absent one is taken as efficiency 1.0 and said in assumptions().
 CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elementwise", "sample", "copy",
           "copy_overlap")
+# Curves a profile may carry for one model's shapes (`name@shape_key(shape)`, fitted by `pwbench hw
+# calibrate --model`): the model reads them in place of the generic curve of the same name; "head"
+# (the LM head's [vocab, hidden] GEMM, rows sampled) falls back to "gemm" where it has none.
+SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill")
+
+
+def shape_key(shape: ModelShape) -> str:
+    """The key a profile's shape-measured curves are stored under for a model of `shape`: the
+    dimensions its dense projections, experts and LM head are measured at, and the dtype's width."""
+    return (f"d{shape.hidden}-h{shape.heads}-q{shape.q_size}-kv{shape.kv_size}-i{shape.intermediate}"
+            f"-v{shape.vocab}-b{shape.dtype_bytes}")
 _MEMO_LIMIT = 1 << 16
 
 
@@ -183,8 +208,11 @@ def _bits_key(efficiency: dict[str, Any], bits: float) -> str | None:
 
 class CostModel:
     # 2: the cpu profile prices quantized experts as the torch reference runs them; 3: that
-    # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves)
-    VERSION: ClassVar[str] = "3"
+    # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves);
+    # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`,
+    # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one;
+    # a quantized expert's torch calls on the CPU counted again, per storage scheme (82 / 29, were 733)
+    VERSION: ClassVar[str] = "4"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -197,8 +225,16 @@ class CostModel:
         self.op_overhead_s = float(getattr(profile, "op_overhead_s", 0.0) or 0.0)
         self.shared = profile.shared
         eff = profile.efficiency
-        self.missing = [k for k in CURVES if k not in eff]
-        self.curves = {k: _Interp(eff[k].points if k in eff else ()) for k in CURVES}
+        # This model's shape-measured curves, where the profile has them, in place of the generic ones.
+        self.shape_key = shape_key(shape)
+        self.shaped = {k: f"{k}@{self.shape_key}" for k in SHAPED if f"{k}@{self.shape_key}" in eff}
+        chosen = {k: eff[self.shaped.get(k, k)] for k in CURVES if k in eff or k in self.shaped}
+        head = eff.get(self.shaped.get("head", "head"))
+        if head is not None:
+            chosen["head"] = head
+        self.missing = [k for k in CURVES if k not in chosen]
+        self.curves = {k: _Interp(chosen[k].points if k in chosen else ()) for k in CURVES}
+        self.curves["head"] = _Interp(chosen["head"].points) if "head" in chosen else self.curves["gemm"]
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(c.points) for k, c in eff.items()
@@ -258,16 +294,16 @@ class CostModel:
             dense = max(layer_bytes / bw, 2 * T * self.layer_params * s.layers / peak) / c["gemm"].at(T)
             rows = work.logit_rows
             if rows:
-                head = max(head_bytes / bw, 2 * rows * self.head_params / peak) / c["gemm"].at(rows)
+                head = max(head_bytes / bw, 2 * rows * self.head_params / peak) / c["head"].at(rows)
                 head += rows * s.vocab * s.dtype_bytes / (bw * c["sample"].at(rows))
             else:  # no row sampled: the head is not run, but the step reports its bytes read
-                head = head_bytes / bw / c["gemm"].at(1)
+                head = head_bytes / bw / c["head"].at(1)
             # Experts, memoised by (tokens, bytes, bits): their cost does not depend on the layer.
             memo = self._expert_memo
             if len(memo) > _MEMO_LIMIT:
                 memo.clear()
             get = memo.__getitem__
-            assignments = n_runs = quantized_runs = 0
+            assignments = n_runs = quantized_ops = 0
             for r in work.experts:
                 n, t = r.count, r.tokens
                 experts += get((t, r.nbytes, r.bits, r.scheme)) * n
@@ -275,7 +311,7 @@ class CostModel:
                 read += r.nbytes * n
                 n_runs += n
                 if r.bits < self.dtype_bits:
-                    quantized_runs += n
+                    quantized_ops += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * n
             # Attention.
             dmemo = self._decode_memo
             if dmemo.kv_bytes_per_token != kvb or len(dmemo) > _MEMO_LIMIT:
@@ -296,8 +332,7 @@ class CostModel:
                 groups = (1 if decode else 0) + (1 if prefill_tokens else 0)
                 dispatch = self.op_overhead_s * ((OPS_PER_LAYER + OPS_PER_ATTENTION_GROUP * groups) * s.layers
                                                  + OPS_PER_EXPERT * n_runs
-                                                 + (OPS_PER_QUANTIZED_EXPERT_CPU * quantized_runs if self.shared
-                                                    else 0))
+                                                 + (quantized_ops if self.shared else 0))
         else:
             read = 0.0  # no token computed: nothing read
         compute = dense + head + experts + attention + activations
@@ -332,7 +367,8 @@ class CostModel:
         return StepCost(seconds, parts, read / bw)
 
     def _quantized_note(self) -> str:
-        old = f"2 x full-width bytes at the elementwise rate, {OPS_PER_QUANTIZED_EXPERT_CPU} more torch calls"
+        calls = ", ".join(f"{k} {v}" for k, v in OPS_PER_QUANTIZED_EXPERT_CPU.items())
+        old = f"2 x full-width bytes at the elementwise rate, more torch calls per expert run ({calls})"
         if not self.cpu_dequant:
             return f"shared processor: the torch reference dequantizes each call ({old}), then a dense GEMM"
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
@@ -344,7 +380,7 @@ class CostModel:
         p = self.profile
         eff = p.efficiency
         curves = {k: {"points": [list(pt) for pt in eff[k].points], "source": eff[k].source}
-                  for k in sorted(eff)}
+                  for k in sorted(eff) if "@" not in k or k in self.shaped.values()}
         for k in self.missing:
             curves[k] = {"points": [[1.0, 1.0]], "source": "not in the profile: efficiency 1.0 assumed"}
         sources = dict(getattr(p, "sources", {}) or {})
@@ -364,6 +400,10 @@ class CostModel:
             else "h2d and d2h run at once (full duplex); with copies_overlap one transfer is waited for and the "
                  "rest runs beside compute at copy_overlap x its speed: first + max(compute, rest)",
             "efficiency": curves, "sources": sources,
+            "shape_key": self.shape_key,
+            "shaped_curves": {k: v for k, v in self.shaped.items()} or
+            f"none: the profile has no curve measured on this model's shapes (`pwbench hw calibrate --model` fits "
+            f"them, keyed @{self.shape_key}); the generic ones are used",
             "counts": {"ops_per_layer": OPS_PER_LAYER, "ops_per_attention_group": OPS_PER_ATTENTION_GROUP,
                        "ops_per_expert": OPS_PER_EXPERT,
                        "source": "torch calls counted over this runtime's decode steps (engines/moegen/cost.py)",
@@ -375,8 +415,8 @@ class CostModel:
                 "gemm": "max(weight bytes / memory_bytes_per_s, FLOPs / flops_per_s) / eff(rows) (eff: a "
                         "fraction of the roofline bound)",
                 "dense": "dense_bytes_read less the LM head, 2 x dense params x T FLOPs, gemm(T)",
-                "head": "LM head bytes, 2 x logit_rows x (hidden + 1) x vocab FLOPs, gemm(rows); argmax reads "
-                        "the logits at sample(rows) x memory_bytes_per_s",
+                "head": "LM head bytes, 2 x logit_rows x (hidden + 1) x vocab FLOPs, head(rows) (else gemm); "
+                        "argmax reads the logits at sample(rows) x memory_bytes_per_s",
                 "experts": "per expert that ran: nbytes and 6 x hidden x intermediate x tokens FLOPs at "
                            "grouped_gemm(rows); bits < the dtype's: nbytes at dequant_gemm_{nearest bits}(rows) "
                            "x memory_bytes_per_s",

@@ -18,6 +18,12 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
     elementwise       tokens per step                  fraction of memory_bytes_per_s (optional: the cost
                                                        model takes 1.0 without it)
     sample            rows sampled                     fraction of memory_bytes_per_s (optional, as above)
+    head              rows of the LM head's GEMM       as gemm (optional: the cost model reads gemm without it)
+
+`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_prefill@K` (optional): the same curves measured
+on one model's shapes (K: engines/sim/cost.py `shape_key`, e.g. "d512-h8-q512-kv128-i768-v32000-b4";
+`pwbench hw calibrate --model DIR` fits them); the cost model reads them for a model of that shape
+instead of the generic ones. A profile may carry them for several models.
 
 `shared_processor` (optional, default: the profile is named "cpu") says host and device are one
 processor: copies are memcpys on the compute cores and never overlap compute.
@@ -36,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from engines.common.peaks import cached_peaks, cpu_model
-from engines.sim.calibrate import cpu_rates, fit_cpu_curves
+from engines.sim.calibrate import best_flops, cpu_rates, fit_cpu_curves
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -53,6 +59,7 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     "copy_overlap": ("bytes per transfer", "kept"),
     "elementwise": ("tokens per step", "memory_bytes_per_s"),
     "sample": ("rows", "memory_bytes_per_s"),
+    "head": ("rows", "roofline"),  # the LM head's GEMM (optional: the cost model reads gemm without it)
     # the CPU reference's dequantization (shared processor): full-width weight bytes written per
     # second, as a fraction of memory_bytes_per_s, by bit width; per storage scheme
     "dequant_cpu_packed": ("bits", "memory_bytes_per_s"),
@@ -60,7 +67,16 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
 }
 # The cost model states 1.0 where a profile has no elementwise or sample curve, and prices the
 # CPU reference's dequantization by its older count where it has no dequant_cpu_* curve.
-OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes"})
+OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes", "head"})
+# A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
+# only these names take one.
+SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill")
+
+
+def curve_base(key: str) -> str:
+    """The curve name of an efficiency key: "gemm" for "gemm@d512-...", the key itself otherwise."""
+    base, at, suffix = key.partition("@")
+    return base if at and suffix and base in SHAPED_CURVES else key
 REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
            "host_flops_per_s", "step_overhead_s", "op_overhead_s")
@@ -227,8 +243,11 @@ def _number(where: str, field: str, value: Any, integer: bool = False, zero: boo
 
 def _curve(where: str, key: str, value: Any) -> Curve:
     field = f"efficiency.{key}"
+    key = curve_base(key)
     if key not in EFFICIENCY_KEYS:
-        raise _bad(where, field, "is not an efficiency curve", f"use one of: {', '.join(EFFICIENCY_KEYS)}")
+        raise _bad(where, field, "is not an efficiency curve",
+                   f"use one of: {', '.join(EFFICIENCY_KEYS)} (or {', '.join(SHAPED_CURVES)} with @SHAPE_KEY: one "
+                   "model's shapes, as `pwbench hw calibrate --model` writes them)")
     if isinstance(value, Curve):
         return replace(value, basis=EFFICIENCY_KEYS[key][1])
     if isinstance(value, (list, tuple)):
@@ -383,7 +402,7 @@ def profile_toml(p: HardwareProfile, name: str | None = None, header: str = "") 
     lines += ["", "[sources]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table["sources"].items()]
     for key, curve in table["efficiency"].items():
         points = [[float(x), float(y)] for x, y in curve["points"]]
-        lines += ["", f"[efficiency.{key}]", f"points = {_toml_value(points)}",
+        lines += ["", f"[efficiency.{_toml_key(key)}]", f"points = {_toml_value(points)}",
                   f"source = {_toml_value(curve['source'])}"]
     return "\n".join(lines) + "\n"
 
@@ -405,7 +424,8 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
     table["memory_bytes_per_s"] = bw
     sources["memory_bytes_per_s"] = f"{src}: memory_bandwidth_bytes_per_s (a large copy, read + write)"
     table["flops_per_s"] = {"float32": peak}
-    sources["flops_per_s.float32"] = f"{src}: matmul_flops_per_s (1024^3 float32 matmul)"
+    sources["flops_per_s.float32"] = (f"{src}: the best float32 GEMM rate measured, {best_flops(m)[1]} "
+                                      f"(matmul_flops_per_s, the 1024^3 matmul: {float(m['matmul_flops_per_s']):.4g})")
     if m.get("matmul_bfloat16_flops_per_s"):
         table["flops_per_s"]["bfloat16"] = float(m["matmul_bfloat16_flops_per_s"])
         sources["flops_per_s.bfloat16"] = f"{src}: matmul_bfloat16_flops_per_s"

@@ -11,12 +11,16 @@ rotate through copies larger than the L3 cache, as in a step, where each weight 
 Each round times the ways back to back (this machine's speed drifts within seconds), and
 the table prints the median over rounds of each and of their per-round ratio. The packed
 outputs are checked equal to F.linear's to the bit.
+
+`model_gemm_seconds` / `model_gemm_entry`: one model's own GEMM shapes at 1-1024 rows, for
+`pwbench hw calibrate --model DIR` (the cost model's shape-keyed curves, engines/sim/calibrate.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +115,138 @@ def attention_rows(rounds: int) -> tuple[float, float, float] | None:
         kernel.append(b * 1e3)
         ratio.append(a / b)
     return _median(torch_path), _median(kernel), _median(ratio)
+
+
+ATTENTION_CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
+MODEL_ROWS = {"dense": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+              "expert": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+              "head": (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+
+
+def model_matrices(shape) -> dict[str, list[tuple[int, int]]]:
+    """The [N, K] weights a step of a model of `shape` (engines/runtime/shape.py ModelShape) runs
+    per part: one layer's attention projections (q, k, v, o; for MLA the absorbed sizes the shape
+    states, an approximation of its low-rank chain), one routed expert (gate_up, down) and the LM head."""
+    d, q, kv, i = shape.hidden, shape.q_size, shape.kv_size, shape.intermediate
+    return {"dense": [(q, d), (kv, d), (kv, d), (d, q)], "expert": [(2 * i, d), (d, i)], "head": [(shape.vocab, d)]}
+
+
+def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004) -> dict[str, dict[str, float]]:
+    """Seconds of each part of `model_matrices(shape)` at each row count of MODEL_ROWS, float32 on
+    this CPU with torch's current threads, as the runtime calls them: the projections through
+    F.linear (engines/runtime/model.py), an expert's gate_up then down and the LM head through
+    engines/runtime/gemm.py's `linear` on packed weights (MKL's packed kernel from 16 rows,
+    F.linear below, as for the resident experts and head). Weights rotate through copies as
+    large together as the model's weights (at most COLD_BYTES, more than the caches: a step
+    reads each weight once, from memory unless the whole model fits the caches). Rounds time every
+    (part, rows) once each, back to back, so a neighbour's burst falls on all of them alike; the
+    median over `rounds`. {part: {rows: seconds}}."""
+    mats = model_matrices(shape)
+    prepared = {}
+    # A step reads the model's weights once each: from memory when they are more than the caches
+    # hold, from the caches when the whole model fits (the bundled demo model's 1.6 MB: its GEMMs
+    # run ~3x faster hot than rotated through cold copies).
+    working_set = min(COLD_BYTES, shape.dense_bytes + shape.total_experts * shape.expert_bytes)
+    for part, shapes in mats.items():
+        per_copy = sum(n * k for n, k in shapes) * 4
+        copies = max(2, -(-working_set // per_copy))
+        ws = [[torch.randn(n, k) for n, k in shapes] for _ in range(copies)]
+        if part != "dense":
+            ws = [[gemm.pack(w) for w in group] for group in ws]
+        prepared[part] = itertools.cycle(ws)
+
+    other = {(r, k): torch.randn(r, k) for r in MODEL_ROWS["dense"] for _, k in mats["dense"]}
+
+    def call(part: str, x: torch.Tensor) -> None:
+        group = next(prepared[part])
+        if part == "dense":
+            for w in group:
+                F.linear(x if w.shape[1] == x.shape[1] else other[(x.shape[0], w.shape[1])], w)
+        elif part == "expert":
+            h = gemm.linear(x, group[0])
+            gemm.linear(h[:, : h.shape[1] // 2].contiguous(), group[1])
+        else:
+            gemm.linear(x, group[0])
+
+    inputs = {(part, r): torch.randn(r, mats[part][0][1]) for part, rows in MODEL_ROWS.items() for r in rows}
+    calls = {}
+    for (part, r), x in inputs.items():  # warm up; calls per timing so that each lasts min_call_s
+        for _ in range(2):
+            call(part, x)
+        t = time.perf_counter()
+        call(part, x)
+        calls[(part, r)] = max(1, int(min_call_s / max(time.perf_counter() - t, 1e-7)))
+    times: dict[tuple[str, int], list[float]] = {k: [] for k in inputs}
+    for _ in range(rounds):
+        for (part, r), x in inputs.items():
+            n = calls[(part, r)]
+            t = time.perf_counter()
+            for _ in range(n):
+                call(part, x)
+            times[(part, r)].append((time.perf_counter() - t) / n)
+    out: dict[str, dict[str, float]] = {part: {} for part in MODEL_ROWS}
+    for (part, r), ts in times.items():
+        out[part][str(r)] = _median(ts)
+    heads = attention_heads(shape)
+    if heads is not None:
+        out["attention"] = prefill_attention_seconds(*heads, rounds=rounds)
+    return out
+
+
+def attention_heads(shape) -> tuple[int, int, int] | None:
+    """(query heads, KV heads, head_dim) of the model's prefill SDPA; None for MLA (its shape's
+    kv_size is half a latent, not whole heads) or a shape without heads."""
+    if not shape.head_dim or shape.kv_size % shape.head_dim or shape.q_size != shape.heads * shape.head_dim:
+        return None
+    return shape.heads, shape.kv_size // shape.head_dim, shape.head_dim
+
+
+def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, rounds: int = 5) -> dict[str, float]:
+    """Seconds of one causal SDPA over a chunk of n tokens (no context before it), as the runtime
+    calls it per prefill chunk (engines/runtime/attention.py: [1, heads, n, head_dim] queries over
+    [1, kv_heads, n, head_dim] keys and values, enable_gqa), at each n of ATTENTION_CHUNKS; the
+    median over `rounds` rounds of every n. {n: seconds}."""
+    args = {n: (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim),
+                torch.randn(1, kv_heads, n, head_dim)) for n in ATTENTION_CHUNKS}
+
+    def call(n: int) -> None:
+        q, k, v = args[n]
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+
+    reps = {}
+    for n in ATTENTION_CHUNKS:
+        call(n)
+        t = time.perf_counter()
+        call(n)
+        reps[n] = max(1, int(0.004 / max(time.perf_counter() - t, 1e-7)))
+    times: dict[int, list[float]] = {n: [] for n in ATTENTION_CHUNKS}
+    for _ in range(rounds):
+        for n in ATTENTION_CHUNKS:
+            t = time.perf_counter()
+            for _ in range(reps[n]):
+                call(n)
+            times[n].append((time.perf_counter() - t) / reps[n])
+    return {str(n): _median(ts) for n, ts in times.items()}
+
+
+def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
+    """`pwbench hw calibrate --model`'s measurement of the model folder `model` (its config only):
+    (engines/sim/cost.py `shape_key` of its float32 shape, the entry engines/sim/calibrate.py
+    `fit_model_curves` reads). ModelLoadError (one line) for a folder that is not a model."""
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+    from engines.sim.cost import shape_key
+
+    shape = model_shape(open_checkpoint(model, config_only=True).config, 4)  # the CPU runs float32
+    mats = model_matrices(shape)
+    seconds = model_gemm_seconds(shape, rounds)
+    heads = attention_heads(shape)
+    return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                              "dtype_bytes": 4, "threads": torch.get_num_threads(),
+                              "attention": dict(zip(("heads", "kv_heads", "head_dim"), heads)) if heads else None,
+                              "matrices": {k: [list(m) for m in v] for k, v in mats.items()},
+                              "params": {k: sum(n * k_ for n, k_ in v) for k, v in mats.items()},
+                              "seconds": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:

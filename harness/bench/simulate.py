@@ -2,7 +2,8 @@
 
     python -m harness.bench.simulate [--models demo,mixtral,deepseek_v3]
                                      [--engines moe,offload,static-rtn,pagedweight,moegen,full]
-                                     [--requests 6] [--rate R] [--output-len 16]
+                                     [--requests 6] [--rate R] [--output-len 16] [--keep DIR]
+                                     [--no-shape-calibration]
 
 For each model (the bundled demo model, and the Mixtral- and DeepSeek-V3-shaped random models
 of harness.bench.engines.build_model, built into a temporary folder), each engine that
@@ -16,7 +17,10 @@ tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-ca
 expert-cache hit rates and mean expert bits where the engine reports them.
 
 The `cpu` profile is what `pwbench hw calibrate` (or `pwbench hw --device cpu`) cached for this
-CPU; run it first, with the same thread count (OMP_NUM_THREADS) as this benchmark.
+CPU; run it first, with the same thread count (OMP_NUM_THREADS) as this benchmark. Each model's
+own GEMM shapes are measured first and added to that cache (as `pwbench hw calibrate --model`
+does; --no-shape-calibration skips it). An offline run's steps are the same batches on both
+sides: the line after it gives the median prefill and decode step, measured / simulated.
 Results: docs/simulation-validation.md.
 """
 
@@ -177,6 +181,48 @@ def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> None:
     sys.stdout.flush()
 
 
+def calibrate_shapes(model: str) -> None:
+    """`pwbench hw calibrate --model`'s measurement of this model's GEMM shapes, added to this
+    CPU's cached measurements (the cpu profile then prices the model by its own shapes)."""
+    from engines.common.peaks import cached_peaks, cpu_model
+    from harness.bench.cpu_ops import model_gemm_entry
+    from harness.hw import save_cached
+
+    entry = cached_peaks().get(cpu_model())
+    if not entry or not entry.get("memory_bandwidth_bytes_per_s"):
+        print(f"{model}: shapes not calibrated: this CPU has no `pwbench hw` measurement; run `pwbench hw calibrate`")
+        return
+    t = time.perf_counter()
+    key, shapes = model_gemm_entry(model)
+    entry.setdefault("model_gemm", {})[key] = shapes
+    save_cached(entry)
+    print(f"{Path(model).name}: its GEMM shapes measured ({key}, {time.perf_counter() - t:.0f} s)")
+
+
+def step_residuals(measured: Path, simulated: Path) -> str | None:
+    """Measured vs simulated step time by kind (prefill-bearing, decode-only), medians over the
+    steps both runs have in the same order with the same tokens (an offline run with replayed
+    routing makes the same batches); None when they do not align."""
+    import pyarrow.parquet as pq
+
+    cols = ["duration_s", "prefill_tokens", "decode_tokens"]
+    try:
+        m, s = (pq.read_table(f / "steps.parquet", columns=cols).to_pydict() for f in (measured, simulated))
+    except (OSError, KeyError, ValueError):
+        return None
+    rows_m = list(zip(m["prefill_tokens"], m["decode_tokens"]))
+    if rows_m != list(zip(s["prefill_tokens"], s["decode_tokens"])):
+        return None
+    out = []
+    for kind, pick in (("prefill", lambda p, d: p > 0), ("decode", lambda p, d: p == 0 and d > 0)):
+        idx = [i for i, (p, d) in enumerate(rows_m) if pick(p, d)]
+        if idx:
+            med = sorted(1e3 * m["duration_s"][i] for i in idx)[len(idx) // 2]
+            sim = sorted(1e3 * s["duration_s"][i] for i in idx)[len(idx) // 2]
+            out.append(f"{kind} {len(idx)} steps: {med:.1f} / {sim:.1f} ms ({100 * (sim - med) / med:+.0f}%)")
+    return "; ".join(out)
+
+
 def main() -> None:
     from engines.base import EngineError
     from engines.registry import engine_class
@@ -192,6 +238,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16, help="offline_batch output tokens")
     parser.add_argument("--rate", type=float, default=None, help="rag_long requests/s (default: per model)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep every run's result folder (steps.parquet, requests.parquet) under DIR, for "
+                             "comparing measured and simulated steps one by one (default: a temporary folder)")
+    parser.add_argument("--no-shape-calibration", dest="shape_calibration", action="store_false",
+                        help="do not measure each model's own GEMM shapes first (`pwbench hw calibrate --model`'s "
+                             "measurement, ~5-20 s a model, cached): the cpu profile's generic curves price them")
     parser.add_argument("--slow", action="store_true",
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
                              "its CPU dequantization costs ~1 s per decode step there)")
@@ -216,12 +268,18 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pwbench-bench-sim-") as tmp_name:
         tmp = Path(tmp_name)
+        if args.keep:
+            tmp = Path(args.keep).expanduser()
+            tmp.mkdir(parents=True, exist_ok=True)
         for arch in models:
             if arch == "demo":
                 model = str(DEMO)
             else:
                 model = str(tmp / f"{arch}-shaped")
-                build_model(Path(model), arch)
+                if not (Path(model) / "config.json").is_file():
+                    build_model(Path(model), arch)
+            if args.shape_calibration:
+                calibrate_shapes(model)
             sizes = model_sizes(model)
             rows = []
             for engine in engines:
@@ -271,6 +329,9 @@ def main() -> None:
                     print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
                           f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
                           f"misses {replay.get('replay_misses')}")
+                    residuals = step_residuals(folder_m, folder_s)
+                    if residuals:
+                        print(f"{tag}: step medians measured / simulated: {residuals}")
                     rows.append((engine, wl, m, s))
             if rows:
                 print_table(arch, rows)

@@ -1,7 +1,8 @@
 """`pwbench hw`: measure this machine's bandwidths and FLOP/s and cache them for efficiency metrics;
 `pwbench hw list` / `pwbench hw show NAME_OR_TOML`: the hardware profiles `--simulate` runs on;
-`pwbench hw calibrate [--output FILE.toml]`: measure this CPU, fit the `cpu` profile's curves
-and its per-step overhead, print them with their sources, and write them as a profile TOML."""
+`pwbench hw calibrate [--output FILE.toml] [--model DIR ...]`: measure this CPU, fit the `cpu`
+profile's curves and its per-step overhead, print them with their sources, and write them as a
+profile TOML; with --model, also the GEMM curves of that model's own shapes (keyed by its shape)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from harness.cli.common import fail, user_errors
 
 hw_app = typer.Typer(
     help="Measure this machine's memory bandwidth, matmul FLOP/s and host<->device bandwidth; cache them. "
-    "`hw list` / `hw show NAME` print the hardware profiles --simulate uses; `hw calibrate` fits the cpu one.",
+    "`hw list` / `hw show NAME` print the hardware profiles --simulate uses; `hw calibrate` fits the cpu one "
+    "(`hw calibrate --model DIR`: also on that model's own GEMM shapes).",
     invoke_without_command=True,
     no_args_is_help=False,
 )
@@ -187,8 +189,9 @@ def measure_step_overhead() -> tuple[float, str]:
     source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
               f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, one torch thread) of the "
               f"measured CPU time per step ({d['median_measured_s'] * 1e3:.2f} ms) minus the same step simulated "
-              f"without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute plus the "
-              "control code's measured CPU time): the model code's Python per step beyond the priced torch calls"
+              f"without step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute, its GEMMs "
+              "by the bundled model's own shape curves where measured, plus the control code's measured CPU "
+              "time): the model code's Python per step beyond the priced torch calls"
               + (" (negative: clipped to 0)" if d["clipped"] else ""))
     return seconds, source
 
@@ -199,20 +202,50 @@ def hw_calibrate(
     output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
                                                "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
     step_overhead: Annotated[bool, typer.Option(help="Also fit the per-step overhead on the bundled model "
-                                                "(a few seconds).")] = True,
+                                                "(a few seconds; its GEMM shapes are measured first, as --model "
+                                                "does).")] = True,
+    model: Annotated[list[str] | None, typer.Option(
+        "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
+        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, and causal SDPA over its heads "
+        "at 16-1024-token chunks. The fitted curves are kept under the model's shape key (gemm@KEY, "
+        "grouped_gemm@KEY, head@KEY, attention_prefill@KEY) beside those of models calibrated "
+        "before, and `--simulate cpu` prices a model of that shape by them instead of the generic curves "
+        "(measured on one square matrix). Repeat for several models.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
-    curves and per-step overhead, print the profile with every source, and optionally write it."""
+    curves and per-step overhead, print the profile with every source, and optionally write it.
+    With --model, also measure that model's own GEMM shapes (curves keyed by its shape)."""
     from pathlib import Path
 
+    from engines.base import ModelLoadError
+    from engines.common.peaks import cached_peaks, cpu_model
+    from engines.runtime.checkpoint import open_checkpoint
     from engines.sim.hardware import cpu_profile, load_profile, profile_toml
     from harness.hw import measure, save_cached
 
     out_path = Path(output).expanduser() if output else None
     if out_path is not None and (out_path.is_dir() or not out_path.parent.is_dir()):
         raise fail(f"--output {output}: not a file in an existing folder; give e.g. --output my-cpu.toml")
+    for folder in model or ():
+        try:
+            open_checkpoint(folder, config_only=True)
+        except ModelLoadError as exc:
+            raise fail(f"--model {folder}: {exc}") from None
+    previous = (cached_peaks().get(cpu_model()) or {}).get("model_gemm") or {}
     result = measure("cpu")
+    folders = list(model or ())
+    if step_overhead:  # the probe's model, priced by its own shapes: the residual is then the per-step Python
+        from engines.common.demo import demo_model_path
+
+        folders.append(str(demo_model_path()))
+    if folders or previous:
+        from harness.bench.cpu_ops import model_gemm_entry
+
+        result["model_gemm"] = dict(previous)  # models calibrated before keep their curves
+        for folder in folders:
+            key, entry = model_gemm_entry(folder)
+            result["model_gemm"][key] = entry
     save_cached(result)
     if step_overhead:
         result["step_overhead_s"], result["step_overhead_source"] = measure_step_overhead()

@@ -112,3 +112,25 @@ def test_simulated_time_is_within_a_factor_of_2_of_measured(tmp_path, monkeypatc
               f"{sum(wall) * 1e3:.1f} ms CPU time ({tokens / sum(wall):.0f} tok/s) over {len(wall)} steps")
     print(detail)  # shown with -s
     assert 1 / BOUND <= ratio <= BOUND, detail
+
+
+def test_bench_step_residuals_compare_the_same_batches(tmp_path):
+    """harness/bench/simulate.py's step-by-step line: medians of prefill-bearing and decode-only
+    steps, measured / simulated, only where both runs made the same batches."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from harness.bench.simulate import step_residuals
+
+    def write(name: str, durations: list[float], prefill: list[int]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        pq.write_table(pa.table({"duration_s": durations, "prefill_tokens": prefill,
+                                 "decode_tokens": [0 if p else 4 for p in prefill]}), folder / "steps.parquet")
+        return folder
+
+    m = write("m", [0.300, 0.050, 0.060, 0.055], [400, 0, 0, 0])
+    s = write("s", [0.270, 0.055, 0.066, 0.0605], [400, 0, 0, 0])
+    assert step_residuals(m, s) == "prefill 1 steps: 300.0 / 270.0 ms (-10%); decode 3 steps: 55.0 / 60.5 ms (+10%)"
+    assert step_residuals(m, write("other", [0.1, 0.1, 0.1, 0.1], [200, 200, 0, 0])) is None
+    assert step_residuals(m, tmp_path / "absent") is None

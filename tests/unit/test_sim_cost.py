@@ -304,3 +304,58 @@ def test_assumptions_name_every_number():
     assert "1.0 assumed" in a["efficiency"]["grouped_gemm"]["source"]
     json.dumps(a)
     assert math.isfinite(model.step(TINY_WORK).seconds)
+
+
+def test_curves_measured_on_the_models_shapes_replace_the_generic_ones():
+    """A profile's gemm@K / grouped_gemm@K / head@K (K: this shape's key) price that model's dense
+    layers, experts and LM head; another shape's keyed curves are not read; without a head curve
+    the LM head reads gemm."""
+    from engines.sim.cost import shape_key
+
+    key = shape_key(TINY)
+    assert key == "d4-h1-q4-kv4-i8-v10-b2"
+    shaped = profile(**{f"gemm@{key}": flat(0.25), f"grouped_gemm@{key}": flat(0.125), f"head@{key}": flat(1.0),
+                        "gemm@d9-q9-kv9-i9-v9-b2": flat(0.01)})
+    plain, mine = CostModel(profile(), TINY, "bfloat16"), CostModel(shaped, TINY, "bfloat16")
+    a, b = plain.step(TINY_WORK).parts, mine.step(TINY_WORK).parts
+    assert b["dense"] == pytest.approx(2 * a["dense"])  # gemm 0.5 -> 0.25
+    assert b["experts"] == pytest.approx(2 * a["experts"])  # grouped_gemm 0.25 -> 0.125
+    # head: 88 B / 1e9 at 1.0 instead of 0.5 (176 -> 88 ns), the argmax's 40 ns unchanged
+    assert a["head"] == pytest.approx(216e-9) and b["head"] == pytest.approx(128e-9)
+    other = CostModel(profile(**{"gemm@d9-q9-kv9-i9-v9-b2": flat(0.01)}), TINY, "bfloat16")
+    assert other.step(TINY_WORK).parts == a
+    notes = mine.assumptions()
+    assert notes["shaped_curves"] == {k: f"{k}@{key}" for k in ("gemm", "grouped_gemm", "head")}
+    # prefill attention: chunk 8 x (0 + 8 / 2) x 4 x 1 x 4 FLOPs / (1e12 x eff), eff 0.4 generic, 0.1 measured
+    pre = StepWork(prefill=((8, 0),), kv_bytes_per_token=0, dense_bytes_read=288, logit_rows=1)
+    att = CostModel(profile(**{f"attention_prefill@{key}": flat(0.1)}), TINY, "bfloat16").step(pre).parts
+    assert att["attention"] == pytest.approx(4 * plain.step(pre).parts["attention"])
+    assert f"gemm@{key}" in notes["efficiency"] and "gemm@d9-q9-kv9-i9-v9-b2" not in notes["efficiency"]
+    assert "none" in plain.assumptions()["shaped_curves"]
+
+
+def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
+    """engines/sim/calibrate.py: a model's shape measurement (seconds by part and rows) -> curves
+    keyed by its shape; the FLOP peak is the best GEMM rate measured, so none clips."""
+    from engines.sim.calibrate import best_flops, fit_model_curves
+
+    entry = {"model": "m", "measured_at": "t", "dtype_bytes": 4, "matrices": {"expert": [[16, 4], [4, 8]]},
+             "params": {"expert": 96, "head": 40},
+             "seconds": {"expert": {"1": 1e-6, "64": 2e-6}, "head": {"1": 1e-6}}}
+    bw, peak = 1e9, 1e10
+    curves = fit_model_curves("K", entry, bw, peak)
+    assert set(curves) == {"grouped_gemm@K", "head@K"}
+    # 1 row: max(4 x 96 B / 1e9, 2 x 96 / 1e10) = 384 ns over 1 us; 64 rows: max(384 ns, 1228.8 ns) / 2 us
+    assert curves["grouped_gemm@K"]["points"] == [[1.0, pytest.approx(0.384)], [64.0, pytest.approx(0.6144)]]
+    assert "[16, 4] + [4, 8]" in curves["grouped_gemm@K"]["source"]
+    m = {"memory_bandwidth_bytes_per_s": bw, "matmul_flops_per_s": 5e9, "matmul_flops_at_rows": {"1": 1e8},
+         "model_gemm": {"K": entry}}
+    # the best rate: 64 rows x 2 x 96 FLOPs in 2 us = 6.144 GFLOP/s, above the 1024^3 matmul's 5
+    assert best_flops(m) == (pytest.approx(6.144e9), "model_gemm[K] (a GEMM of that model's shapes)")
+    assert cpu_rates(m)["flops_per_s"]["float32"] == pytest.approx(6.144e9)
+    fit = fit_cpu_curves(m)
+    assert fit["grouped_gemm@K"]["points"][-1] == [64.0, pytest.approx(1.0)]
+    # causal SDPA of 2 heads of 4 over a 10-token chunk in 1 us: 4 x 2 x 4 x 10 x 10 / 2 FLOPs / peak / seconds
+    att = {**entry, "attention": {"heads": 2, "kv_heads": 1, "head_dim": 4}, "seconds": {"attention": {"10": 1e-6}}}
+    assert fit_model_curves("K", att, bw, peak)["attention_prefill@K"]["points"] == [[10.0, pytest.approx(0.16)]]
+    assert fit["gemm"]["points"][0][1] <= 1

@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from engines.sim.hardware import EFFICIENCY_KEYS, REQUIRED_CURVES, Curve, cpu_profile, list_profiles, load_profile
+from engines.sim.hardware import (
+    EFFICIENCY_KEYS,
+    REQUIRED_CURVES,
+    Curve,
+    cpu_profile,
+    curve_base,
+    list_profiles,
+    load_profile,
+)
 
+REPO = Path(__file__).resolve().parents[2]
 GPUS = ("h200", "h100-sxm", "h100-pcie", "a100-80gb", "l40s", "l4", "rtx-6000-ada", "a10g")
 
 
@@ -30,9 +40,10 @@ def test_every_builtin_loads_positive_sourced_and_curves_in_range():
             assert p.sources.get(field), (p.name, field)  # every number names where it comes from
         assert p.flops() > 0 and all(v > 0 for v in p.flops_per_s.values())
         assert p.link_pinned_bytes_per_s <= p.link_bytes_per_s  # measured never above the theory
-        assert set(REQUIRED_CURVES) <= set(p.efficiency) <= set(EFFICIENCY_KEYS)
+        assert set(REQUIRED_CURVES) <= set(p.efficiency)
+        assert {curve_base(k) for k in p.efficiency} <= set(EFFICIENCY_KEYS)
         for key, curve in p.efficiency.items():
-            assert curve.source and curve.basis == EFFICIENCY_KEYS[key][1]
+            assert curve.source and curve.basis == EFFICIENCY_KEYS[curve_base(key)][1]
             assert all(0 < e <= 1 for _, e in curve.points), (p.name, key)
             for size in (0.5, 1, 7, 300, 5000, 1e9):
                 assert 0 < curve.at(size) <= 1
@@ -133,6 +144,16 @@ def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
     assert p2.efficiency["sample"].at(256) == pytest.approx(6e9 / 30e9)
     assert p2.efficiency["elementwise"].at(8192) == pytest.approx(3e9 / 30e9)
     assert p2.step_overhead_s == 2.5e-4 and "hand" in p2.sources["step_overhead_s"]
+    # `hw calibrate --model`: curves keyed by the model's shape, read back from a TOML (keys quoted)
+    entry = {"model": "x", "params": {"expert": 1 << 20}, "seconds": {"expert": {"1": 1e-3, "64": 2e-3}}}
+    cache_path().write_text(json.dumps({cpu_model(): {**m2, "model_gemm": {"d4-q4-kv4-i8-v10-b2": entry}}}))
+    p3 = load_profile("cpu")
+    assert p3.efficiency["grouped_gemm@d4-q4-kv4-i8-v10-b2"].basis == "roofline"
+    from engines.sim.hardware import profile_toml
+
+    f = tmp_path / "shaped.toml"
+    f.write_text(profile_toml(p3))
+    assert load_profile(str(f)).efficiency == p3.efficiency
     bad = {**m, "memory_bandwidth_bytes_per_s": -1.0}  # a corrupt cache: one line naming the field and the fix
     cache_path().write_text(json.dumps({cpu_model(): bad}))
     with pytest.raises(ValueError, match="memory_bandwidth_bytes_per_s.*rerun `pwbench hw"):
@@ -204,6 +225,22 @@ def test_pwbench_hw_calibrate_caches_prints_and_writes_a_profile(tmp_path, monke
     p = load_profile(str(out))
     assert p.memory_bytes_per_s == 12e9 and p.op_overhead_s == 2e-6 and p.shared_processor
     assert "2025-02-03" in p.sources["memory_bytes_per_s"]
+    bad_model = CliRunner().invoke(app, ["hw", "calibrate", "--no-step-overhead", "--model", str(tmp_path / "none")])
+    assert bad_model.exit_code != 0 and "--model" in bad_model.output and "does not exist" in bad_model.output
+    assert "Traceback" not in bad_model.output and len(bad_model.output.strip().splitlines()) == 1
+    import harness.bench.cpu_ops
+
+    seen = []
+    monkeypatch.setattr(harness.bench.cpu_ops, "model_gemm_entry",
+                        lambda folder: seen.append(folder) or ("d1-q1-kv1-i1-v1-b4", {
+                            "model": folder, "params": {"expert": 1000}, "seconds": {"expert": {"1": 1e-6}}}))
+    demo = str(REPO / "engines" / "demo_model")
+    done = CliRunner().invoke(app, ["hw", "calibrate", "--no-step-overhead", "--model", demo, "--json"])
+    assert done.exit_code == 0, done.output
+    assert seen == [demo]
+    assert "grouped_gemm@d1-q1-kv1-i1-v1-b4" in json.loads(done.output.strip().splitlines()[-1])["efficiency"]
+    again = CliRunner().invoke(app, ["hw", "calibrate", "--no-step-overhead", "--json"])  # kept for that model
+    assert "grouped_gemm@d1-q1-kv1-i1-v1-b4" in json.loads(again.output.strip().splitlines()[-1])["efficiency"]
     nowhere = str(tmp_path / "no" / "x.toml")
     bad = CliRunner().invoke(app, ["hw", "calibrate", "--no-step-overhead", "--output", nowhere])
     assert bad.exit_code != 0 and "--output" in bad.output and "Traceback" not in bad.output
