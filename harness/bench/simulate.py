@@ -27,6 +27,7 @@ Results: docs/simulation-validation.md.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -65,15 +66,38 @@ def model_sizes(model: str) -> dict[str, int]:
         e.stop()
 
 
+def sensitivity_table(model: str, options: dict[str, Any]) -> Path | None:
+    """The sensitivity table a measured pagedweight or full start wrote for `model` (the newest in
+    the cache for its representation), for the simulated run to take as `sim_sensitivity`: the
+    experts' quality floors, and so the pages' and the KV cache's bytes, are then the measured
+    run's. None for an engine that measured none."""
+    from engines.pagedweight.sensitivity import cache_root
+
+    want = str(Path(model).resolve())
+    representation = options.get("representation", "bitplanes")
+    found = []
+    for path in cache_root().glob(f"{representation}-*.json"):
+        try:
+            key = json.loads(path.read_text()).get("key", {})
+        except (OSError, ValueError):
+            continue
+        if key.get("model") == want:
+            found.append((path.stat().st_mtime_ns, path))
+    return max(found)[1] if found else None
+
+
 def engine_options(engine: str, sizes: dict[str, int]) -> dict[str, Any]:
     """The same options for the measured and the simulated run. Budgeted engines get the dense
     weights, half the experts' full-precision bytes and KV_TOKENS of KV; offload caches half the
-    experts of each layer."""
+    experts of each layer; pagedweight and full weigh experts by token shares."""
     budget = sizes["dense_bytes"] + sizes["expert_bytes"] // 2 + KV_TOKENS * sizes["kv_bytes_per_token"]
-    return {"moe": {}, "full": {},
+    # pagedweight and full weigh experts by routing token shares, as a simulated run must (its
+    # router gives choices, no routing weights), so both runs' arbiters see the same importance.
+    paged = {"budget_bytes": budget, "importance_from": "tokens"}
+    return {"moe": {}, "full": paged,
             "offload": {"budget_bytes": budget, "experts_per_layer": max(1, sizes["num_experts"] // 2)},
             "static-rtn": {"bits": 4},
-            "pagedweight": {"budget_bytes": budget},
+            "pagedweight": paged,
             "moegen": {"budget_bytes": budget}}.get(engine, {})
 
 
@@ -312,8 +336,10 @@ def main() -> None:
                                                           engine_options=options),
                                                   make_runner=clocks.attach, on_start=clocks.start)
                         t1 = time.perf_counter()
-                        folder_s, simulated = execute(RunArgs(**common, engine_options={**options, "simulate": "cpu",
-                                                                                 "routing": f"replay:{trace}"},
+                        sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
+                        if engine in ("pagedweight", "full") and (table := sensitivity_table(model, options)):
+                            sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
+                        folder_s, simulated = execute(RunArgs(**common, engine_options=sim_options,
                                                        output=str(tmp / f"{tag}-simulated")))
                         t2 = time.perf_counter()
                     except Exception as exc:  # noqa: BLE001  (a row that cannot run says why; the rest go on)
