@@ -66,6 +66,16 @@ def model_sizes(model: str) -> dict[str, int]:
         e.stop()
 
 
+def takes_option(engine: str, option: str) -> bool:
+    """Whether `engine`'s options include `option` (a field of its config class)."""
+    import dataclasses
+
+    from engines.registry import engine_class
+
+    cls = getattr(engine_class(engine), "config_cls", None)
+    return cls is not None and dataclasses.is_dataclass(cls) and option in {f.name for f in dataclasses.fields(cls)}
+
+
 def sensitivity_table(model: str, options: dict[str, Any]) -> Path | None:
     """The sensitivity table a measured pagedweight or full start wrote for `model` (the newest in
     the cache for its representation), for the simulated run to take as `sim_sensitivity`: the
@@ -337,7 +347,7 @@ def main() -> None:
                                                   make_runner=clocks.attach, on_start=clocks.start)
                         t1 = time.perf_counter()
                         sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
-                        if engine in ("pagedweight", "full") and (table := sensitivity_table(model, options)):
+                        if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
                             sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
                         folder_s, simulated = execute(RunArgs(**common, engine_options=sim_options,
                                                        output=str(tmp / f"{tag}-simulated")))
