@@ -27,8 +27,8 @@ class TransferLedger:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.crosses_bus = device.type != "cpu"
-        self._step = Counter[str]()
-        self.total = Counter[str]()  # since start, per "direction:tag"
+        self._step = Counter[str]()  # since the latest take_step
+        self._before = Counter[str]()  # the steps taken before it (total = _before + _step)
         self._meta: dict[tuple, Tensor] = {}  # (shape, dtype) -> a meta tensor (simulated runs)
         self._names: dict[tuple[str, str], tuple[str, str, str]] = {}  # (direction, tag) -> counter names
 
@@ -76,10 +76,15 @@ class TransferLedger:
                 raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
             names = self._names[(direction, tag)] = (f"{direction}:bytes", f"{direction}:count", f"{direction}:{tag}")
         total, count, tagged = names
-        for counter in (self._step, self.total):
-            counter[total] += nbytes
-            counter[count] += transfers
-            counter[tagged] += nbytes
+        step = self._step  # folded into the run's total at take_step (a record is one step's only)
+        step[total] += nbytes
+        step[count] += transfers
+        step[tagged] += nbytes
+
+    @property
+    def total(self) -> Counter[str]:
+        """Counts since start, per "direction:bytes", "direction:count" and "direction:tag" (a copy)."""
+        return self._before + self._step
 
     def peek_step(self) -> TransferCounts:
         """Counts since the previous take_step, without resetting them."""
@@ -89,6 +94,7 @@ class TransferLedger:
     def take_step(self) -> TransferCounts:
         """Counts since the previous call (one engine step), then reset."""
         counts = self.peek_step()
+        self._before.update(self._step)
         self._step = Counter()
         return counts
 
