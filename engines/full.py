@@ -102,22 +102,22 @@ def _sim_executor_class() -> type:
         def __init__(self, *args: Any, plan_now: Callable[[], BatchPlan], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.plan_now = plan_now
-            self._seen = self.ledger.total[PAGES]  # the start's placement is no step's move
+            self._seen = self.ledger.total_of(PAGES)  # the start's placement is no step's move
             self._moved = 0
             self.simulation.notes.append(
                 "engine full: each simulated step is priced with the widths its experts ran at, the experts fetched "
                 "on demand as the ring's copies and the arbiter's page moves on the link beside the step")
 
         def execute(self, batch: Any) -> Any:
-            total = self.ledger.total[PAGES]
+            total = self.ledger.total_of(PAGES)
             self._moved = total - self._seen  # page moves issued since the last step (before_step)
             try:
                 return super().execute(batch)
             finally:
-                self._seen = self.ledger.total[PAGES]
+                self._seen = self.ledger.total_of(PAGES)
 
         def _copied_bytes(self) -> int:
-            return self.ledger.total[PAGES]  # inside a step only on-demand fetches add to it
+            return self.ledger.total_of(PAGES)  # inside a step only on-demand fetches add to it
 
         def _priced(self, runs: Counter, copied: int) -> tuple[ModelShape, BatchPlan]:
             ran = sum(runs.values())

@@ -449,7 +449,7 @@ class ExpertStore:
         memo = self.__dict__.setdefault("_meta_memo", {})
         specs = memo.get(bits)
         if specs is None:
-            specs = memo[bits] = [(name, src, (src.shape, src.dtype, src.numel() * src.element_size()))
+            specs = memo[bits] = [(name, src, (src.shape, src.dtype, src.nbytes))
                                   for name, src in self.parts(bits).items()]
         return specs
 

@@ -42,11 +42,13 @@ class Importance:
         self.decay, self.signal = decay, signal
         self.keys: list[Key] = [(layer, e) for layer, n in experts_per_layer.items() for e in range(n)]
         self._index = {key: i for i, key in enumerate(self.keys)}
-        sizes = list(experts_per_layer.values())
+        self._layers, sizes = list(experts_per_layer), list(experts_per_layer.values())
         self._size = dict(experts_per_layer)
-        self._start = dict(zip(experts_per_layer, np.cumsum([0, *sizes[:-1]]).tolist()))
+        offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+        self._start = dict(zip(self._layers, offsets))
+        self._spans = list(zip(offsets, sizes))  # (first key index, experts) per layer
         self._sizes = np.array(sizes, dtype=np.int64)
-        self._offsets = np.array(list(self._start.values()), dtype=np.int64)
+        self._offsets = np.array(offsets, dtype=np.int64)
         first = [prior[key] if prior and key in prior else 1.0 / experts_per_layer[key[0]] for key in self.keys]
         self._mass = np.array(first, dtype=np.float64)
         self._tokens = self._mass.copy()
@@ -76,7 +78,7 @@ class Importance:
 
     def observe_matrix(self, layers: list[int], counts: np.ndarray) -> None:
         """`observe_counts` for every layer of a simulated step at once: counts [len(layers), E]."""
-        if len(layers) == len(self._start) and counts.size == len(self.keys) and list(self._start) == list(layers):
+        if counts.size == len(self.keys) and layers == self._layers:
             self._step_counts += counts.ravel()
             self._observed = True
         else:
@@ -97,8 +99,8 @@ class Importance:
         counts, mass = self._step_counts, self._step_mass
         total_n = np.add.reduceat(counts, self._offsets)
         # Each layer's mass summed left to right, as a loop would (numpy's sums may pair terms).
-        spans = list(zip(self._offsets.tolist(), self._sizes.tolist()))
-        total_m = np.array([sum(mass[o:o + n].tolist()) for o, n in spans]) if mass.any() else np.zeros(len(spans))
+        total_m = np.array([sum(mass[o:o + n].tolist()) for o, n in self._spans]) if mass.any() else \
+            np.zeros(len(self._spans))
         ran = np.repeat(total_n > 0, self._sizes)
         tn = np.repeat(np.where(total_n > 0, total_n, 1), self._sizes)
         self._tokens = np.where(ran, a * self._tokens + b * counts / tn, self._tokens)

@@ -86,6 +86,10 @@ class TransferLedger:
         """Counts since start, per "direction:bytes", "direction:count" and "direction:tag" (a copy)."""
         return self._before + self._step
 
+    def total_of(self, key: str) -> int:
+        """`total[key]` without building the whole sum (read every step by engine full)."""
+        return self._before[key] + self._step[key]
+
     def peek_step(self) -> TransferCounts:
         """Counts since the previous take_step, without resetting them."""
         c = self._step

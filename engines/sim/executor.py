@@ -99,11 +99,16 @@ class SimExecutor(Executor):
         now = time.thread_time()
         self._control = now - self._mark if self._mark is not None else 0.0
 
+    def _timed(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` (the backend's decisions), its CPU time counted as control time."""
+        t = time.thread_time()
+        out = fn(*args)
+        self._control += time.thread_time() - t
+        return out
+
     def timed_simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
         """The backend's control path for one layer, its CPU time counted as control time."""
-        t = time.thread_time()
-        self.experts.simulate(layer, d, upcoming)
-        self._control += time.thread_time() - t
+        self._timed(self.experts.simulate, layer, d, upcoming)
 
     def route_matrix(self, batch: StepBatch) -> np.ndarray:
         """Tokens per expert [MoE layers, E] for the step's rows: through `AheadRouter` for a source
@@ -144,10 +149,7 @@ class SimExecutor(Executor):
         """The backend's `simulate_step` (timed as control when it makes decisions, as `simulate` is)."""
         if not self._wants_upcoming or not self.control_time:
             return self.experts.simulate_step(self.moe_layers, matrix)
-        t = time.thread_time()
-        held = self.experts.simulate_step(self.moe_layers, matrix)
-        self._control += time.thread_time() - t
-        return held
+        return self._timed(self.experts.simulate_step, self.moe_layers, matrix)
 
     def _alike_runs(self, matrix: np.ndarray, nbytes: np.ndarray) -> list[ExpertRun]:
         """One run per (tokens, stored bytes) over the step's experts that ran, in the order a
