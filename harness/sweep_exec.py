@@ -15,7 +15,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import connection
 from typing import Any, Protocol
 
@@ -269,7 +269,14 @@ class _Worker:
         job, self.job = self.job, None
         try:
             if self.conn.poll(timeout):
-                return self.conn.recv()
+                outcome = self.conn.recv()
+                if why and outcome.status == "failed":
+                    # Stopped mid-cell, it may fail instead of stopping: the interrupt can land in C code
+                    # that turns it into another error (numpy's import: "PyCapsule_Import could not
+                    # import module "datetime""). The stop is the cause.
+                    outcome = replace(outcome, status="interrupted", error=f"{why} (the cell then failed: "
+                                                                           f"{outcome.error})")
+                return outcome
         except (EOFError, OSError):
             pass
         self.process.join(1.0)

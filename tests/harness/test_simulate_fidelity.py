@@ -68,6 +68,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def _machine_now(probe, torch) -> dict[str, float]:
+    """The profile's inputs on this machine now: the roofline peaks and the per-call dispatch, the
+    best of 5 rounds of 400 tiny calls (thread CPU time)."""
+    peaks = probe()
+    tiny, rounds = torch.ones(8), []
+    for _ in range(5):
+        t = time.thread_time()
+        for _ in range(400):
+            torch.mul(tiny, tiny)
+        rounds.append((time.thread_time() - t) / 400)
+    peaks["op_overhead_s"] = min(rounds)
+    return peaks
+
+
 def test_simulated_time_is_within_a_factor_of_2_of_measured(tmp_path, monkeypatch, one_thread):
     import torch
 
@@ -75,27 +89,37 @@ def test_simulated_time_is_within_a_factor_of_2_of_measured(tmp_path, monkeypatc
     from engines.sim.hardware import load_profile
     from harness.hw import PeakProbe
 
-    # This machine's peaks now, cached as `pwbench hw` caches them (the profile reads the cache).
+    # Both sides estimate the machine without its neighbours, by the same rule: the measured run is
+    # repeated (the least CPU time of each step over the repeats) and the profile's inputs are measured
+    # before and after each repeat (the best of each). One run of each once read 96 ms measured against
+    # 42 ms simulated in CI (a factor 2.3), where this machine reads 36 / 31 ms.
+    trace = tmp_path / "routing.parquet"
+    probe, seen, runs = PeakProbe(), [], []
+    for repeat in range(3):
+        seen.append(_machine_now(probe, torch))
+        options = {"model": DEMO, "device": "cpu", **({"record_routing": str(trace)} if repeat == 0 else {})}
+        measured = create_engine("moe", options)
+        measured.start()
+        try:
+            runs.append(_run(measured, time.thread_time))
+        finally:
+            measured.stop()
+    seen.append(_machine_now(probe, torch))
+    want = runs[0][1]
+    assert all(rows == want for _, rows in runs)  # the repeats take the same decisions
+    wall = [min(step) for step in zip(*(times for times, _ in runs))]
+
+    # This machine's profile, cached as `pwbench hw` caches it (the cpu profile reads the cache).
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path / "cache"))
-    peaks = PeakProbe()()
-    tiny = torch.ones(8)
-    t = time.thread_time()
-    for _ in range(2000):
-        torch.mul(tiny, tiny)
-    peaks["op_overhead_s"] = (time.thread_time() - t) / 2000
-    peaks["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    peaks = {"memory_bandwidth_bytes_per_s": max(p["memory_bandwidth_bytes_per_s"] for p in seen),
+             "matmul_flops_per_s": max(p["matmul_flops_per_s"] for p in seen),
+             "op_overhead_s": min(p["op_overhead_s"] for p in seen),
+             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     cache_path().parent.mkdir(parents=True)
     cache_path().write_text(json.dumps({cpu_model(): peaks}))
     profile = load_profile("cpu")
     assert profile.memory_bytes_per_s == peaks["memory_bandwidth_bytes_per_s"]  # the profile is this machine's
 
-    trace = tmp_path / "routing.parquet"
-    measured = create_engine("moe", {"model": DEMO, "device": "cpu", "record_routing": str(trace)})
-    measured.start()
-    try:
-        wall, want = _run(measured, time.thread_time)
-    finally:
-        measured.stop()
     simulated = create_engine("moe", {"model": DEMO, "simulate": "cpu", "routing": f"replay:{trace}"})
     simulated.start()
     try:

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.sweep import load_grid, open_sweep, run_sweep
-from harness.sweep_exec import LocalExecutor
+from harness.sweep_exec import CellOutcome, LocalExecutor, _Worker
 
 # Deterministic tokens (a function of the prompt), measured (sleeping) latencies: a measured CPU cell.
 GRID = """workload = "offline_batch"
@@ -197,6 +197,26 @@ def test_ctrl_c_stops_the_workers_and_leaves_nothing_that_looks_complete(tmp_pat
     assert not list(out.glob("*/run.json"))  # nothing looks complete
     for pid in (int(p.name.split(".partial-")[1]) for p in running):
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_a_cell_that_fails_as_it_is_stopped_is_reported_interrupted():
+    """The stop (SIGTERM, raised as KeyboardInterrupt in the worker) can land in C code that turns it
+    into another error: numpy's import then raises ImportError ("PyCapsule_Import could not import
+    module "datetime"", seen in CI, about 1 stop in 30 here). The cell was stopped, not broken."""
+    import multiprocessing
+
+    mine, theirs = multiprocessing.Pipe()
+    worker = _Worker.__new__(_Worker)  # its pipe only: no process is needed to collect a sent outcome
+    worker.conn, worker.job, worker.gpu = mine, None, None
+    numpy_said = 'ImportError: Original error was: PyCapsule_Import could not import module "datetime"'
+    theirs.send(CellOutcome("dummy-r100", "failed", numpy_said))
+    got = worker.collect(timeout=5.0, why="stopped by Ctrl-C")
+    assert (got.name, got.status) == ("dummy-r100", "interrupted")
+    assert got.error == f"stopped by Ctrl-C (the cell then failed: {numpy_said})"
+    theirs.send(CellOutcome("dummy-r50", "complete"))  # a cell that finished as it was stopped stays complete
+    assert worker.collect(timeout=5.0, why="stopped by Ctrl-C").status == "complete"
+    theirs.send(CellOutcome("dummy-r200", "failed", "ValueError: x"))  # not stopped: its own failure
+    assert worker.collect(timeout=5.0).status == "failed"
 
 
 def test_repeats_are_interleaved_and_resume(tmp_path):
