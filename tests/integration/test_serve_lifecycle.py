@@ -85,6 +85,14 @@ class _HealthLog(threading.Thread):
                 self.seen.append((code, body.get("status")))
             time.sleep(0.02)
 
+    def stop_after(self, last: tuple[int, str], timeout_s: float = 60) -> None:
+        """Stop once the log itself has seen `last` (the test's own /health poll may see it first)."""
+        deadline = time.monotonic() + timeout_s
+        while (not self.seen or self.seen[-1] != last) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.stop.set()
+        self.join()
+
 
 def _wait_health(server: Server, status: str, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
@@ -122,8 +130,7 @@ def test_an_engine_failure_restarts_the_engine_then_the_limit_exits_3(greedy):
         assert health["restarts"] == 1 and "injected test fault" in health["last_error"]
         code, body, _ = s.post("/v1/completions", good)
         assert code == 200 and body["choices"][0]["token_ids"] == want
-        log.stop.set()
-        log.join()
+        log.stop_after((200, "ok"))
         states = [state for _, state in log.seen]
         assert (503, "restarting") in log.seen and states[0] == "ok" and states[-1] == "ok", log.seen
         assert all(code == 200 for code, state in log.seen if state == "ok")
