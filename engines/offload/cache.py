@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -62,12 +63,13 @@ class ExpertCache:
 
     def victim(self, keep: set[int]) -> int | None:
         """The resident expert to evict (none of `keep`), or None when every one is kept."""
-        candidates = [e for e in self.slot_of if e not in keep]
-        if not candidates:
-            return None
+        last = self.last_use
         if self.policy == "lfu":
-            return min(candidates, key=lambda e: (self.uses[e], self.last_use.get(e, -1), e))
-        return min(candidates, key=lambda e: (self.last_use.get(e, -1), e))
+            uses = self.uses
+            ranked = min(((uses[e], last.get(e, -1), e) for e in self.slot_of if e not in keep), default=None)
+        else:
+            ranked = min(((last.get(e, -1), e) for e in self.slot_of if e not in keep), default=None)
+        return None if ranked is None else ranked[-1]
 
     def place(self, expert: int, keep: set[int]) -> tuple[int, int | None] | None:
         """A slot for `expert`: (slot, evicted expert or None), or None when none can be freed."""
@@ -100,11 +102,16 @@ class OffloadBackend(HostTierBackend):
             self.slot_buffers[i] = slots_like(w, k, device)
             self.caches[i] = ExpertCache(k, policy)
         self._tick = 0
+        self._loads: Counter[int] | None = None  # a simulated step's copies per layer, counted at its end
+        self._held: tuple[list[int], np.ndarray] | None = None  # simulate_step's layers and bytes per expert
+        self._device_bytes: int | None = None
 
     # -- ExpertBackend ---------------------------------------------------------------------------
     def device_bytes(self) -> int:
         """The slots' buffers, weights and biases (allocated once, full or not)."""
-        return sum(s.nbytes() for s in self.slot_buffers.values())
+        if self._device_bytes is None:
+            self._device_bytes = sum(s.nbytes() for s in self.slot_buffers.values())
+        return self._device_bytes
 
     @property
     def copies_overlap(self) -> bool:
@@ -122,37 +129,86 @@ class OffloadBackend(HostTierBackend):
         routes, most tokens first): an exact predictor, where the measured one guesses."""
         self._run(layer, None, d, upcoming)
 
+    def simulate_step(self, layers: list[int], counts: np.ndarray) -> np.ndarray:
+        """`simulate` for every layer of a simulated step, in layer order (each layer's hits,
+        victims and prefetches depend on the previous ones), in one call: the same decisions, with
+        each layer's copies counted in one ledger record at the end (the ledger keeps sums) and the
+        prediction, with prefetch on, the next layer's experts by tokens. Returns every expert's
+        stored bytes ([len(layers), E]: all of a layer's are resident or copied in to run)."""
+        if self._held is None or self._held[0] != layers:
+            per_layer = np.array([self.expert_bytes(layer, 0) for layer in layers], dtype=np.int64)
+            self._held = list(layers), np.repeat(per_layer[:, None], counts.shape[1], axis=1)
+        held = self._held[1]
+        self.count_bytes(int(held[counts > 0].sum()))
+        rows = counts.tolist()
+        last = len(layers) - 1
+        self._loads = loads = Counter()
+        try:
+            for k, layer in enumerate(layers):
+                upcoming = None
+                if self.predictor is not None and k < last:
+                    nxt = rows[k + 1]
+                    upcoming = layers[k + 1], sorted((e for e, c in enumerate(nxt) if c), key=lambda e: -nxt[e])
+                self._decide(layer, [e for e, c in enumerate(rows[k]) if c], upcoming)
+        finally:
+            self._loads = None
+        nbytes = transfers = 0
+        for layer, n in loads.items():
+            b, t = self.copy_size_of(layer, self.slot_buffers[layer])
+            nbytes, transfers = nbytes + n * b, transfers + n * t
+        if transfers:
+            self.copies.counted("h2d", nbytes, transfers, tag="experts")
+        return held
+
     def _run(self, layer: int, x: Tensor | None, d: Dispatch,
              upcoming: tuple[int, list[int]] | None = None) -> Tensor | None:
-        """`forward`'s decisions in order; with x None (a simulated step) every compute is skipped."""
+        """`forward`: the layer's decisions (`_decide`) with each expert computed in its slot as it
+        comes; with x None (a simulated layer) the decisions alone, `upcoming` the prediction."""
         self._count(layer, d)
+        rows = segments(d)
+        if x is None:
+            self._decide(layer, list(rows), upcoming)
+            return None
+        xs = x[d.token_index]
+        out = torch.empty_like(xs)
+        slots = self.slot_buffers[layer]
+
+        def run(e: int, slot: int) -> None:
+            out[rows[e]] = slots.run(slot, xs[rows[e]])
+
+        self._decide(layer, list(rows), x, run)
+        return combine(x, d, out)
+
+    def _decide(self, layer: int, needed: list[int], predict: Tensor | tuple[int, list[int]] | None,
+                run: Callable[[int, int], None] | None = None) -> None:
+        """One layer's hits, misses, copies and prefetches for the experts `needed` (ascending),
+        in order: resident experts first, then each missing one as its copy lands (`run(expert,
+        slot)` computes it). `predict`: this layer's hidden states for the predictor, or (a
+        simulated layer) the next layer's experts themselves."""
         self._tick += 1
-        cache, rows = self.caches[layer], segments(d)
-        needed = list(rows)
-        self._stats["prefetch_used"] += len(cache.prefetched.intersection(needed))
+        tick, cache, stats = self._tick, self.caches[layer], self._stats
+        slot_of, loading = cache.slot_of, cache.loading
+        stats["prefetch_used"] += len(cache.prefetched.intersection(needed))
         cache.prefetched.clear()
-        self._stats["expert_cache_hits"] += sum(e in cache.slot_of for e in needed)
-        missing = [e for e in needed if e not in cache.slot_of]
-        self._stats["expert_cache_misses"] += len(missing)
+        hits, missing = [], []
+        for e in needed:
+            (hits if e in slot_of else missing).append(e)
+        stats["expert_cache_hits"] += len(hits)
+        stats["expert_cache_misses"] += len(missing)
         pending = set(needed)
         queue = self._fetch(layer, missing, pending)
         if self.predictor is not None:
-            self._prefetch(self.predictor(layer, x) if x is not None else upcoming)
-        xs = x[d.token_index] if x is not None else None
-        out = torch.empty_like(xs) if xs is not None else None
-        order = [e for e in needed if e not in missing] + missing
-        for e in order:
-            if e not in cache.slot_of:  # slots ran out at issue: one has been freed since
+            self._prefetch(self.predictor(layer, predict) if isinstance(predict, Tensor) else predict)
+        for e in hits + missing:
+            if e not in slot_of:  # slots ran out at issue: one has been freed since
                 queue = self._fetch(layer, queue, pending)
-            handle = cache.loading.pop(e, None)
+            handle = loading.pop(e, None)
             if handle is not None:
                 handle.wait()
-            slot = cache.slot_of[e]
-            if xs is not None:
-                out[rows[e]] = self.slot_buffers[layer].run(slot, xs[rows[e]])
-            cache.touch(e, self._tick)
+            if run is not None:
+                run(e, slot_of[e])
+            cache.touch(e, tick)
             pending.discard(e)
-        return combine(x, d, out) if x is not None else None
 
     def step_stats(self) -> dict[str, int]:
         stats = dict(self._stats)
@@ -175,6 +231,10 @@ class OffloadBackend(HostTierBackend):
         if placed is None:
             return False
         slot, _ = placed
+        if self._loads is not None:  # a simulated step (simulate_step): its copies are counted at its end
+            self._loads[layer] += 1
+            cache.loading[expert] = self.copies.done()
+            return True
         cache.loading[expert], _ = self.copy_in(self.slot_buffers[layer], slot, layer, expert)
         return True
 

@@ -131,9 +131,10 @@ class CopyEngine:
         if self.device.type != "meta":
             raise RuntimeError("CopyEngine.counted is for a simulated run (meta device); copy pairs with h2d/d2h")
         self.ledger.record(direction, nbytes, tag, transfers=transfers)
-        return self._done()
+        return self.done()
 
-    def _done(self) -> CopyHandle:
+    def done(self) -> CopyHandle:
+        """A copy done at issue: a simulated run's (one handle serves them all)."""
         if self._done_handle is None:
             self._done_handle = CopyHandle(self, 0)
             self._done_handle._done.set()
@@ -143,7 +144,7 @@ class CopyEngine:
         nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
         self.ledger.record(direction, nbytes, tag, transfers=len(pairs))
         if self.device.type == "meta":  # simulated: counted, nothing to move, done
-            return self._done()
+            return self.done()
         handle = CopyHandle(self, nbytes)
         self._inflight.append(handle)
         if self._stream is not None:

@@ -147,9 +147,15 @@ class HostTierBackend(StackedBackend):
         the bytes copied. A simulated run counts the copy from the layer's expert size (every
         expert of a stack has one), memoised, without slicing its meta tensors."""
         if self.copies.simulated:
-            size = self._copy_size.get(layer)
-            if size is None:
-                size = self._copy_size[layer] = slots.copy_size(self.host[layer], expert)
+            size = self.copy_size_of(layer, slots)
             return self.copies.counted("h2d", *size, tag="experts"), size[0]
         pairs = slots.copies(slot, self.host[layer], expert)
         return self.copies.h2d(pairs, tag="experts"), sum(src.numel() * src.element_size() for _, src in pairs)
+
+    def copy_size_of(self, layer: int, slots: Slots) -> tuple[int, int]:
+        """(bytes, transfers) of copying one of `layer`'s experts into `slots` (every expert of a
+        stack has one size), memoised."""
+        size = self._copy_size.get(layer)
+        if size is None:
+            size = self._copy_size[layer] = slots.copy_size(self.host[layer], 0)
+        return size
