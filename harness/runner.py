@@ -65,6 +65,25 @@ class RunRecords:
     error: str | None = None
 
 
+class ThreadCpuClock:
+    """A measured run's clock on a shared CPU (`clock=c.now, sleep=c.sleep`): this thread's CPU
+    time, so the time a neighbour holds the core does not count, plus every wait for an
+    arrival, skipped (added, not slept). It times an engine that computes on this thread alone
+    (torch with one intra-op thread, copies done at issue); work on other threads (a link
+    model's copies, telemetry) and the time blocked on them do not count. The validation
+    benchmark's measured runs use it (harness/bench/simulate.py)."""
+
+    def __init__(self) -> None:
+        self.waited = 0.0
+
+    def now(self) -> float:
+        return time.thread_time() + self.waited
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            self.waited += seconds
+
+
 class Runner:
     def __init__(
         self,

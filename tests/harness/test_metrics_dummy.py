@@ -11,7 +11,7 @@ import pytest
 from engines.dummy import DummyConfig, DummyEngine
 from engines.sim.clock import VirtualClock
 from harness.metrics import percentile, summarize_requests, summarize_steps
-from harness.runner import RunLimits, Runner
+from harness.runner import RunLimits, Runner, ThreadCpuClock
 from workloads.base import Request
 
 
@@ -115,6 +115,36 @@ def test_real_clock_arrivals_follow_the_schedule():
         assert rec.sent_s >= rec.arrival_s
         assert sum(rec.arrival_s < t < rec.sent_s for t in starts) <= 1, rec.request_id
     assert [r.sent_s for r in recs] == sorted(r.sent_s for r in recs)
+
+
+def _burn(seconds: float) -> None:
+    """Spend `seconds` of this thread's CPU time (a step that computes)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_thread_cpu_clock_counts_the_steps_cpu_and_skips_the_waits():
+    """The same schedule as test_latencies_percentiles_goodput_by_hand, its step costs spent as CPU
+    time: on ThreadCpuClock the latencies are the hand-computed ones (plus the loop's own CPU,
+    well under a millisecond a step), the 100 ms idle gap is skipped, not slept; an engine that
+    sleeps instead (a neighbour holding the core looks the same to this thread) takes no time."""
+    reqs = [Request("a", tuple(range(5)), 3, arrival_s=0.0), Request("b", tuple(range(10)), 2, arrival_s=0.1)]
+    clock = ThreadCpuClock()
+    engine = DummyEngine(DummyConfig(base_ms=10, prefill_ms_per_token=1, decode_ms_per_token=2), sleep=_burn)
+    wall = time.perf_counter()
+    records = Runner(engine, reqs, limits=RunLimits(), clock=clock.now, sleep=clock.sleep).run()
+    wall = time.perf_counter() - wall
+    rows = {r.request_id: r for r in records.requests}
+    assert rows["a"].token_times_s == pytest.approx([0.015, 0.027, 0.039], abs=3e-3)
+    assert rows["b"].sent_s >= 0.1 and rows["b"].token_times_s == pytest.approx([0.120, 0.132], abs=3e-3)
+    assert clock.waited == pytest.approx(0.1 - 0.039, abs=3e-3)  # the idle gap, added to the clock
+    assert wall >= 0.07  # the steps' CPU was spent: 15 + 12 + 12 + 20 + 12 ms
+
+    clock = ThreadCpuClock()
+    sleeping = DummyEngine(DummyConfig(base_ms=10, prefill_ms_per_token=1, decode_ms_per_token=2))  # time.sleep
+    records = Runner(sleeping, reqs, limits=RunLimits(), clock=clock.now, sleep=clock.sleep).run()
+    assert all(s["duration_s"] < 5e-3 for s in records.steps), [s["duration_s"] for s in records.steps]
 
 
 def test_duration_bound_stops_admitting():
