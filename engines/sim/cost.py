@@ -25,7 +25,10 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
 - Each expert that ran (`ExpertRun`): its stored bytes and 2 x 3 x D x I FLOPs per token routed
   to it, "grouped_gemm" over its rows; quantized (bits below the model dtype's) its bytes at
   "dequant_gemm_{b}" (nearest b) of the bandwidth instead: dequant kernels are bandwidth-bound
-  at decode.
+  at decode. On a shared processor the torch reference dequantizes to full width first, at
+  "dequant_cpu_{scheme}" by bits, or, where measured, "dequant_group_{scheme}_{b}" by the full-width
+  bytes of the experts of that width a layer dequantizes in one stacked call (pagedweight's planes;
+  the step's runs of the width over its MoE layers), then a dense GEMM.
 - Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
   "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
   "gemm" over the query heads sharing a KV read); prefill, causal, chunk x (context + chunk / 2)
@@ -249,7 +252,8 @@ class CostModel:
     # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`,
     # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one;
     # a quantized expert's torch calls on the CPU counted again, per storage scheme (82 / 29, were 733);
-    # 5: torch calls per layer by attention kind (MLA 300, was 180 like every other)
+    # 5: torch calls per layer by attention kind (MLA 300, was 180 like every other); a quantized expert's
+    # CPU dequantization by the experts of its width a layer dequantizes at once (dequant_group_* curves)
     VERSION: ClassVar[str] = "5"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
@@ -273,6 +277,13 @@ class CostModel:
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(c.points) for k, c in eff.items()
                             if k.startswith("dequant_cpu_")}
+        # ... and by the full-width bytes of the experts of one width a layer dequantizes in one stacked
+        # call (pagedweight's bit planes: slower per byte as the group's temporaries leave the caches).
+        self.group_dequant: dict[str, dict[int, _Interp]] = {}
+        for k, c in eff.items():
+            scheme, _, b = k[len("dequant_group_"):].rpartition("_")
+            if k.startswith("dequant_group_") and scheme and b.isdigit():
+                self.group_dequant.setdefault(scheme, {})[int(b)] = _Interp(c.points)
         s = shape
         self.dtype_bits = 8 * s.dtype_bytes
         self.head_params = s.head_bytes / s.dtype_bytes
@@ -289,14 +300,18 @@ class CostModel:
         self._decode_memo = _Memo(lambda ctx: self._decode_s(ctx, self._decode_memo.kv_bytes_per_token))
 
     # -- modules --------------------------------------------------------------------------
-    def _expert_s(self, tokens: int, nbytes: int, bits: float, scheme: str = "packed") -> float:
+    def _expert_s(self, tokens: int, nbytes: int, bits: float, scheme: str = "packed", group: float = 1.0) -> float:
         c = self.curves
         flops = self.shape.expert_flops_per_token * tokens
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
             full = self.shape.expert_bytes
             measured = self.cpu_dequant.get(scheme)
-            if measured is not None:  # the full-width weights written once, at the measured efficiency
+            by_group = self.group_dequant.get(scheme)
+            if by_group:  # dequantized with `group` - 1 others of its width in one stacked call
+                width = min(by_group, key=lambda b: (abs(b - bits), -b))
+                dequant = full / (self.bw * by_group[width].at(group * full))
+            elif measured is not None:  # the full-width weights written once, at the measured efficiency
                 dequant = full / (self.bw * measured.at(bits))
             else:
                 dequant = 2 * full / (self.bw * c["elementwise"].at(tokens))
@@ -312,6 +327,17 @@ class CostModel:
         flops = self.attn_flops_per_key * context
         return max(nbytes / (self.bw * self.curves["attention_decode"].at(context)),
                    flops / (self.peak * self.curves["gemm"].at(self.query_group)))
+
+    def _dequant_groups(self, runs: tuple[ExpertRun, ...]) -> dict[tuple[str, int], float]:
+        """Quantized experts a layer dequantizes together, per (scheme, stored bytes: one width):
+        the step's runs of that width over its MoE layers (every MoE layer runs each step; the
+        runs come aggregated over layers), at least 1."""
+        total: dict[tuple[str, int], int] = {}
+        for r in runs:
+            if r.bits < self.dtype_bits:
+                total[(r.scheme, r.nbytes)] = total.get((r.scheme, r.nbytes), 0) + r.count
+        layers = max(1, self.shape.moe_layers)
+        return {k: max(1.0, round(n / layers, 2)) for k, n in total.items()}
 
     def step(self, work: StepWork) -> StepCost:
         s, c, bw, peak = self.shape, self.curves, self.bw, self.peak
@@ -338,9 +364,10 @@ class CostModel:
                 memo.clear()
             get = memo.__getitem__
             assignments = n_runs = quantized_ops = 0
+            groups = self._dequant_groups(work.experts) if self.group_dequant and self.shared else {}
             for r in work.experts:
                 n, t = r.count, r.tokens
-                experts += get((t, r.nbytes, r.bits, r.scheme)) * n
+                experts += get((t, r.nbytes, r.bits, r.scheme, groups.get((r.scheme, r.nbytes), 1.0))) * n
                 assignments += t * n
                 read += r.nbytes * n
                 n_runs += n
@@ -404,9 +431,11 @@ class CostModel:
         old = f"2 x full-width bytes at the elementwise rate, more torch calls per expert run ({calls})"
         if not self.cpu_dequant:
             return f"shared processor: the torch reference dequantizes each call ({old}), then a dense GEMM"
+        grouped = (f"; {', '.join(sorted(self.group_dequant))}: by the experts of one width a layer dequantizes in "
+                   f"one stacked call (dequant_group_* curves)") if self.group_dequant else ""
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
                 f"weights at the measured dequant_cpu_{{{', '.join(sorted(self.cpu_dequant))}}} efficiency by bit "
-                f"width (a scheme not measured: {old})")
+                f"width{grouped} (a scheme not measured: {old})")
 
     def assumptions(self) -> dict[str, Any]:
         """Every number the model uses and where it comes from, for the result folder."""
