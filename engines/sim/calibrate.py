@@ -26,7 +26,8 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
 
     gemm@K, grouped_gemm@K, head@K   one model's shapes (`pwbench hw calibrate --model DIR`,
                         measurements["model_gemm"][K], K = engines/sim/cost.py `shape_key`): the
-                        seconds of its dense projections (q, k, v, o of one layer), of one expert
+                        seconds of its dense projections (q, k, v, o of one layer; MLA: q_a, q_b,
+                        kv_a, o, its own low-rank chain), of one expert
                         (gate_up then down) and of its LM head at each row count, as the runtime
                         calls them (harness/bench/cpu_ops.py `model_gemm_seconds`), against the
                         roofline bound of those matrices: max(bytes / bandwidth, FLOPs / peak)

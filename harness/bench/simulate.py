@@ -108,11 +108,10 @@ def engine_options(engine: str, sizes: dict[str, int]) -> dict[str, Any]:
     # pagedweight and full weigh experts by routing token shares, as a simulated run must (its
     # router gives choices, no routing weights), so both runs' arbiters see the same importance.
     paged = {"budget_bytes": budget, "importance_from": "tokens"}
-    # full gets no budget (it does not run on the random models): measured with one it holds ~7 GB
-    # on the Mixtral-shaped model (rings, host tier, bit planes), and the bench's process, which
-    # keeps what earlier runs took, ran out of this machine's 24 GB (its simulated decode was then
-    # priced 94% under measured: docs/simulation-validation.md).
-    return {"moe": {}, "full": {"importance_from": "tokens"},
+    # full needs a budget (without one it does not start); measured, it holds ~7 GB on the
+    # Mixtral-shaped model (rings, host tier, bit planes): each run has its own process now, so
+    # that no longer adds to what the other runs took.
+    return {"moe": {}, "full": paged,
             "offload": {"budget_bytes": budget, "experts_per_layer": max(1, sizes["num_experts"] // 2)},
             "static-rtn": {"bits": 4},
             "pagedweight": paged,

@@ -63,3 +63,23 @@ def test_torch_calls_match_a_counted_decode_step(tmp_path, arch):
         as_gqa = torch_calls(dataclasses.replace(shape, attention="gqa"), groups=1, expert_runs=runs)
         assert counted - as_gqa > BOUND * counted, f"MLA counted {counted}, a GQA layer's count gives {as_gqa}"
         assert OPS_PER_LAYER["mla"] > OPS_PER_LAYER["gqa"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"q_lora_rank": None}], ids=["q_lora", "no_q_lora"])
+def test_mla_projections_measured_are_the_checkpoints(tmp_path, overrides):
+    """`pwbench hw calibrate --model` times an MLA model's own projection chain (harness/bench/
+    cpu_ops.py model_matrices): the oracle is the checkpoint's attention weights as saved."""
+    from safetensors import safe_open
+
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+    from harness.bench.cpu_ops import model_matrices
+
+    folder = save_checkpoint(build_hf_model("deepseek_v3", **overrides), tmp_path / "ds")
+    config = open_checkpoint(str(folder), config_only=True).config
+    layer = "model.layers.1.self_attn."  # an MoE layer's attention (layer 0 is dense)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        # kv_b expands the latent per head inside attention (absorbed, a bmm): not a projection timed
+        saved = sorted(tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                       if k.startswith(layer) and k.endswith(".weight") and "norm" not in k and "kv_b" not in k)
+    assert sorted(model_matrices(model_shape(config, 4), config.mla)["dense"]) == saved
