@@ -306,21 +306,39 @@ class CostModel:
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
             full = self.shape.expert_bytes
-            measured = self.cpu_dequant.get(scheme)
-            by_group = self.group_dequant.get(scheme)
-            if by_group:  # dequantized with `group` - 1 others of its width in one stacked call
-                width = min(by_group, key=lambda b: (abs(b - bits), -b))
-                dequant = full / (self.bw * by_group[width].at(group * full))
-            elif measured is not None:  # the full-width weights written once, at the measured efficiency
-                dequant = full / (self.bw * measured.at(bits))
-            else:
-                dequant = 2 * full / (self.bw * c["elementwise"].at(tokens))
-            return dequant + gemm_s(full, flops, self.bw, self.peak, eff)
+            return self._cpu_dequant_s(tokens, bits, scheme, group) + gemm_s(full, flops, self.bw, self.peak, eff)
         if bits < self.dtype_bits and self.dequant:
             bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
         else:
             bw_eff = eff
         return max(nbytes / (self.bw * bw_eff), flops / (self.peak * eff))
+
+    def _cpu_dequant_s(self, tokens: int, bits: float, scheme: str, group: float) -> float:
+        """The torch reference dequantizing one expert at `bits` to full width (shared processor)."""
+        full = self.shape.expert_bytes
+        by_group = self.group_dequant.get(scheme)
+        if by_group:  # dequantized with `group` - 1 others of its width in one stacked call
+            width = min(by_group, key=lambda b: (abs(b - bits), -b))
+            return full / (self.bw * by_group[width].at(group * full))
+        measured = self.cpu_dequant.get(scheme)
+        if measured is not None:  # the full-width weights written once, at the measured efficiency
+            return full / (self.bw * measured.at(bits))
+        return 2 * full / (self.bw * self.curves["elementwise"].at(tokens))
+
+    def cpu_dequantization(self, runs: tuple[ExpertRun, ...]) -> tuple[float, int]:
+        """(seconds, torch calls) of the CPU reference's dequantization of `runs`' quantized
+        experts to full width, as `step` prices it, for an executor that prices the rest of the
+        step itself (engine full's layer-major step on the cpu profile); (0, 0) off a shared processor."""
+        if not self.shared:
+            return 0.0, 0
+        groups = self._dequant_groups(runs)
+        seconds, calls = 0.0, 0
+        for r in runs:
+            if r.bits < self.dtype_bits:
+                group = groups.get((r.scheme, r.nbytes), 1.0)
+                seconds += self._cpu_dequant_s(r.tokens, r.bits, r.scheme, group) * r.count
+                calls += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * r.count
+        return seconds, calls
 
     def _decode_s(self, context: int, kv_bytes_per_token: int) -> float:
         nbytes = context * kv_bytes_per_token
