@@ -87,6 +87,7 @@ def _sim_executor_class() -> type:
     """FullSimExecutor, defined on first use: it subclasses moegen's simulated executor, which
     imports engines.sim (simulated runs only, as moegen defers it)."""
     from engines.moegen.simulate import MoEGenSimExecutor  # noqa: PLC0415  (simulated runs only: engines.sim)
+    from engines.sim.cost import CostModel, ExpertRun  # noqa: PLC0415
 
     class FullSimExecutor(MoEGenSimExecutor):
         """moegen's simulated layer-major step (attention copies as the plan places the KV; the
@@ -97,11 +98,14 @@ def _sim_executor_class() -> type:
         plan's residents as the experts on the device at the step; and the page moves the
         arbiter issued before the step on the link beside it (committed at the next boundary:
         the step ends no earlier than the link has carried them; on one processor, the `cpu`
-        profile, their memcpy adds to the step)."""
+        profile, their memcpy adds to the step). On the cpu profile the quantized experts run as the
+        torch reference does: full-width GEMMs after dequantizing them, priced by the flat cost
+        model's rule (`CostModel.cpu_dequantization`: its curves, groups and torch-call counts)."""
 
         def __init__(self, *args: Any, plan_now: Callable[[], BatchPlan], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.plan_now = plan_now
+            self._flat = None  # the flat cost model, for the CPU dequantization (cpu profile)
             self._seen = self.ledger.total_of(PAGES)  # the start's placement is no step's move
             self._moved = 0
             self.simulation.notes.append(
@@ -120,18 +124,34 @@ def _sim_executor_class() -> type:
             return self.ledger.total_of(PAGES)  # inside a step only on-demand fetches add to it
 
         def _priced(self, runs: Counter, copied: int) -> tuple[ModelShape, BatchPlan]:
+            if self.hw.shared_processor:  # the CPU reference runs full-width GEMMs on dequantized weights
+                return self.shape, self.plan_now()
             ran = sum(runs.values())
             read = sum(nbytes * n for nbytes, n in runs.items()) + copied  # fetched experts run at fetch width
             shape = dataclasses.replace(self.shape, expert_bytes=max(1, read // ran)) if ran and read else self.shape
             return shape, self.plan_now()
+
+        def _dequantization(self, runs: Counter) -> float:
+            """On a shared processor (the cpu profile), the quantized experts' dequantization to full
+            width and its torch calls, priced by the flat cost model's rule (engines/sim/cost.py)."""
+            if not self.hw.shared_processor:
+                return 0.0
+            if self._flat is None:
+                self._flat = CostModel(self.profile, self.shape, self.simulation.dtype)
+            params = self.shape.expert_bytes / self.shape.dtype_bytes
+            scheme = self.experts.dequant_scheme
+            seconds, calls = self._flat.cpu_dequantization(tuple(
+                ExpertRun(-1, 1, nbytes, 8 * nbytes / params, n, scheme) for nbytes, n in runs.items()))
+            return seconds + calls * self.hw.op_overhead_s
 
         def _price(self, batch: Any, counts: dict[int, list[int]], runs: Counter, copied_bytes: int) -> Any:
             cost = super()._price(batch, counts, runs, copied_bytes)
             hw, parts = self.hw, dict(cost.parts)
             moves = self._moved / (hw.link_bytes_per_s or hw.device_bytes_per_s)
             memcpy = 2 * self._moved / hw.device_bytes_per_s if hw.shared_processor else 0.0
-            body = max(parts["layers_and_head"] + memcpy, parts["link_busy"] + moves)
-            parts.update(page_moves_link=moves, layers_and_head=body)
+            dequant = self._dequantization(runs)
+            body = max(parts["layers_and_head"] + memcpy + dequant, parts["link_busy"] + moves)
+            parts.update(page_moves_link=moves, layers_and_head=body, cpu_dequant=dequant)
             return dataclasses.replace(cost, seconds=body + parts["overhead"], parts=parts)
 
     return FullSimExecutor

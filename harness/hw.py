@@ -233,10 +233,13 @@ def measure(device: str = "cpu") -> dict[str, Any]:
     else:
         out["device_name"] = cpu_model()
         out["dequant_full_bytes_per_s_by_bits"] = measure_cpu_dequant()
+        out["dequant_group_bytes_per_s"] = measure_cpu_group_dequant()
     return out
 
 
 DEQUANT_BITS = (2, 3, 4, 8)
+# Experts of one width in one layer that pagedweight's CPU path dequantizes in one stacked call.
+DEQUANT_GROUPS = (1, 2, 4, 8, 16)
 
 
 def measure_cpu_dequant() -> dict[str, dict[str, float]]:
@@ -263,6 +266,33 @@ def measure_cpu_dequant() -> dict[str, dict[str, float]]:
         # both matrices (gate_up + down = 2 x the bytes of gate_up's [1536, 512])
         out["bitplanes"][str(bits)] = 2 * full / _timeit(lambda v=version: v.weights(torch.float32), min_s=0.05)
     return out
+
+
+def measure_cpu_group_dequant() -> dict[str, dict[str, dict[str, float]]]:
+    """pagedweight's bit planes dequantized as its backend runs a layer's experts of one width:
+    G experts' planes stacked and dequantized in one call (`BitPlaneStore.group_weights`), the
+    same [1536, 512] + [512, 768] expert as `measure_cpu_dequant`, at each G of DEQUANT_GROUPS and
+    each width of DEQUANT_BITS; full-width float32 bytes written per second, by the group's
+    full-width bytes (G x 4.7 MB: what decides whether its temporaries stay in the caches, for any
+    expert shape). On this CPU they leave the caches as the group grows: per expert, G = 16 took
+    ~1.9x G = 1's time at 8 bits. {"bitplanes": {bits: {group full-width bytes: bytes/s}}}."""
+    import torch  # noqa: PLC0415
+
+    from engines.pagedweight.formats import make_store  # noqa: PLC0415  (heavy: only when measuring)
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(1536, 512, generator=gen), torch.randn(512, 768, generator=gen)
+    full = (gate_up.numel() + down.numel()) * 4
+    store = make_store("bitplanes", gate_up, down, (16, *DEQUANT_BITS), 32)
+    out: dict[str, dict[str, float]] = {}
+    for bits in DEQUANT_BITS:
+        parts = store.parts(bits)
+        out[str(bits)] = {}
+        for g in DEQUANT_GROUPS:
+            seconds = _timeit(lambda p=[parts] * g, b=bits: store.group_weights(p, b, torch.float32),
+                              repeats=5, min_s=0.05, warmup=1)
+            out[str(bits)][str(g * full)] = g * full / seconds
+    return {"bitplanes": out}
 
 
 def save_cached(entry: dict[str, Any]) -> None:

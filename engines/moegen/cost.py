@@ -49,15 +49,14 @@ import math
 from dataclasses import dataclass, replace
 
 from engines.runtime.shape import ModelShape
+from engines.sim.cost import OPS_PER_EXPERT, OPS_PER_LAYER, gemm_s
 
 PLACEMENTS = ("device", "host", "stream", "split")
 STREAMED = ("stream", "split")  # KV in the host tier, copied to the device per micro-batch
 KV_READS = 3  # decode attention: gather copy (read + write) and the attention's own read
-# Python-level torch calls (views and slices included) per layer of a decode step, and per
-# expert that runs, counted with a TorchFunctionMode over moegen's decode steps on the
-# Mixtral-shaped bench model (1, 2, 4, 16 and 256 sequences: ~182 per layer + ~7.5 per expert).
-OPS_PER_LAYER = 180
-OPS_PER_EXPERT = 8
+# Python-level torch calls per layer of a decode step (by attention kind) and per expert that
+# runs: the simulator's counts (engines/sim/cost.py OPS_PER_LAYER; on moegen's decode steps of the
+# Mixtral-shaped bench model, 1-256 sequences: ~182 per layer + ~7.5 per expert).
 # Activations read and written by the elementwise kernels of a layer (norms, RoPE, residual
 # adds; per expert assignment: gathering its row, the activation and product over the gate and
 # up halves, weighting and scattering its output), in elements, counted from model.py and
@@ -105,6 +104,15 @@ class Hardware:
     # processor's FLOP rate.
     prefill_attention_flops_per_s: float | None = None
     host_prefill_attention_flops_per_s: float | None = None
+    # This runtime's GEMMs as fractions of their roofline bound (max(bytes / device_bytes_per_s,
+    # FLOPs / device_flops_per_s)) by rows ((rows, efficiency)), per module: the dense projections,
+    # one expert (gate_up + down), the LM head; a simulated machine's profile curves chosen by
+    # engines/sim/cost.py `module_curves` (measured on the model's own shapes where the profile has
+    # them), priced by the same rule as that model's (`gemm_s`). Empty: weight_bytes_per_s and
+    # flops_at_rows price that module.
+    dense_efficiency: tuple[tuple[float, float], ...] = ()
+    expert_efficiency: tuple[tuple[float, float], ...] = ()
+    head_efficiency: tuple[tuple[float, float], ...] = ()
 
     def matmul_flops(self, rows: float) -> float:
         """The device's FLOP/s for a matmul of `rows` rows: interpolated in log(rows) between the
@@ -175,6 +183,18 @@ def roof(nbytes: float, flops: float, bw: float, rate: float) -> float:
     return max(nbytes / bw, flops / rate)
 
 
+def gemm_time(hw: Hardware, efficiency: tuple[tuple[float, float], ...], nbytes: float, flops: float,
+              rows: float) -> float:
+    """A GEMM module reading `nbytes` of weights for `flops` over `rows` rows: by its efficiency
+    curve where `hw` has one (the simulator's rule, engines/sim/cost.py `gemm_s`), else weights at
+    weight_bytes_per_s and FLOPs at the measured rate for its rows."""
+    if efficiency:
+        return gemm_s(nbytes, flops, hw.device_bytes_per_s, hw.device_flops_per_s,
+                      _log_interpolate(efficiency, max(1.0, rows), 1.0))
+    w_bw = min(hw.device_bytes_per_s, hw.weight_bytes_per_s or hw.device_bytes_per_s)
+    return roof(nbytes, flops, w_bw, hw.matmul_flops(rows))
+
+
 def attention_s(shape: ModelShape, hw: Hardware, on_host: bool, decode_keys: float, prefill_tokens: float = 0,
                 prefill_keys: float = 0) -> float:
     """One layer's attention on the host or the device: decode queries over `decode_keys` keys
@@ -208,7 +228,6 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     if T == 0:
         return StepCost(0.0, 0.0, 0.0, 0.0, 0)
     dev_bw = hw.device_bytes_per_s
-    w_bw = min(dev_bw, hw.weight_bytes_per_s or dev_bw)  # weights go through matmuls; KV through copies
     e = s.dtype_bytes
     kv_layer = s.kv_bytes_per_token // s.layers
     proj_flops = 2 * T * s.hidden * (2 * s.q_size + 2 * s.kv_size)
@@ -217,7 +236,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     # their KV is staged per chunk (stream, split), else all together.
     micro = decode_parts + (prefill_chunks if plan.kv_placement in STREAMED else min(1, prefill_chunks))
     # Projections run per attention micro-batch; each expert over its share of the assignments.
-    dense_t = roof(s.layer_dense_bytes, proj_flops, w_bw, hw.matmul_flops(T / micro))
+    dense_t = gemm_time(hw, hw.dense_efficiency, s.layer_dense_bytes, proj_flops, T / micro)
     link = hw.link_bytes_per_s or dev_bw
     streamed_kv = plan.kv_placement in STREAMED
     kv_h2d = 0.0  # stream/split: KV bytes staged per layer
@@ -259,14 +278,15 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     per_assignment = ACT_PER_ASSIGNMENT_HIDDEN * s.hidden + ACT_PER_ASSIGNMENT_INTERMEDIATE * s.intermediate
     act_t = T * per_token * e * per_s
     expert_act_t = T * s.top_k * per_assignment * e * per_s
-    expert_t = roof(active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token, w_bw,
-                    hw.matmul_flops(T * s.top_k / active)) + expert_act_t
+    expert_t = gemm_time(hw, hw.expert_efficiency, active * s.expert_bytes, T * s.top_k * s.expert_flops_per_token,
+                         T * s.top_k / active) + expert_act_t
     streamed = s.total_experts - plan.resident_experts
     per_layer_streamed = streamed / s.moe_layers if s.moe_layers else 0
     copied = min(per_layer_streamed, active) if copied_experts is None else copied_experts
     expert_link = copied * s.expert_bytes / link
     act_link = (act_h2d + act_d2h) / link
-    overhead = hw.op_overhead_s * (OPS_PER_LAYER + 2 * micro + staged_ops + OPS_PER_EXPERT * active) + act_t
+    per_layer_ops = OPS_PER_LAYER.get(s.attention, OPS_PER_LAYER["gqa"])
+    overhead = hw.op_overhead_s * (per_layer_ops + 2 * micro + staged_ops + OPS_PER_EXPERT * active) + act_t
     layer_total = 0.0
     compute = host = link_busy = 0.0
     for layer in range(s.layers):
@@ -292,7 +312,7 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
         layer_total += max(busy, lk - serial) + serial
         compute, host, link_busy = compute + c, host + h, link_busy + lk
     head_rows = decode_seqs + prefill_chunks
-    head = roof(s.head_bytes, 2 * head_rows * s.hidden * s.vocab, w_bw, hw.matmul_flops(head_rows))
+    head = gemm_time(hw, hw.head_efficiency, s.head_bytes, 2 * head_rows * s.hidden * s.vocab, head_rows)
     if hw.sample_bytes_per_s:  # the sampled rows' logits, read by the argmax
         head += head_rows * s.vocab * e / hw.sample_bytes_per_s
     h2d = int(s.moe_layers * copied * s.expert_bytes) + int(s.layers * (act_h2d + kv_h2d))

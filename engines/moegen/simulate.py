@@ -41,11 +41,11 @@ from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.shape import ModelShape
 from engines.runtime.transfer import TransferLedger
-from engines.sim.cost import StepCost
+from engines.sim.cost import StepCost, module_curves
 from engines.sim.executor import SimExecutor
 from engines.sim.routing import routing_source
 
-VERSION = "moegen-1"
+VERSION = "moegen-2"  # 2: GEMMs by the module curves engines/sim/cost.py picks
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -58,12 +58,15 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
                  chunk: int = 512) -> Hardware:
     """The cost model's Hardware for a simulated machine. Peaks: memory_bytes_per_s,
     flops_per_s[dtype], host_memory_bytes_per_s, host_flops_per_s, link_pinned_bytes_per_s,
-    op_overhead_s. Efficiency curves applied: "gemm" (matmul FLOP/s at 1-8192 rows = peak x
-    gemm(rows); weights stream at bandwidth x gemm(1 row), the decode-shaped rate), "copy" at
-    the size of one expert transfer (half an expert: gate_up and down cross apart) on the link,
-    "attention_decode" at `context` tokens and "attention_prefill" at `chunk` tokens (the
-    executor re-reads both per step at the step's own sizes), "elementwise" and "sample" when the
-    profile has them. Host attention: no curve (host memory bandwidth and FLOP/s as given)."""
+    op_overhead_s. GEMMs: the curves engines/sim/cost.py `module_curves` picks for `shape` (the
+    model's own `gemm@K` / `grouped_gemm@K` / `head@K` where the profile has them, else "gemm" /
+    "grouped_gemm" / "gemm") price the projections, the experts and the LM head as that model does
+    (roofline bound over the curve at the GEMM's rows); `flops_at_rows` and `weight_bytes_per_s`
+    (the generic "gemm") stay for what has no curve. "copy" at the size of one expert transfer
+    (half an expert: gate_up and down cross apart) on the link, "attention_decode" at `context`
+    tokens and "attention_prefill" (shaped where measured) at `chunk` tokens (the executor re-reads
+    both per step at the step's own sizes), "elementwise" and "sample" when the profile has them.
+    Host attention: no curve (host memory bandwidth and FLOP/s as given)."""
     if dtype not in profile.flops_per_s:
         raise EngineError(f"hardware profile {profile.name!r} has no FLOP rate for dtype {dtype!r} "
                           f"(flops_per_s has {sorted(profile.flops_per_s)}); add it or pick one of those")
@@ -75,6 +78,13 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
 
     ew = _curve(profile, "elementwise")
     sample = _curve(profile, "sample")
+    chosen, _ = module_curves(profile.efficiency, shape)
+
+    def points(module: str) -> tuple[tuple[float, float], ...]:
+        c = chosen.get(module)
+        return tuple((float(x), float(y)) for x, y in c.points) if c is not None else ()
+
+    prefill = chosen.get("attention_prefill")
     return Hardware(
         device_bytes_per_s=bw, device_flops_per_s=peak,
         host_bytes_per_s=float(profile.host_memory_bytes_per_s), host_flops_per_s=float(profile.host_flops_per_s),
@@ -87,8 +97,9 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
         elementwise_at_tokens=tuple((t, bw * ew.at(t)) for t in _ROWS) if ew is not None else (),
         attention_bytes_per_s=bw * eff("attention_decode", max(1, context)),
         host_attention_bytes_per_s=float(profile.host_memory_bytes_per_s),
-        prefill_attention_flops_per_s=peak * eff("attention_prefill", max(1, chunk)),
+        prefill_attention_flops_per_s=peak * (prefill.at(max(1, chunk)) if prefill is not None else 1.0),
         host_prefill_attention_flops_per_s=float(profile.host_flops_per_s),
+        dense_efficiency=points("gemm"), expert_efficiency=points("grouped_gemm"), head_efficiency=points("head"),
     )
 
 
@@ -113,10 +124,12 @@ class _Pricing:
                 "version": VERSION, "profile": self.profile.name,
                 "hardware": dataclasses.asdict(self.hw),
                 "step_overhead_s": float(self.profile.step_overhead_s),
-                "curves_applied": "gemm (matmul FLOP/s by rows; weights at bandwidth x gemm(1)), copy (at one "
-                                  "expert transfer), attention_decode (step's mean context), attention_prefill "
-                                  "(step's mean chunk), elementwise, sample; host attention at host memory "
-                                  "bandwidth (no curve); grouped_gemm and dequant curves not used",
+                "curves_applied": "projections, experts, LM head: the curves engines/sim/cost.py module_curves "
+                                  "picks (gemm@K, grouped_gemm@K, head@K where measured for this model, else "
+                                  "gemm, grouped_gemm, gemm), roofline bound / curve(rows); copy (at one expert "
+                                  "transfer), attention_decode (step's mean context), attention_prefill (step's "
+                                  "mean chunk; @K where measured), elementwise, sample; host attention at host "
+                                  "memory bandwidth (no curve); dequant curves not used",
                 "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "predicted"}}
 
 
@@ -134,6 +147,7 @@ class MoEGenSimExecutor(SimExecutor):
                          simulation.control_time)
         self.simulation, self.plan, self.shape, self.hw, self.kv = simulation, plan, shape, hw, kv
         self.profile = simulation.profile
+        self.curves, _ = module_curves(self.profile.efficiency, shape)  # shaped where measured, as hw's
         simulation.routing, simulation.dtype = routing, dtype_name(model.weights.embed.dtype)
         simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan), self
         simulation.notes.append(f"moegen's steps are priced by its own cost model (engines/moegen/cost.py, "
@@ -271,5 +285,5 @@ class MoEGenSimExecutor(SimExecutor):
         return StepCost(c.total_s + overhead, parts, read / self.hw.device_bytes_per_s)
 
     def _eff(self, key: str, size: float) -> float:
-        curve = _curve(self.profile, key)
+        curve = self.curves.get(key)
         return curve.at(max(1.0, size)) if curve is not None else 1.0

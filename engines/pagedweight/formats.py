@@ -525,17 +525,24 @@ class BitPlaneStore(ExpertStore):
             self._parts[b] = {**{f"{m}.plane{j}": planes[m][j - 1] for m in MATRICES for j in range(1, b + 1)},
                               **shared}
 
-    def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
-        """One stacked dequantize of the group's planes per matrix, then each expert's SwiGLU
-        on its own rows (the same elementwise math as `forward`, so the same results)."""
-        dtype = xs[0].dtype
-        inter, hidden = self.shape
+    def group_weights(self, parts_list: Sequence[Parts], bits: int, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The group's matrices at `bits`, one stacked dequantize per matrix: {m: [G, out, in]}
+        (padded widths kept). Its temporaries grow with the group (on a CPU they leave the caches:
+        `pwbench hw` measures its rate by group size for the simulator's cost model)."""
         w = {}
         for m in MATRICES:
             planes = [torch.stack([p[f"{m}.plane{j}"] for p in parts_list]) for j in range(1, bits + 1)]
             scales = torch.stack([p[f"{m}.scales"] for p in parts_list])
             zeros = torch.stack([p[f"{m}.zeros"] for p in parts_list])
             w[m] = dequantize_planes(planes, scales, zeros, self.group_size, dtype)
+        return w
+
+    def _group(self, parts_list: Sequence[Parts], bits: int, xs: Sequence[Tensor]) -> list[Tensor]:
+        """One stacked dequantize of the group's planes per matrix, then each expert's SwiGLU
+        on its own rows (the same elementwise math as `forward`, so the same results)."""
+        dtype = xs[0].dtype
+        inter, hidden = self.shape
+        w = self.group_weights(parts_list, bits, dtype)
         out = []
         for g, (p, x) in enumerate(zip(parts_list, xs)):
             biases = (_as(p.get(name), dtype) for name in BIASES)

@@ -29,6 +29,9 @@ class ModelShape:
     expert_bytes: int  # one routed expert
     kv_bytes_per_token: int  # all layers, K and V
     dtype_bytes: int
+    # "gqa" (multi-head and grouped-query attention) or "mla" (DeepSeek's multi-head latent
+    # attention): cost models count the runtime's torch calls per layer by it.
+    attention: str = "gqa"
 
     @property
     def expert_flops_per_token(self) -> int:
@@ -89,4 +92,5 @@ def model_shape(mc: Any, dtype_bytes: int) -> ModelShape:
         intermediate=I, vocab=V, dense_bytes=dense, layer_dense_bytes=layers * dtype_bytes // L,
         head_bytes=head * dtype_bytes, expert_bytes=expert * dtype_bytes,
         kv_bytes_per_token=L * cache_heads * (key_dim + value_dim) * dtype_bytes, dtype_bytes=dtype_bytes,
+        attention="mla" if mc.mla is not None else "gqa",
     )

@@ -20,10 +20,14 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
     dequant_cpu_<s>     dequant_full_bytes_per_s_by_bits[s][bits] / bandwidth, by bit width: the torch
                         reference dequantizing an expert's matrices (s = packed: RTN records;
                         bitplanes: pagedweight's planes), full-width bytes written per second
+    dequant_group_<s>_<b> dequant_group_bytes_per_s[s][b][n] / bandwidth, by n: the full-width bytes
+                        of experts at b bits dequantized in one stacked call, as pagedweight's CPU
+                        path runs a layer's experts of one width (s = bitplanes)
 
     gemm@K, grouped_gemm@K, head@K   one model's shapes (`pwbench hw calibrate --model DIR`,
                         measurements["model_gemm"][K], K = engines/sim/cost.py `shape_key`): the
-                        seconds of its dense projections (q, k, v, o of one layer), of one expert
+                        seconds of its dense projections (q, k, v, o of one layer; MLA: q_a, q_b,
+                        kv_a, o, its own low-rank chain), of one expert
                         (gate_up then down) and of its LM head at each row count, as the runtime
                         calls them (harness/bench/cpu_ops.py `model_gemm_seconds`), against the
                         roofline bound of those matrices: max(bytes / bandwidth, FLOPs / peak)
@@ -146,6 +150,14 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
                 [(float(b), _rate(rates, b) / bw) for b in rates],
                 f"{src}: dequant_full_bytes_per_s_by_bits[{scheme}] (the torch reference dequantizing an expert's "
                 "matrices, full-width float32 bytes written per second, by bit width) / memory_bandwidth_bytes_per_s")
+    for scheme, by_bits in sorted((m.get("dequant_group_bytes_per_s") or {}).items()):
+        for bits, rates in sorted(by_bits.items(), key=lambda kv: int(kv[0])):
+            if rates:
+                out[f"dequant_group_{scheme}_{int(bits)}"] = _curve(
+                    [(float(g), _rate(rates, g) / bw) for g in rates],
+                    f"{src}: dequant_group_bytes_per_s[{scheme}][{bits}] (a layer's experts of one width dequantized "
+                    "in one stacked call, by the group's full-width bytes; full-width float32 bytes written per "
+                    "second) / memory_bandwidth_bytes_per_s")
     if m.get("argmax_bytes_per_s") is not None:
         out["sample"] = _curve([(ARGMAX_ROWS, _rate(m, "argmax_bytes_per_s") / bw)],
                                f"{src}: argmax_bytes_per_s / memory_bandwidth_bytes_per_s ({ARGMAX_ROWS} rows)")

@@ -25,7 +25,10 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
 - Each expert that ran (`ExpertRun`): its stored bytes and 2 x 3 x D x I FLOPs per token routed
   to it, "grouped_gemm" over its rows; quantized (bits below the model dtype's) its bytes at
   "dequant_gemm_{b}" (nearest b) of the bandwidth instead: dequant kernels are bandwidth-bound
-  at decode.
+  at decode. On a shared processor the torch reference dequantizes to full width first, at
+  "dequant_cpu_{scheme}" by bits, or, where measured, "dequant_group_{scheme}_{b}" by the full-width
+  bytes of the experts of that width a layer dequantizes in one stacked call (pagedweight's planes;
+  the step's runs of the width over its MoE layers), then a dense GEMM.
 - Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
   "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
   "gemm" over the query heads sharing a KV read); prefill, causal, chunk x (context + chunk / 2)
@@ -72,15 +75,23 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from engines.runtime.shape import ModelShape
 
-# Python-level torch calls per layer of a step (180) plus 2 per attention call group (decode,
-# prefill), and per expert that runs (8); counted by moegen over this runtime's decode steps
-# (engines/moegen/cost.py OPS_PER_LAYER / OPS_PER_EXPERT, duplicated: no import of engines.moegen).
-OPS_PER_LAYER = 180
+# Python-level torch calls (views, slices and attribute reads included) per layer of a step, by
+# attention kind (ModelShape.attention), plus 2 per attention call group (decode, prefill), and
+# per expert that runs (8); counted with a TorchFunctionMode over engine moe's decode steps (one
+# model step, all its layers; the remainder after 8 per expert run). "gqa": ~182 per layer on the
+# Mixtral-shaped bench model (moegen's count, 1-256 sequences). "mla": MLA's low-rank query, latent
+# and rope key, absorbed query and kv_b expansion of the output make more calls: on the
+# DeepSeek-V3-shaped bench model (8 layers, 7 MoE, shared expert) a decode step of 1 / 2 / 4 / 6 /
+# 12 / 16 sequences made 1,989 / 2,265 / 2,674 / 3,497 / 4,599 / 4,817 calls (28-194 expert runs):
+# 219-406 a layer, mean 301, where the Mixtral-shaped one made 139-225, mean 177 (1,252-2,312).
+# tests/integration/test_sim_op_counts.py counts a real decode step of each kind against `torch_calls`.
+OPS_PER_LAYER = {"gqa": 180, "mla": 300}
 OPS_PER_ATTENTION_GROUP = 2
 OPS_PER_EXPERT = 8
 # On a shared processor (the cpu profile) a quantized expert runs this runtime's torch reference
@@ -115,6 +126,35 @@ def shape_key(shape: ModelShape) -> str:
     dimensions its dense projections, experts and LM head are measured at, and the dtype's width."""
     return (f"d{shape.hidden}-h{shape.heads}-q{shape.q_size}-kv{shape.kv_size}-i{shape.intermediate}"
             f"-v{shape.vocab}-b{shape.dtype_bytes}")
+
+
+def module_curves(efficiency: Mapping[str, Any], shape: ModelShape) -> tuple[dict[str, Any], dict[str, str]]:
+    """Which of a profile's curves prices which module of a model of `shape`, by one rule for
+    every executor that prices this runtime's GEMMs (this model, moegen's): the curve measured on
+    the model's own shapes (`name@shape_key`) where the profile has it, else the generic one of
+    the same name; "head" (the LM head) falls back to the dense projections' "gemm". Returns the
+    chosen curves (those of CURVES the profile has, and "head" where it resolves) and the shaped
+    names used."""
+    key = shape_key(shape)
+    shaped = {k: f"{k}@{key}" for k in SHAPED if f"{k}@{key}" in efficiency}
+    chosen = {k: efficiency[shaped.get(k, k)] for k in CURVES if k in efficiency or k in shaped}
+    head = efficiency.get(shaped.get("head", "head"), chosen.get("gemm"))
+    if head is not None:
+        chosen["head"] = head
+    return chosen, shaped
+
+
+def torch_calls(shape: ModelShape, groups: int, expert_runs: int) -> int:
+    """The torch calls this runtime makes in a step of `shape` with `groups` attention call groups
+    (decode, prefill: 0-2) and `expert_runs` experts run (full width), by the counts above."""
+    per_layer = OPS_PER_LAYER.get(shape.attention, OPS_PER_LAYER["gqa"])
+    return (per_layer + OPS_PER_ATTENTION_GROUP * groups) * shape.layers + OPS_PER_EXPERT * expert_runs
+
+
+def gemm_s(weight_bytes: float, flops: float, bw: float, peak: float, efficiency: float) -> float:
+    """A GEMM's seconds: its roofline bound (weights at `bw`, FLOPs at `peak`) over its curve's
+    efficiency at its rows (the "gemm"/"grouped_gemm"/"head" curves are fractions of that bound)."""
+    return max(weight_bytes / bw, flops / peak) / efficiency
 _MEMO_LIMIT = 1 << 16
 
 
@@ -211,8 +251,10 @@ class CostModel:
     # reference's dequantization at its measured rate per storage scheme (dequant_cpu_* curves);
     # 4: curves measured on the model's own shapes (`gemm@key`, `grouped_gemm@key`, `head@key`,
     # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one;
-    # a quantized expert's torch calls on the CPU counted again, per storage scheme (82 / 29, were 733)
-    VERSION: ClassVar[str] = "4"
+    # a quantized expert's torch calls on the CPU counted again, per storage scheme (82 / 29, were 733);
+    # 5: torch calls per layer by attention kind (MLA 300, was 180 like every other); a quantized expert's
+    # CPU dequantization by the experts of its width a layer dequantizes at once (dequant_group_* curves)
+    VERSION: ClassVar[str] = "5"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -227,11 +269,7 @@ class CostModel:
         eff = profile.efficiency
         # This model's shape-measured curves, where the profile has them, in place of the generic ones.
         self.shape_key = shape_key(shape)
-        self.shaped = {k: f"{k}@{self.shape_key}" for k in SHAPED if f"{k}@{self.shape_key}" in eff}
-        chosen = {k: eff[self.shaped.get(k, k)] for k in CURVES if k in eff or k in self.shaped}
-        head = eff.get(self.shaped.get("head", "head"))
-        if head is not None:
-            chosen["head"] = head
+        chosen, self.shaped = module_curves(eff, shape)
         self.missing = [k for k in CURVES if k not in chosen]
         self.curves = {k: _Interp(chosen[k].points if k in chosen else ()) for k in CURVES}
         self.curves["head"] = _Interp(chosen["head"].points) if "head" in chosen else self.curves["gemm"]
@@ -239,6 +277,13 @@ class CostModel:
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(c.points) for k, c in eff.items()
                             if k.startswith("dequant_cpu_")}
+        # ... and by the full-width bytes of the experts of one width a layer dequantizes in one stacked
+        # call (pagedweight's bit planes: slower per byte as the group's temporaries leave the caches).
+        self.group_dequant: dict[str, dict[int, _Interp]] = {}
+        for k, c in eff.items():
+            scheme, _, b = k[len("dequant_group_"):].rpartition("_")
+            if k.startswith("dequant_group_") and scheme and b.isdigit():
+                self.group_dequant.setdefault(scheme, {})[int(b)] = _Interp(c.points)
         s = shape
         self.dtype_bits = 8 * s.dtype_bytes
         self.head_params = s.head_bytes / s.dtype_bytes
@@ -255,29 +300,62 @@ class CostModel:
         self._decode_memo = _Memo(lambda ctx: self._decode_s(ctx, self._decode_memo.kv_bytes_per_token))
 
     # -- modules --------------------------------------------------------------------------
-    def _expert_s(self, tokens: int, nbytes: int, bits: float, scheme: str = "packed") -> float:
+    def _expert_s(self, tokens: int, nbytes: int, bits: float, scheme: str = "packed", group: float = 1.0) -> float:
         c = self.curves
         flops = self.shape.expert_flops_per_token * tokens
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
             full = self.shape.expert_bytes
-            measured = self.cpu_dequant.get(scheme)
-            if measured is not None:  # the full-width weights written once, at the measured efficiency
-                dequant = full / (self.bw * measured.at(bits))
-            else:
-                dequant = 2 * full / (self.bw * c["elementwise"].at(tokens))
-            return dequant + max(full / (self.bw * eff), flops / (self.peak * eff))
+            return self._cpu_dequant_s(tokens, bits, scheme, group) + gemm_s(full, flops, self.bw, self.peak, eff)
         if bits < self.dtype_bits and self.dequant:
             bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
         else:
             bw_eff = eff
         return max(nbytes / (self.bw * bw_eff), flops / (self.peak * eff))
 
+    def _cpu_dequant_s(self, tokens: int, bits: float, scheme: str, group: float) -> float:
+        """The torch reference dequantizing one expert at `bits` to full width (shared processor)."""
+        full = self.shape.expert_bytes
+        by_group = self.group_dequant.get(scheme)
+        if by_group:  # dequantized with `group` - 1 others of its width in one stacked call
+            width = min(by_group, key=lambda b: (abs(b - bits), -b))
+            return full / (self.bw * by_group[width].at(group * full))
+        measured = self.cpu_dequant.get(scheme)
+        if measured is not None:  # the full-width weights written once, at the measured efficiency
+            return full / (self.bw * measured.at(bits))
+        return 2 * full / (self.bw * self.curves["elementwise"].at(tokens))
+
+    def cpu_dequantization(self, runs: tuple[ExpertRun, ...]) -> tuple[float, int]:
+        """(seconds, torch calls) of the CPU reference's dequantization of `runs`' quantized
+        experts to full width, as `step` prices it, for an executor that prices the rest of the
+        step itself (engine full's layer-major step on the cpu profile); (0, 0) off a shared processor."""
+        if not self.shared:
+            return 0.0, 0
+        groups = self._dequant_groups(runs)
+        seconds, calls = 0.0, 0
+        for r in runs:
+            if r.bits < self.dtype_bits:
+                group = groups.get((r.scheme, r.nbytes), 1.0)
+                seconds += self._cpu_dequant_s(r.tokens, r.bits, r.scheme, group) * r.count
+                calls += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * r.count
+        return seconds, calls
+
     def _decode_s(self, context: int, kv_bytes_per_token: int) -> float:
         nbytes = context * kv_bytes_per_token
         flops = self.attn_flops_per_key * context
         return max(nbytes / (self.bw * self.curves["attention_decode"].at(context)),
                    flops / (self.peak * self.curves["gemm"].at(self.query_group)))
+
+    def _dequant_groups(self, runs: tuple[ExpertRun, ...]) -> dict[tuple[str, int], float]:
+        """Quantized experts a layer dequantizes together, per (scheme, stored bytes: one width):
+        the step's runs of that width over its MoE layers (every MoE layer runs each step; the
+        runs come aggregated over layers), at least 1."""
+        total: dict[tuple[str, int], int] = {}
+        for r in runs:
+            if r.bits < self.dtype_bits:
+                total[(r.scheme, r.nbytes)] = total.get((r.scheme, r.nbytes), 0) + r.count
+        layers = max(1, self.shape.moe_layers)
+        return {k: max(1.0, round(n / layers, 2)) for k, n in total.items()}
 
     def step(self, work: StepWork) -> StepCost:
         s, c, bw, peak = self.shape, self.curves, self.bw, self.peak
@@ -291,10 +369,10 @@ class CostModel:
             # Dense layers and the LM head (split off what the step reports).
             head_bytes = min(s.head_bytes, work.dense_bytes_read)
             layer_bytes = work.dense_bytes_read - head_bytes
-            dense = max(layer_bytes / bw, 2 * T * self.layer_params * s.layers / peak) / c["gemm"].at(T)
+            dense = gemm_s(layer_bytes, 2 * T * self.layer_params * s.layers, bw, peak, c["gemm"].at(T))
             rows = work.logit_rows
             if rows:
-                head = max(head_bytes / bw, 2 * rows * self.head_params / peak) / c["head"].at(rows)
+                head = gemm_s(head_bytes, 2 * rows * self.head_params, bw, peak, c["head"].at(rows))
                 head += rows * s.vocab * s.dtype_bytes / (bw * c["sample"].at(rows))
             else:  # no row sampled: the head is not run, but the step reports its bytes read
                 head = head_bytes / bw / c["head"].at(1)
@@ -304,9 +382,10 @@ class CostModel:
                 memo.clear()
             get = memo.__getitem__
             assignments = n_runs = quantized_ops = 0
+            groups = self._dequant_groups(work.experts) if self.group_dequant and self.shared else {}
             for r in work.experts:
                 n, t = r.count, r.tokens
-                experts += get((t, r.nbytes, r.bits, r.scheme)) * n
+                experts += get((t, r.nbytes, r.bits, r.scheme, groups.get((r.scheme, r.nbytes), 1.0))) * n
                 assignments += t * n
                 read += r.nbytes * n
                 n_runs += n
@@ -330,8 +409,7 @@ class CostModel:
             activations = (T * self.act_per_token + assignments * self.act_per_assignment) / ew
             if self.op_overhead_s:
                 groups = (1 if decode else 0) + (1 if prefill_tokens else 0)
-                dispatch = self.op_overhead_s * ((OPS_PER_LAYER + OPS_PER_ATTENTION_GROUP * groups) * s.layers
-                                                 + OPS_PER_EXPERT * n_runs
+                dispatch = self.op_overhead_s * (torch_calls(s, groups, n_runs)
                                                  + (quantized_ops if self.shared else 0))
         else:
             read = 0.0  # no token computed: nothing read
@@ -371,9 +449,11 @@ class CostModel:
         old = f"2 x full-width bytes at the elementwise rate, more torch calls per expert run ({calls})"
         if not self.cpu_dequant:
             return f"shared processor: the torch reference dequantizes each call ({old}), then a dense GEMM"
+        grouped = (f"; {', '.join(sorted(self.group_dequant))}: by the experts of one width a layer dequantizes in "
+                   f"one stacked call (dequant_group_* curves)") if self.group_dequant else ""
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
                 f"weights at the measured dequant_cpu_{{{', '.join(sorted(self.cpu_dequant))}}} efficiency by bit "
-                f"width (a scheme not measured: {old})")
+                f"width{grouped} (a scheme not measured: {old})")
 
     def assumptions(self) -> dict[str, Any]:
         """Every number the model uses and where it comes from, for the result folder."""
@@ -404,9 +484,11 @@ class CostModel:
             "shaped_curves": {k: v for k, v in self.shaped.items()} or
             f"none: the profile has no curve measured on this model's shapes (`pwbench hw calibrate --model` fits "
             f"them, keyed @{self.shape_key}); the generic ones are used",
-            "counts": {"ops_per_layer": OPS_PER_LAYER, "ops_per_attention_group": OPS_PER_ATTENTION_GROUP,
+            "counts": {"ops_per_layer": OPS_PER_LAYER.get(self.shape.attention, OPS_PER_LAYER["gqa"]),
+                       "attention": self.shape.attention, "ops_per_attention_group": OPS_PER_ATTENTION_GROUP,
                        "ops_per_expert": OPS_PER_EXPERT,
-                       "source": "torch calls counted over this runtime's decode steps (engines/moegen/cost.py)",
+                       "source": "torch calls counted over this runtime's decode steps (engines/sim/cost.py "
+                                 "OPS_PER_LAYER, by attention kind)",
                        "activation_elements_per_token": "14 hidden + 6 (q + kv) + q per layer",
                        "activation_elements_per_assignment": "6 hidden + 5 intermediate",
                        "activation_source": "engines/runtime/model.py and experts.py, counted"},
@@ -422,7 +504,8 @@ class CostModel:
                            "x memory_bytes_per_s",
                 "activations": "elements counted per token and per assignment x dtype bytes at elementwise(T) "
                                "x memory_bytes_per_s",
-                "dispatch": "op_overhead_s x (180 + 2 per attention group) per layer + 8 per expert that ran; "
+                "dispatch": "op_overhead_s x (180, MLA 300, + 2 per attention group) per layer + 8 per expert "
+                            "that ran; "
                             "added on a shared processor, else only what exceeds the device's compute",
                 "decode_attention": "context x kv_bytes_per_token at attention_decode(context); 4 x heads x "
                                     "head_dim x context x layers FLOPs at gemm(query heads per KV head)",

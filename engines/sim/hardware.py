@@ -64,10 +64,15 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     # second, as a fraction of memory_bytes_per_s, by bit width; per storage scheme
     "dequant_cpu_packed": ("bits", "memory_bytes_per_s"),
     "dequant_cpu_bitplanes": ("bits", "memory_bytes_per_s"),
+    # pagedweight's planes dequantized for a layer's experts of one width (2, 3, 4, 8 bits) in one
+    # stacked call, by the group's full-width bytes (harness/hw.py `measure_cpu_group_dequant`)
+    **{f"dequant_group_bitplanes_{b}": ("full-width bytes in the group", "memory_bytes_per_s") for b in (2, 3, 4, 8)},
 }
 # The cost model states 1.0 where a profile has no elementwise or sample curve, and prices the
-# CPU reference's dequantization by its older count where it has no dequant_cpu_* curve.
-OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes", "head"})
+# CPU reference's dequantization by its older count where it has no dequant_cpu_* curve (by
+# dequant_cpu_* where it has no dequant_group_* curve).
+OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes", "head",
+                             *(k for k in EFFICIENCY_KEYS if k.startswith("dequant_group_"))})
 # A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
 # only these names take one.
 SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill")

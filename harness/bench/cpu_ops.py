@@ -123,15 +123,23 @@ MODEL_ROWS = {"dense": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
               "head": (1, 2, 4, 8, 16, 32, 64, 128, 256)}
 
 
-def model_matrices(shape) -> dict[str, list[tuple[int, int]]]:
+def model_matrices(shape, mla=None) -> dict[str, list[tuple[int, int]]]:
     """The [N, K] weights a step of a model of `shape` (engines/runtime/shape.py ModelShape) runs
-    per part: one layer's attention projections (q, k, v, o; for MLA the absorbed sizes the shape
-    states, an approximation of its low-rank chain), one routed expert (gate_up, down) and the LM head."""
+    per part: one layer's attention projections (q, k, v, o; for MLA, given its `mla` config
+    (engines/runtime/config.py MLAConfig), its own chain: q_a and q_b (or q), kv_a, o, where the
+    shape's absorbed sizes would time larger, faster matrices than it runs), one routed expert
+    (gate_up, down) and the LM head."""
     d, q, kv, i = shape.hidden, shape.q_size, shape.kv_size, shape.intermediate
-    return {"dense": [(q, d), (kv, d), (kv, d), (d, q)], "expert": [(2 * i, d), (d, i)], "head": [(shape.vocab, d)]}
+    dense = [(q, d), (kv, d), (kv, d), (d, q)]
+    if mla is not None:
+        h, qk = shape.heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        ql = mla.q_lora_rank
+        dense = ([(ql, d), (h * qk, ql)] if ql else [(h * qk, d)]) + [
+            (mla.kv_lora_rank + mla.qk_rope_head_dim, d), (d, h * mla.v_head_dim)]
+    return {"dense": dense, "expert": [(2 * i, d), (d, i)], "head": [(shape.vocab, d)]}
 
 
-def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004) -> dict[str, dict[str, float]]:
+def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=None) -> dict[str, dict[str, float]]:
     """Seconds of each part of `model_matrices(shape)` at each row count of MODEL_ROWS, float32 on
     this CPU with torch's current threads, as the runtime calls them: the projections through
     F.linear (engines/runtime/model.py), an expert's gate_up then down and the LM head through
@@ -141,7 +149,7 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004) -> dic
     reads each weight once, from memory unless the whole model fits the caches). Rounds time every
     (part, rows) once each, back to back, so a neighbour's burst falls on all of them alike; the
     median over `rounds`. {part: {rows: seconds}}."""
-    mats = model_matrices(shape)
+    mats = model_matrices(shape, mla)
     prepared = {}
     # A step reads the model's weights once each: from memory when they are more than the caches
     # hold, from the caches when the whole model fits (the bundled demo model's 1.6 MB: its GEMMs
@@ -237,9 +245,10 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     from engines.runtime.shape import model_shape
     from engines.sim.cost import shape_key
 
-    shape = model_shape(open_checkpoint(model, config_only=True).config, 4)  # the CPU runs float32
-    mats = model_matrices(shape)
-    seconds = model_gemm_seconds(shape, rounds)
+    config = open_checkpoint(model, config_only=True).config
+    shape = model_shape(config, 4)  # the CPU runs float32
+    mats = model_matrices(shape, config.mla)
+    seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
     heads = attention_heads(shape)
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                               "dtype_bytes": 4, "threads": torch.get_num_threads(),

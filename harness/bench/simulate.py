@@ -29,9 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +108,10 @@ def engine_options(engine: str, sizes: dict[str, int]) -> dict[str, Any]:
     # pagedweight and full weigh experts by routing token shares, as a simulated run must (its
     # router gives choices, no routing weights), so both runs' arbiters see the same importance.
     paged = {"budget_bytes": budget, "importance_from": "tokens"}
-    # full gets no budget (it does not run on the random models): measured with one it holds ~7 GB
-    # on the Mixtral-shaped model (rings, host tier, bit planes), and the bench's process, which
-    # keeps what earlier runs took, ran out of this machine's 24 GB (its simulated decode was then
-    # priced 94% under measured: docs/simulation-validation.md).
-    return {"moe": {}, "full": {"importance_from": "tokens"},
+    # full needs a budget (without one it does not start); measured, it holds ~7 GB on the
+    # Mixtral-shaped model (rings, host tier, bit planes): each run has its own process now, so
+    # that no longer adds to what the other runs took.
+    return {"moe": {}, "full": paged,
             "offload": {"budget_bytes": budget, "experts_per_layer": max(1, sizes["num_experts"] // 2)},
             "static-rtn": {"bits": 4},
             "pagedweight": paged,
@@ -261,12 +264,70 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
     return "; ".join(out)
 
 
-def main() -> None:
+def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
+             tmp_name: str, warmup: int) -> tuple[str, str, dict, dict] | None:
+    """One engine on one workload, measured (its routing recorded) and then simulated replaying it;
+    prints what it did and returns the table row (None: it does not run, and says why)."""
     from engines.base import EngineError
+    from harness.run import RunArgs, execute
+
+    tmp = Path(tmp_name)
+    tag = f"{arch}-{engine}-{wl}"
+    trace = tmp / f"{tag}.routing.parquet"
+    common = dict(workload=spec, given=given, engine=engine, model=model, warmup=warmup, quality=False)
+    clocks = StepClocks()
+    hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
+    try:
+        t0 = time.perf_counter()
+        try:
+            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured"),
+                                                 engine_options={**options, "record_routing": str(trace)}), **hooks)
+        except EngineError as exc:  # a layer-major executor (moegen) records no routing:
+            moe_trace = tmp / f"{arch}-moe-{wl}.routing.parquet"  # replay moe's run of the same
+            if "record_routing" not in str(exc) or not moe_trace.is_file():  # requests (greedy:
+                raise  # the same tokens, so the same (request, position) keys)
+            print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
+            trace = moe_trace
+            t0, clocks = time.perf_counter(), StepClocks()
+            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-2"),
+                                                 engine_options=options),
+                                         make_runner=clocks.attach, on_start=clocks.start)
+        t1 = time.perf_counter()
+        sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
+        if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
+            sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
+        folder_s, simulated = execute(RunArgs(**common, engine_options=sim_options,
+                                              output=str(tmp / f"{tag}-simulated")))
+        t2 = time.perf_counter()
+    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why; the rest go on)
+        print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+        return None
+    m, s = metrics(measured), metrics(simulated)
+    m["send lag ms"], s["send lag ms"] = send_lag_ms(folder_m), send_lag_ms(folder_s)
+    m["core share"] = clocks.share  # of one core, while the measured run stepped
+    if clocks.share and s["output tok/s"]:  # the simulated rate on the core share measured
+        s["tok/s x share"] = s["output tok/s"] * clocks.share
+        m["tok/s x share"] = m["output tok/s"]
+    replay = (simulated.get("simulated") or {}).get("routing") or {}
+    print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
+          f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
+          f"misses {replay.get('replay_misses')}; peak RSS {peak_rss_gb():.2f} GB")
+    residuals = step_residuals(folder_m, folder_s)
+    if residuals:
+        print(f"{tag}: step medians measured / simulated: {residuals}")
+    sys.stdout.flush()
+    return engine, wl, m, s
+
+
+def peak_rss_gb(who: int = resource.RUSAGE_SELF) -> float:
+    """The largest resident set this process (or the largest of its finished children) reached, GB."""
+    return resource.getrusage(who).ru_maxrss * 1024 / 1e9  # Linux: KiB
+
+
+def main() -> None:
     from engines.registry import engine_class
     from engines.sim.hardware import cpu_profile
     from harness.bench.engines import build_model
-    from harness.run import RunArgs, execute
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
@@ -328,54 +389,23 @@ def main() -> None:
                         print(f"{tag}: skipped (several minutes of CPU quantization and dequantization; --slow "
                               "runs it)")
                         continue
-                    trace = tmp / f"{tag}.routing.parquet"
-                    common = dict(workload=spec, given=given, engine=engine, model=model, warmup=args.warmup,
-                                  quality=False)
-                    clocks = StepClocks()
-                    hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
+                    # Each pair in a fresh interpreter: what a run leaves in the process (allocator
+                    # caches, torch's, the engine's) goes with it, so the benchmark's memory is its
+                    # largest run's, not the sum of all (one process reached ~19.4 GB and was killed).
+                    sys.stdout.flush()
                     try:
-                        t0 = time.perf_counter()
-                        try:
-                            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured"),
-                                                          engine_options={**options, "record_routing": str(trace)}),
-                                                  **hooks)
-                        except EngineError as exc:  # a layer-major executor (moegen) records no routing:
-                            moe_trace = tmp / f"{arch}-moe-{wl}.routing.parquet"  # replay moe's run of the same
-                            if "record_routing" not in str(exc) or not moe_trace.is_file():  # requests (greedy:
-                                raise  # the same tokens, so the same (request, position) keys)
-                            print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
-                            trace = moe_trace
-                            t0, clocks = time.perf_counter(), StepClocks()
-                            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-2"),
-                                                          engine_options=options),
-                                                  make_runner=clocks.attach, on_start=clocks.start)
-                        t1 = time.perf_counter()
-                        sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
-                        if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
-                            sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
-                        folder_s, simulated = execute(RunArgs(**common, engine_options=sim_options,
-                                                       output=str(tmp / f"{tag}-simulated")))
-                        t2 = time.perf_counter()
-                    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why; the rest go on)
-                        print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+                            row = pool.submit(run_pair, arch, engine, wl, spec, given, model, options, str(tmp),
+                                              args.warmup).result()
+                    except BrokenProcessPool as exc:  # killed (for memory, say): the rest go on
+                        print(f"{tag}: does not run: its process died ({exc})")
                         continue
-                    m, s = metrics(measured), metrics(simulated)
-                    m["send lag ms"], s["send lag ms"] = send_lag_ms(folder_m), send_lag_ms(folder_s)
-                    m["core share"] = clocks.share  # of one core, while the measured run stepped
-                    if clocks.share and s["output tok/s"]:  # the simulated rate on the core share measured
-                        s["tok/s x share"] = s["output tok/s"] * clocks.share
-                        m["tok/s x share"] = m["output tok/s"]
-                    replay = (simulated.get("simulated") or {}).get("routing") or {}
-                    print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
-                          f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
-                          f"misses {replay.get('replay_misses')}")
-                    residuals = step_residuals(folder_m, folder_s)
-                    if residuals:
-                        print(f"{tag}: step medians measured / simulated: {residuals}")
-                    rows.append((engine, wl, m, s))
+                    if row is not None:
+                        rows.append(row)
             if rows:
                 print_table(arch, rows)
-    print(f"\nwall time {time.perf_counter() - start:.0f} s")
+    print(f"\nwall time {time.perf_counter() - start:.0f} s; peak RSS: this process {peak_rss_gb():.2f} GB, "
+          f"the largest run's process {peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB")
 
 
 if __name__ == "__main__":

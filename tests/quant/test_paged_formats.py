@@ -210,6 +210,17 @@ def test_group_forward_equals_each_experts_forward(rep, bits):
             torch.testing.assert_close(y, want, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_group_weights_are_each_experts_dequantized_weights(bits):
+    """The stacked dequantize `pwbench hw` times (measure_cpu_group_dequant) is each expert's own."""
+    stores = [make_store("bitplanes", *expert(40 + g), BITS, GS) for g in range(3)]
+    w = stores[0].group_weights([s.parts(bits) for s in stores], bits, torch.float32)
+    inter, hidden = stores[0].shape
+    for g, s in enumerate(stores):
+        gate_up, down = s.version(bits).weights(torch.float32)
+        assert torch.equal(w["gate_up"][g][:, :hidden], gate_up) and torch.equal(w["down"][g][:, :inter], down)
+
+
 @pytest.mark.parametrize("rep", REPS)
 def test_error_decreases_with_bits_on_random_weights(rep):
     x = rows(64)

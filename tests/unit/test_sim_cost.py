@@ -157,6 +157,25 @@ def test_cpu_dequantization_is_priced_at_its_measured_rate_per_scheme():
     assert "dequant_cpu_{bitplanes, packed}" in model.assumptions()["quantized_experts"]
 
 
+def test_grouped_cpu_dequantization_is_priced_by_the_groups_bytes():
+    # TINY (one MoE layer): its expert is 192 B at full width. dequant_group_bitplanes_4 gives 0.05
+    # at one expert's bytes and 0.01 at ten's: one 4-bit run is priced at 0.05, ten alike runs (one
+    # layer dequantizes them in one stacked call) at 0.01 each; packed runs keep dequant_cpu_packed.
+    cpu = profile("cpu", dequant_cpu_packed=Curve(((4, 0.02),), "test"),
+                  dequant_cpu_bitplanes=Curve(((4, 0.05),), "test"),
+                  dequant_group_bitplanes_4=Curve(((192, 0.05), (1920, 0.01)), "test"))
+    model = CostModel(cpu, TINY, "bfloat16")
+    gemm = 768e-9
+
+    def experts(count: int, scheme: str = "bitplanes") -> float:
+        return model.step(replace(TINY_WORK, experts=(ExpertRun(0, 1, 60, 4.0, count, scheme),))).parts["experts"]
+
+    assert experts(1) == pytest.approx(192 / (1e9 * 0.05) + gemm)
+    assert experts(10) == pytest.approx(10 * (192 / (1e9 * 0.01) + gemm))
+    assert experts(10, "packed") == pytest.approx(10 * (192 / (1e9 * 0.02) + gemm))
+    assert "dequant_group_*" in model.assumptions()["quantized_experts"]
+
+
 @st.composite
 def step_works(draw):
     runs = tuple(ExpertRun(draw(st.integers(0, 3)), draw(st.integers(1, 600)), draw(st.integers(1, 10**9)),
@@ -227,6 +246,9 @@ def test_calibrate_efficiency_is_measured_over_peak():
                                                                          "bitplanes": {"8": 1e9}}})
     assert dq["dequant_cpu_packed"]["points"] == [[2.0, 0.3e9 / bw], [4.0, 0.4e9 / bw]]
     assert dq["dequant_cpu_bitplanes"]["points"] == [[8.0, 1e9 / bw]]
+    by_group = {"bitplanes": {"4": {"4e6": 1e9, "8e7": 0.5e9}}}
+    grouped = fit_cpu_curves({**MEASURED, "dequant_group_bytes_per_s": by_group})
+    assert grouped["dequant_group_bitplanes_4"]["points"] == [[4e6, 1e9 / bw], [8e7, 0.5e9 / bw]]
     assert "dequant_cpu_packed" not in fit  # not measured: no curve (the cost model states its count)
     assert cpu_rates(MEASURED) == {"memory_bytes_per_s": bw, "flops_per_s": {"float32": peak},
                                    "link_pinned_bytes_per_s": bw / 2, "op_overhead_s": 3.4e-6}
