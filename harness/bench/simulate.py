@@ -10,7 +10,8 @@ of harness.bench.engines.build_model, built into a temporary folder), each engin
 simulates (`engine_class(name).simulates`; the others are skipped with a line saying so) and
 two workloads, offline (`offline_batch`: every request at t=0) and open loop (`rag_long` with
 Poisson arrivals at a moderate rate, independent turns, lengths scaled to the model), the run
-is measured (harness.run.execute, its routing recorded with `record_routing`) and then
+is measured (harness.run.execute, its routing recorded with `record_routing`; timed on the run
+thread's CPU time, `--clock cpu`, so neighbours on this shared machine do not count) and then
 simulated on the `cpu` profile (`simulate="cpu"`, `routing="replay:<that trace>"`), with the
 same options and budget. One table per model: measured, simulated and the error for output
 tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-cache and
@@ -161,13 +162,21 @@ def metrics(run: dict[str, Any]) -> dict[str, float | None]:
 class StepClocks:
     """Wall and this thread's CPU time of a measured run's steps (warm-up left out): their ratio is
     the share of a core the engine got while it stepped (torch on this thread: OMP_NUM_THREADS=1).
-    On this shared machine neighbours take the rest; the cost model predicts an unshared core."""
+    On this shared machine neighbours take the rest; the cost model predicts an unshared core.
+    With `cpu_clock` the run itself is timed on that CPU time (harness.runner.ThreadCpuClock: its
+    latencies and arrivals on the core's own time, the neighbours' share left out)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_clock: bool = False) -> None:
         self.wall = self.cpu = 0.0
         self.on = False
+        self.cpu_clock = cpu_clock
 
     def attach(self, runner: Any) -> None:
+        if self.cpu_clock:
+            from harness.runner import ThreadCpuClock
+
+            clock = ThreadCpuClock()
+            runner.clock, runner.sleep = clock.now, clock.sleep
         engine = runner.engine
         step = engine.step
 
@@ -265,7 +274,7 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
 
 
 def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
-             tmp_name: str, warmup: int) -> tuple[str, str, dict, dict] | None:
+             tmp_name: str, warmup: int, cpu_clock: bool = True) -> tuple[str, str, dict, dict] | None:
     """One engine on one workload, measured (its routing recorded) and then simulated replaying it;
     prints what it did and returns the table row (None: it does not run, and says why)."""
     from engines.base import EngineError
@@ -275,7 +284,7 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     tag = f"{arch}-{engine}-{wl}"
     trace = tmp / f"{tag}.routing.parquet"
     common = dict(workload=spec, given=given, engine=engine, model=model, warmup=warmup, quality=False)
-    clocks = StepClocks()
+    clocks = StepClocks(cpu_clock)
     hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
     try:
         t0 = time.perf_counter()
@@ -288,7 +297,7 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
                 raise  # the same tokens, so the same (request, position) keys)
             print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
             trace = moe_trace
-            t0, clocks = time.perf_counter(), StepClocks()
+            t0, clocks = time.perf_counter(), StepClocks(cpu_clock)
             folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-2"),
                                                  engine_options=options),
                                          make_runner=clocks.attach, on_start=clocks.start)
@@ -305,7 +314,7 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     m, s = metrics(measured), metrics(simulated)
     m["send lag ms"], s["send lag ms"] = send_lag_ms(folder_m), send_lag_ms(folder_s)
     m["core share"] = clocks.share  # of one core, while the measured run stepped
-    if clocks.share and s["output tok/s"]:  # the simulated rate on the core share measured
+    if clocks.share and s["output tok/s"] and not cpu_clock:  # the simulated rate on the core share measured
         s["tok/s x share"] = s["output tok/s"] * clocks.share
         m["tok/s x share"] = m["output tok/s"]
     replay = (simulated.get("simulated") or {}).get("routing") or {}
@@ -343,6 +352,10 @@ def main() -> None:
     parser.add_argument("--no-shape-calibration", dest="shape_calibration", action="store_false",
                         help="do not measure each model's own GEMM shapes first (`pwbench hw calibrate --model`'s "
                              "measurement, ~5-20 s a model, cached): the cpu profile's generic curves price them")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="the measured runs' clock: cpu (default), the run thread's CPU time with waits for "
+                             "arrivals skipped, so a neighbour holding the core does not count (torch runs on that "
+                             "thread: OMP_NUM_THREADS=1); wall, the wall clock (its core share is printed)")
     parser.add_argument("--slow", action="store_true",
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
                              "its CPU dequantization costs ~1 s per decode step there)")
@@ -396,7 +409,7 @@ def main() -> None:
                     try:
                         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
                             row = pool.submit(run_pair, arch, engine, wl, spec, given, model, options, str(tmp),
-                                              args.warmup).result()
+                                              args.warmup, args.clock == "cpu").result()
                     except BrokenProcessPool as exc:  # killed (for memory, say): the rest go on
                         print(f"{tag}: does not run: its process died ({exc})")
                         continue
