@@ -289,16 +289,15 @@ class Arbiter:
             self._replanned = (step, capacity)
             cand, picked = _greedy_pick({k: allowed[k] for k in free}, room, w)
         target = self._target
-        old, same = {}, True  # same: the earlier goal is the current bits (the usual step)
+        old = {}
         for k in free:
             i = pos[k].get(target.get(k, eff[k].bits))
             if i is None:  # an earlier goal no longer allowed (a floor rose): the current bits
                 old = None
                 break
-            old[k] = o = allowed[k][i]
-            same = same and o is keep[k]
+            old[k] = allowed[k][i]
         base, base_cost = keep, None
-        if old is not None and not same and sum(o.nbytes for o in old.values()) <= room:
+        if old is not None and sum(o.nbytes for o in old.values()) <= room:
             old_cost, base_cost = _cost(old, w), _cost(keep, w)
             if old_cost < base_cost:
                 base, base_cost = old, old_cost
