@@ -382,37 +382,52 @@ class PagedWeightBackend(ExpertBackend):
             return
         self._count_fetches([(layer, e) for e in segments(d) if self._resident((layer, e)) is None])
 
-    def _count_fetches(self, keys: list[Key]) -> None:
+    def _count_fetches(self, keys: list[Key]) -> list[int]:
         """A simulated step's on-demand fetches of `keys`: what `_fetch` counts, from the stores'
         memoised sizes, in one copy record (nothing reads a simulated fetch's parts; the ledger
-        keeps sums)."""
-        nbytes = transfers = 0
+        keeps sums). Returns each fetched version's bytes (what its compute reads)."""
+        sizes, transfers = [], 0
         for key in keys:
             store, width = self.stores[key], self._fetch_width(key)
-            nbytes += store.transfer_bytes(0, width)
+            sizes.append(store.transfer_bytes(0, width))
             transfers += len(store.parts(width))
         if keys:
+            nbytes = sum(sizes)
             self._stats["on_demand_fetches"] += len(keys)
             self._stats["on_demand_fetch_bytes"] += nbytes
             self.copies.counted("h2d", nbytes, transfers, tag="expert_pages")
+        return sizes
 
     def simulate_step(self, layers: list[int], counts: np.ndarray) -> np.ndarray | None:
         """`simulate` for every layer at once (nothing it decides depends on layer order): the
         bytes read and the importance from the counts, and the on-demand fetches of the experts
         with tokens that are neither held nor being moved in, counted in one copy record (the
-        ledger keeps sums). Returns each expert's held bytes (0: not held), as `expert_bytes`
-        gives them layer by layer."""
+        ledger keeps sums). Returns the bytes each expert runs from, for pricing: its held
+        version's, or for one at 0 bits that ran, the version it computes from as `forward` does
+        (the move in flight's new version, else the fetched one). The bytes read it counts are the
+        held ones, as `expert_bytes` gives them layer by layer (a fetched expert's are copy bytes)."""
         held = self._held_bytes
         if layers != self._layers or counts.shape != held.shape:
             return None
         ran = counts > 0
         self._stats["expert_bytes_read"] += int(held[ran].sum())
         self.importance.observe_matrix(layers, counts)
-        if len(self.held) != len(self.stores):
-            moving = {m.key for m in self.pending}
-            self._count_fetches([key for r, e in np.argwhere(ran & (held == 0)).tolist()
-                                 if (key := (layers[r], e)) not in moving])
-        return held
+        if len(self.held) == len(self.stores):  # every expert held (floors above 0): none to fetch
+            return held
+        cells = np.argwhere(ran & (held == 0)).tolist()
+        if not cells:
+            return held
+        priced, moving, fetched, where = held.copy(), {m.key: m for m in self.pending}, [], []
+        for r, e in cells:
+            move = moving.get(key := (layers[r], e))
+            if move is not None:
+                priced[r, e] = move.held.nbytes
+            else:
+                fetched.append(key)
+                where.append((r, e))
+        for (r, e), nbytes in zip(where, self._count_fetches(fetched)):
+            priced[r, e] = nbytes
+        return priced
 
     @property
     def copies_overlap(self) -> bool:

@@ -170,3 +170,43 @@ def test_bad_sim_sensitivity_is_a_one_line_error(tmp_path):
                                            "sim_sensitivity": str(bad)})
     with pytest.raises(EngineError, match=r"gives no error at 3/2 bits"):
         engine.start()
+
+
+def test_an_expert_fetched_on_demand_is_priced_at_the_bytes_it_computes_from():
+    """With floor_bits 0 some experts leave the device; one that runs is fetched at its fetch width
+    and computed from that copy (`forward`). Its simulated step must price it at that version's
+    bytes, not at the 0 it holds: the oracle is the measured path's own fetch (`_fetch` copies
+    `store.device_tensors(width)`'s pairs), and a held expert keeps its held bytes."""
+    import numpy as np
+
+    engine = create_engine("pagedweight", {"model": MIXTRAL, "simulate": "h100-sxm", "routing": "uniform",
+                                           "budget_bytes": 10_000_000_000, "floor_bits": 0})
+    engine.start()
+    try:
+        backend = engine.simulation.executor.experts
+        seen = {"fetched": 0, "held": 0}
+        real = backend.simulate_step
+
+        def checked(layers, counts):
+            held = backend._held_bytes.copy()
+            moving = {m.key for m in backend.pending}
+            priced = real(layers, counts)
+            for r, e in np.argwhere(counts > 0).tolist():
+                key = (layers[r], e)
+                if held[r, e]:
+                    assert priced[r, e] == held[r, e]
+                    seen["held"] += 1
+                elif key not in moving:
+                    _, pairs = backend.stores[key].device_tensors(backend._fetch_width(key), torch.device("meta"))
+                    assert priced[r, e] == sum(src.numel() * src.element_size() for _, src in pairs) > 0, key
+                    seen["fetched"] += 1
+            return priced
+
+        backend.simulate_step = checked
+        for i in range(3):
+            engine.add_request(EngineRequest(f"r{i}", tuple(range(1, 120)), 4, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        assert seen["fetched"] > 0 and seen["held"] > 0, seen
+    finally:
+        engine.stop()
