@@ -45,7 +45,7 @@ def hw(
         return
     typer.echo(f"{result['device_name']} ({dev})")
     for key, value in result.items():
-        if key.endswith("_per_s"):
+        if key.endswith("_per_s") and isinstance(value, (int, float)):  # the curves (dicts) are in the cache
             ref = sheet[1].get(key) if sheet else None
             note = f"   datasheet {ref / 1e9:,.0f} G" if ref else ""
             typer.echo(f"  {key:38s} {value / 1e9:12,.1f} G{note}")
