@@ -232,8 +232,9 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         out["d2h_bytes_per_s"] = host.numel() * 4 / _timeit(d2h)
     else:
         out["device_name"] = cpu_model()
-        out["dequant_full_bytes_per_s_by_bits"] = measure_cpu_dequant()
-        out["dequant_group_bytes_per_s"] = measure_cpu_group_dequant()
+        expert = reference_expert()  # built once (quantized at every width) for both measurements
+        out["dequant_full_bytes_per_s_by_bits"] = measure_cpu_dequant(expert)
+        out["dequant_group_bytes_per_s"] = measure_cpu_group_dequant(expert)
     return out
 
 
@@ -242,7 +243,19 @@ DEQUANT_BITS = (2, 3, 4, 8)
 DEQUANT_GROUPS = (1, 2, 4, 8, 16)
 
 
-def measure_cpu_dequant() -> dict[str, dict[str, float]]:
+def reference_expert() -> tuple[Any, Any, Any]:
+    """The expert the CPU dequantization is timed on: gate_up [1536, 512] and down [512, 768]
+    (seed 0), and pagedweight's bit-plane store of it at 16 bits and DEQUANT_BITS (group 32)."""
+    import torch  # noqa: PLC0415
+
+    from engines.pagedweight.formats import make_store  # noqa: PLC0415  (heavy: only when measuring)
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(1536, 512, generator=gen), torch.randn(512, 768, generator=gen)
+    return gate_up, down, make_store("bitplanes", gate_up, down, (16, *DEQUANT_BITS), 32)
+
+
+def measure_cpu_dequant(expert: tuple[Any, Any, Any] | None = None) -> dict[str, dict[str, float]]:
     """The CPU reference's dequantization, as the runtime runs it for a quantized expert on this
     machine: an expert's [1536, 512] gate_up matrix at each width of DEQUANT_BITS (group 32), RTN
     records through engines/quant's `dequantize` (static-* and pagedweight's re-quantize) and
@@ -251,14 +264,11 @@ def measure_cpu_dequant() -> dict[str, dict[str, float]]:
     dequantization on a shared processor by it (engines/sim/calibrate.py, dequant_cpu_*)."""
     import torch  # noqa: PLC0415
 
-    from engines.pagedweight.formats import make_store  # noqa: PLC0415  (heavy: only when measuring)
     from engines.quant.qweight import dequantize, quantize_rtn  # noqa: PLC0415
 
-    gen = torch.Generator().manual_seed(0)
-    gate_up, down = torch.randn(1536, 512, generator=gen), torch.randn(512, 768, generator=gen)
+    gate_up, _, planes = expert or reference_expert()
     full = gate_up.numel() * 4
     out: dict[str, dict[str, float]] = {"packed": {}, "bitplanes": {}}
-    planes = make_store("bitplanes", gate_up, down, (16, *DEQUANT_BITS), 32)
     for bits in DEQUANT_BITS:
         record = quantize_rtn(gate_up, bits, 32)
         out["packed"][str(bits)] = full / _timeit(lambda r=record: dequantize(r, torch.float32), min_s=0.05)
@@ -268,7 +278,7 @@ def measure_cpu_dequant() -> dict[str, dict[str, float]]:
     return out
 
 
-def measure_cpu_group_dequant() -> dict[str, dict[str, dict[str, float]]]:
+def measure_cpu_group_dequant(expert: tuple[Any, Any, Any] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """pagedweight's bit planes dequantized as its backend runs a layer's experts of one width:
     G experts' planes stacked and dequantized in one call (`BitPlaneStore.group_weights`), the
     same [1536, 512] + [512, 768] expert as `measure_cpu_dequant`, at each G of DEQUANT_GROUPS and
@@ -278,12 +288,8 @@ def measure_cpu_group_dequant() -> dict[str, dict[str, dict[str, float]]]:
     ~1.9x G = 1's time at 8 bits. {"bitplanes": {bits: {group full-width bytes: bytes/s}}}."""
     import torch  # noqa: PLC0415
 
-    from engines.pagedweight.formats import make_store  # noqa: PLC0415  (heavy: only when measuring)
-
-    gen = torch.Generator().manual_seed(0)
-    gate_up, down = torch.randn(1536, 512, generator=gen), torch.randn(512, 768, generator=gen)
+    gate_up, down, store = expert or reference_expert()
     full = (gate_up.numel() + down.numel()) * 4
-    store = make_store("bitplanes", gate_up, down, (16, *DEQUANT_BITS), 32)
     out: dict[str, dict[str, float]] = {}
     for bits in DEQUANT_BITS:
         parts = store.parts(bits)

@@ -121,13 +121,25 @@ class OffloadBackend(HostTierBackend):
         return len(self.slot_buffers[layer])
 
     def forward(self, layer: int, x: Tensor, d: Dispatch) -> Tensor:
-        return self._run(layer, x, d)
+        """The layer's decisions (`_decide`) with each expert computed in its slot as it comes."""
+        self._count(layer, d)
+        rows = segments(d)
+        xs = x[d.token_index]
+        out = torch.empty_like(xs)
+        slots = self.slot_buffers[layer]
+
+        def run(e: int, slot: int) -> None:
+            out[rows[e]] = slots.run(slot, xs[rows[e]])
+
+        self._decide(layer, list(rows), x, run)
+        return combine(x, d, out)
 
     def simulate(self, layer: int, d: Dispatch, upcoming: tuple[int, list[int]] | None = None) -> None:
         """The same hits, misses, victims and copies as `forward`, no compute (--simulate). With
         prefetch on, the prediction is `upcoming` (the next MoE layer's experts the simulator
         routes, most tokens first): an exact predictor, where the measured one guesses."""
-        self._run(layer, None, d, upcoming)
+        self._count(layer, d)
+        self._decide(layer, list(segments(d)), upcoming)
 
     def simulate_step(self, layers: list[int], counts: np.ndarray) -> np.ndarray:
         """`simulate` for every layer of a simulated step, in layer order (each layer's hits,
@@ -159,25 +171,6 @@ class OffloadBackend(HostTierBackend):
         if transfers:
             self.copies.counted("h2d", nbytes, transfers, tag="experts")
         return held
-
-    def _run(self, layer: int, x: Tensor | None, d: Dispatch,
-             upcoming: tuple[int, list[int]] | None = None) -> Tensor | None:
-        """`forward`: the layer's decisions (`_decide`) with each expert computed in its slot as it
-        comes; with x None (a simulated layer) the decisions alone, `upcoming` the prediction."""
-        self._count(layer, d)
-        rows = segments(d)
-        if x is None:
-            self._decide(layer, list(rows), upcoming)
-            return None
-        xs = x[d.token_index]
-        out = torch.empty_like(xs)
-        slots = self.slot_buffers[layer]
-
-        def run(e: int, slot: int) -> None:
-            out[rows[e]] = slots.run(slot, xs[rows[e]])
-
-        self._decide(layer, list(rows), x, run)
-        return combine(x, d, out)
 
     def _decide(self, layer: int, needed: list[int], predict: Tensor | tuple[int, list[int]] | None,
                 run: Callable[[int, int], None] | None = None) -> None:
