@@ -41,11 +41,11 @@ from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.shape import ModelShape
 from engines.runtime.transfer import TransferLedger
-from engines.sim.cost import StepCost, module_curves
+from engines.sim.cost import StepCost, module_curves, prefill_overhead_s
 from engines.sim.executor import SimExecutor
 from engines.sim.routing import routing_source
 
-VERSION = "moegen-2"  # 2: GEMMs by the module curves engines/sim/cost.py picks
+VERSION = "moegen-3"  # 2: GEMMs by the module curves engines/sim/cost.py picks; 3: the prefill overheads
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -124,6 +124,10 @@ class _Pricing:
                 "version": VERSION, "profile": self.profile.name,
                 "hardware": dataclasses.asdict(self.hw),
                 "step_overhead_s": float(self.profile.step_overhead_s),
+                "prefill_overhead": "layers x (prefill_token_overhead_s x prefill tokens + prefill_segment_overhead_s "
+                                    "x prefill segments), as engines/sim/cost.py adds it: "
+                                    f"{float(getattr(self.profile, 'prefill_token_overhead_s', 0.0) or 0.0):.3g} s, "
+                                    f"{float(getattr(self.profile, 'prefill_segment_overhead_s', 0.0) or 0.0):.3g} s",
                 "curves_applied": "projections, experts, LM head: the curves engines/sim/cost.py module_curves "
                                   "picks (gemm@K, grouped_gemm@K, head@K where measured for this model, else "
                                   "gemm, grouped_gemm, gemm), roofline bound / curve(rows); copy (at one expert "
@@ -276,7 +280,8 @@ class MoEGenSimExecutor(SimExecutor):
             self.hw.prefill_attention_flops_per_s)
         c = step_cost(shape, hw, plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
                       active_experts=active, copied_experts=copied)
-        overhead = float(self.profile.step_overhead_s)
+        overhead = float(self.profile.step_overhead_s) + prefill_overhead_s(
+            self.profile, self.shape.layers, prefill_tokens, sum(1 for c in prefills if c.length))
         kvb = self.kv_bytes_per_token
         read = (self.dense_bytes_read + sum(nbytes * n for nbytes, n in runs.items())
                 + decode_context * kvb + sum(ch.start for ch in prefills) * kvb)

@@ -46,6 +46,7 @@ states its default). `copy_overlap` is not fitted: on one processor copies never
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -168,25 +169,52 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     return out
 
 
-def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: int = 2) -> tuple[float, dict[str, Any]]:
-    """The runtime's per-step time outside what the cost model prices (the scheduler's and the
-    run loop's Python per step): the median over aligned steps of measured wall time minus the
-    cost model's time for the same step (priced with step_overhead_s = 0), the first `skip`
-    steps left out (warm-up). Negative medians are clipped to 0. Returns (seconds, details).
-    ValueError (one line) when the two lists do not align or leave no step."""
-    if len(measured_s) != len(predicted_s):
+def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: int = 2,
+                      calls: list[int] | None = None) -> tuple[float, dict[str, Any]]:
+    """The runtime's time outside what the cost model prices: the median over aligned steps of
+    measured time minus the cost model's time for the same step (priced without the overhead
+    fitted), the first `skip` steps left out (warm-up); with `calls` (the torch calls the cost model
+    counts in each step), the median of that residual per call (the runtime's time per counted
+    call: its Python and the small kernels around the priced modules). Negative medians are
+    clipped to 0. Returns (seconds, details). ValueError (one line) when the lists do not align
+    or leave no step."""
+    if len(measured_s) != len(predicted_s) or (calls is not None and len(calls) != len(measured_s)):
         raise ValueError(f"step overhead: {len(measured_s)} measured steps against {len(predicted_s)} simulated; "
                          "the simulated run must replay the measured one's routing")
-    pairs = list(zip(measured_s, predicted_s))[skip:]
-    if not pairs:
-        raise ValueError(f"step overhead: no step after the first {skip}; run more steps")
-    residual = sorted(m - p for m, p in pairs)
+    rows = list(zip(measured_s, predicted_s, calls or [1] * len(measured_s)))[skip:]
+    if not rows or any(n <= 0 for *_, n in rows):
+        raise ValueError(f"step overhead: no step after the first {skip} (or a step without calls); run more steps")
+    residual = sorted((m - p) / n for m, p, n in rows)
     mid = len(residual) // 2
     median = residual[mid] if len(residual) % 2 else (residual[mid - 1] + residual[mid]) / 2
-    details = {"steps": len(pairs), "median_measured_s": sorted(m for m, _ in pairs)[mid],
-               "median_predicted_s": sorted(p for _, p in pairs)[mid], "median_residual_s": median,
-               "clipped": median < 0}
+    details = {"steps": len(rows), "median_measured_s": sorted(m for m, _, _ in rows)[mid],
+               "median_predicted_s": sorted(p for _, p, _ in rows)[mid], "median_residual_s": median,
+               "median_calls": sorted(n for *_, n in rows)[mid], "clipped": median < 0}
     return max(0.0, median), details
+
+
+def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int) -> tuple[float, float, dict[str, Any]]:
+    """The model code's prefill time beyond what the cost model prices, per layer: `rows` are
+    (prefill tokens, prefill segments, measured minus predicted seconds) of prefill-only steps of
+    one model with `layers` layers; least squares residual = layers x (a x tokens + b x segments)
+    with a, b >= 0 (a coefficient the fit makes negative is 0 and the other refitted alone).
+    Returns (a, b, details: steps, rms of the fit's error). ValueError (one line) for fewer than
+    two rows or rows that cannot tell the two apart."""
+    if len(rows) < 2 or layers < 1:
+        raise ValueError(f"prefill overhead: {len(rows)} steps of {layers} layers; need at least 2 steps")
+    x = [(layers * t, layers * g) for t, g, _ in rows]
+    y = [r for *_, r in rows]
+    stt, stg, sgg = (sum(a * a for a, _ in x), sum(a * b for a, b in x), sum(b * b for _, b in x))
+    sty, sgy = sum(a * r for (a, _), r in zip(x, y)), sum(b * r for (_, b), r in zip(x, y))
+    det = stt * sgg - stg * stg
+    if det <= 1e-12 * stt * sgg:
+        raise ValueError("prefill overhead: the steps' token and segment counts are proportional; vary them")
+    a, b = (sty * sgg - sgy * stg) / det, (sgy * stt - sty * stg) / det
+    if a < 0 or b < 0:  # one term alone, the better of the two that are not negative
+        alone = [(max(0.0, sty / stt), 0.0), (0.0, max(0.0, sgy / sgg))]
+        a, b = min(alone, key=lambda ab: sum((r - ab[0] * t - ab[1] * g) ** 2 for (t, g), r in zip(x, y)))
+    err = [r - a * t - b * g for (t, g), r in zip(x, y)]
+    return a, b, {"steps": len(rows), "rms_s": math.sqrt(sum(e * e for e in err) / len(err))}
 
 
 # A model shape measurement's parts -> the curve each fits (engines/sim/cost.py SHAPED).

@@ -47,7 +47,11 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   first + max(compute, the rest); without, copies add.
   On a shared processor (the `cpu` profile: the "link" is a memcpy on the same cores, as in
   moegen's model) both directions and compute add up, always.
-- `step_overhead_s` once per step.
+- `step_overhead_s` once per step; `prefill_token_overhead_s` per prefill token and
+  `prefill_segment_overhead_s` per prefill segment (one sequence's chunk), each per layer
+  (`prefill_overhead_s`): the model code's time beyond the priced modules that grows with the
+  prefill (per-segment attention calls on views, cache writes; `pwbench hw calibrate` fits both
+  on the bundled model; 0 in the GPU profiles).
 
 `roofline_s` is the bytes the step must read (dense + experts that ran + KV attended, prefill
 contexts included) at memory_bytes_per_s; every module's time is at least its bytes at that
@@ -149,6 +153,16 @@ def torch_calls(shape: ModelShape, groups: int, expert_runs: int) -> int:
     (decode, prefill: 0-2) and `expert_runs` experts run (full width), by the counts above."""
     per_layer = OPS_PER_LAYER.get(shape.attention, OPS_PER_LAYER["gqa"])
     return (per_layer + OPS_PER_ATTENTION_GROUP * groups) * shape.layers + OPS_PER_EXPERT * expert_runs
+
+
+def prefill_overhead_s(profile: Any, layers: int, tokens: int, segments: int) -> float:
+    """The model code's time a prefill of `tokens` tokens in `segments` segments takes beyond the
+    priced modules, over `layers` layers, by the profile's per-layer rates (0 where it has none)."""
+    if not tokens:
+        return 0.0
+    per_token = float(getattr(profile, "prefill_token_overhead_s", 0.0) or 0.0)
+    per_segment = float(getattr(profile, "prefill_segment_overhead_s", 0.0) or 0.0)
+    return layers * (per_token * tokens + per_segment * segments)
 
 
 def gemm_s(weight_bytes: float, flops: float, bw: float, peak: float, efficiency: float) -> float:
@@ -253,8 +267,9 @@ class CostModel:
     # `attention_prefill@key`) replace the generic ones; the LM head reads a "head" curve where there is one;
     # a quantized expert's torch calls on the CPU counted again, per storage scheme (82 / 29, were 733);
     # 5: torch calls per layer by attention kind (MLA 300, was 180 like every other); a quantized expert's
-    # CPU dequantization by the experts of its width a layer dequantizes at once (dequant_group_* curves)
-    VERSION: ClassVar[str] = "5"
+    # CPU dequantization by the experts of its width a layer dequantizes at once (dequant_group_* curves);
+    # 6: the profile's per-layer prefill overheads per token and per segment (`prefill_overhead_s`)
+    VERSION: ClassVar[str] = "6"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -438,6 +453,9 @@ class CostModel:
                 busy = first + rest
                 exposed = first + max(0.0, rest - compute)
         overhead = float(self.profile.step_overhead_s) if (T or busy) else 0.0
+        if prefill_tokens:
+            overhead += prefill_overhead_s(self.profile, s.layers, prefill_tokens,
+                                           sum(1 for n, _ in work.prefill if n > 0))
         seconds = compute + exposed + overhead
         parts = {"dense": dense, "head": head, "experts": experts, "attention": attention,
                  "activations": activations, "dispatch": dispatch, "overhead": overhead, "copies": exposed,
@@ -469,6 +487,8 @@ class CostModel:
             "profile": p.name, "description": getattr(p, "description", ""), "dtype": self.dtype,
             "memory_bytes_per_s": self.bw, "flops_per_s": self.peak, "link_pinned_bytes_per_s": self.link,
             "step_overhead_s": float(p.step_overhead_s),
+            "prefill_token_overhead_s": float(getattr(p, "prefill_token_overhead_s", 0.0) or 0.0),
+            "prefill_segment_overhead_s": float(getattr(p, "prefill_segment_overhead_s", 0.0) or 0.0),
             "op_overhead_s": self.op_overhead_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
             else "profile has no op_overhead_s: per-call dispatch not counted (launches in step_overhead_s)",
@@ -513,6 +533,8 @@ class CostModel:
                                      "attention_prefill(chunk); (context + chunk) x kv_bytes_per_token at the "
                                      "bandwidth",
                 "copies": "bytes / (link_pinned_bytes_per_s x copy(bytes per transfer))",
+                "overhead": "step_overhead_s per step + layers x (prefill_token_overhead_s x prefill tokens + "
+                            "prefill_segment_overhead_s x prefill segments)",
                 "roofline": "(dense_bytes_read + experts' nbytes + KV attended) / memory_bytes_per_s",
             },
             "left_out": "the scheduler's Python per sequence; kernel fusion beyond this runtime's; MLA "

@@ -84,13 +84,15 @@ def curve_base(key: str) -> str:
     return base if at and suffix and base in SHAPED_CURVES else key
 REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
-           "host_flops_per_s", "step_overhead_s", "op_overhead_s")
+           "host_flops_per_s", "step_overhead_s", "op_overhead_s", "prefill_token_overhead_s",
+           "prefill_segment_overhead_s")
 _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
 _BOOLS = ("shared_processor",)
 _TABLES = ("flops_per_s", "efficiency", "sources")
 _FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
-_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor")
+_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "prefill_token_overhead_s", "prefill_segment_overhead_s")
+_ZERO_OK = ("op_overhead_s", "step_overhead_s", "prefill_token_overhead_s", "prefill_segment_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,10 @@ class HardwareProfile:
     sources: dict[str, str]  # field -> source
     default_dtype: str  # "bfloat16" on GPUs, "float32" for cpu
     op_overhead_s: float = 0.0  # per kernel/op dispatch (added to the design's fields)
+    # The model code's time per prefill token and per prefill segment (one sequence's chunk), per
+    # layer, beyond the priced modules (added): `pwbench hw calibrate` fits both on the cpu profile.
+    prefill_token_overhead_s: float = 0.0
+    prefill_segment_overhead_s: float = 0.0
     origin: str = ""  # the file (or "cpu: ...") it was read from (added)
     # host and device are one processor (copies are memcpys on the compute cores); None: the
     # profile is named "cpu" (`shared` below is the one rule). Added.
@@ -297,7 +303,7 @@ def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
         kw[f] = _number(where, f, table[f], integer=True)
     for f in _FLOATS:
         if f in table:
-            kw[f] = _number(where, f, table[f], zero=f in ("op_overhead_s", "step_overhead_s"))
+            kw[f] = _number(where, f, table[f], zero=f in _ZERO_OK)
     shared = table.get("shared_processor", kw["name"] == "cpu")  # unsaid: a profile named cpu is one processor
     if not isinstance(shared, bool):
         raise _bad(where, "shared_processor", f"must be true or false, got {shared!r}",
@@ -442,12 +448,19 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
     table["host_memory_bytes_per_s"], table["host_flops_per_s"] = bw, peak
     sources["host_memory_bytes_per_s"] = sources["memory_bytes_per_s"]
     sources["host_flops_per_s"] = sources["flops_per_s.float32"]
-    if "op_overhead_s" in rates:
+    if m.get("runtime_op_overhead_s") is not None:  # `pwbench hw calibrate`: the runtime's time per counted call
+        table["op_overhead_s"] = float(m["runtime_op_overhead_s"])
+        sources["op_overhead_s"] = f"{src}: {m.get('runtime_op_overhead_source', 'runtime_op_overhead_s')}"
+    elif "op_overhead_s" in rates:
         table["op_overhead_s"] = rates["op_overhead_s"]
         sources["op_overhead_s"] = f"{src}: op_overhead_s (1000 tiny torch calls)"
-    if m.get("step_overhead_s"):  # `pwbench hw calibrate`: the runtime's per-step time outside the model
+    if m.get("step_overhead_s") is not None:  # `pwbench hw calibrate`: the runtime's per-step time outside the model
         table["step_overhead_s"] = float(m["step_overhead_s"])
         sources["step_overhead_s"] = f"{src}: {m.get('step_overhead_source', 'step_overhead_s')}"
+    for f in ("prefill_token_overhead_s", "prefill_segment_overhead_s"):
+        if m.get(f) is not None:  # `pwbench hw calibrate`'s prefill probe
+            table[f] = float(m[f])
+            sources[f] = f"{src}: {m.get('prefill_overhead_source', f)}"
     table["shared_processor"] = True
     sources["shared_processor"] = "one CPU: host and device are the same cores and memory"
     table["efficiency"] = {**table["efficiency"], **fit_cpu_curves(m)}

@@ -48,9 +48,10 @@ DEFAULT_ENGINES = "moe,offload,static-rtn,pagedweight,moegen,full"  # each runs 
 # keep the open-loop run moderately loaded on this CPU (a few requests in flight, no backlog).
 # The random models' static-rtn runs dominate the benchmark's time (its CPU dequantization: ~1 s
 # per decode step here), so their sizes are smaller.
-SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0},
-         "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0},
-         "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0}}
+# `repeats`: measured runs per pair (the least disturbed is compared; the demo model's runs take ~2 s).
+SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 5},
+         "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
+         "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2}}
 KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
 
 
@@ -274,33 +275,44 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
 
 
 def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
-             tmp_name: str, warmup: int, cpu_clock: bool = True) -> tuple[str, str, dict, dict] | None:
-    """One engine on one workload, measured (its routing recorded) and then simulated replaying it;
-    prints what it did and returns the table row (None: it does not run, and says why)."""
+             tmp_name: str, warmup: int, cpu_clock: bool = True,
+             repeats: int = 1) -> tuple[str, str, dict, dict] | None:
+    """One engine on one workload, measured `repeats` times (its routing recorded) and then simulated
+    replaying the measured run that took the least CPU time in its steps (the one a neighbour on
+    this shared machine disturbed least: the same batches, tokens and routing each time, so the
+    runs differ by that alone); prints what it did and returns the table row (None: it does not
+    run, and says why)."""
     from engines.base import EngineError
     from harness.run import RunArgs, execute
 
     tmp = Path(tmp_name)
     tag = f"{arch}-{engine}-{wl}"
-    trace = tmp / f"{tag}.routing.parquet"
     common = dict(workload=spec, given=given, engine=engine, model=model, warmup=warmup, quality=False)
-    clocks = StepClocks(cpu_clock)
-    hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
-    try:
-        t0 = time.perf_counter()
+
+    def measure(k: int) -> tuple[Path, dict, StepClocks, Path]:
+        suffix = f"-r{k}" if k else ""
+        trace = tmp / f"{tag}{suffix}.routing.parquet"
+        clocks = StepClocks(cpu_clock)
+        hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
         try:
-            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured"),
-                                                 engine_options={**options, "record_routing": str(trace)}), **hooks)
+            folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured{suffix}"),
+                                             engine_options={**options, "record_routing": str(trace)}), **hooks)
         except EngineError as exc:  # a layer-major executor (moegen) records no routing:
             moe_trace = tmp / f"{arch}-moe-{wl}.routing.parquet"  # replay moe's run of the same
             if "record_routing" not in str(exc) or not moe_trace.is_file():  # requests (greedy:
                 raise  # the same tokens, so the same (request, position) keys)
-            print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
-            trace = moe_trace
-            t0, clocks = time.perf_counter(), StepClocks(cpu_clock)
-            folder_m, measured = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-2"),
-                                                 engine_options=options),
-                                         make_runner=clocks.attach, on_start=clocks.start)
+            if not k:
+                print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
+            trace, clocks = moe_trace, StepClocks(cpu_clock)
+            folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-moe-routing{suffix}"),
+                                             engine_options=options),
+                                     make_runner=clocks.attach, on_start=clocks.start)
+        return folder, result, clocks, trace
+
+    try:
+        t0 = time.perf_counter()
+        runs = [measure(k) for k in range(max(1, repeats))]
+        folder_m, measured, clocks, trace = min(runs, key=lambda r: r[2].cpu)
         t1 = time.perf_counter()
         sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
         if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
@@ -318,9 +330,11 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
         s["tok/s x share"] = s["output tok/s"] * clocks.share
         m["tok/s x share"] = m["output tok/s"]
     replay = (simulated.get("simulated") or {}).get("routing") or {}
+    spread = (f"; {len(runs)} measured runs' step CPU s {', '.join(f'{r[2].cpu:.3f}' for r in runs)}, the least "
+              "taken") if len(runs) > 1 else ""
     print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
           f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
-          f"misses {replay.get('replay_misses')}; peak RSS {peak_rss_gb():.2f} GB")
+          f"misses {replay.get('replay_misses')}; peak RSS {peak_rss_gb():.2f} GB{spread}")
     residuals = step_residuals(folder_m, folder_s)
     if residuals:
         print(f"{tag}: step medians measured / simulated: {residuals}")
@@ -356,6 +370,10 @@ def main() -> None:
                         help="the measured runs' clock: cpu (default), the run thread's CPU time with waits for "
                              "arrivals skipped, so a neighbour holding the core does not count (torch runs on that "
                              "thread: OMP_NUM_THREADS=1); wall, the wall clock (its core share is printed)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="measured runs per engine and workload; the one with the least CPU time in its steps "
+                             "(the least disturbed by a neighbour) is compared (default: per model, "
+                             + ", ".join(f"{m} {v['repeats']}" for m, v in SIZES.items()) + ")")
     parser.add_argument("--slow", action="store_true",
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
                              "its CPU dequantization costs ~1 s per decode step there)")
@@ -409,7 +427,8 @@ def main() -> None:
                     try:
                         with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
                             row = pool.submit(run_pair, arch, engine, wl, spec, given, model, options, str(tmp),
-                                              args.warmup, args.clock == "cpu").result()
+                                              args.warmup, args.clock == "cpu",
+                                              args.repeats or SIZES[arch]["repeats"]).result()
                     except BrokenProcessPool as exc:  # killed (for memory, say): the rest go on
                         print(f"{tag}: does not run: its process died ({exc})")
                         continue

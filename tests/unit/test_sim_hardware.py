@@ -144,6 +144,20 @@ def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
     assert p2.efficiency["sample"].at(256) == pytest.approx(6e9 / 30e9)
     assert p2.efficiency["elementwise"].at(8192) == pytest.approx(3e9 / 30e9)
     assert p2.step_overhead_s == 2.5e-4 and "hand" in p2.sources["step_overhead_s"]
+    # `hw calibrate`'s fits: the runtime's time per counted call replaces the tiny call's, the prefill rates
+    # are read as they were fitted; a step overhead of 0 (folded into the call's) is 0, not cpu.toml's
+    m_fit = {**m2, "step_overhead_s": 0.0, "runtime_op_overhead_s": 2.2e-6, "runtime_op_overhead_source": "fit A",
+             "prefill_token_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_overhead_source": "fit B"}
+    cache_path().write_text(json.dumps({cpu_model(): m_fit}))
+    pf = load_profile("cpu")
+    assert (pf.op_overhead_s, pf.step_overhead_s) == (2.2e-6, 0.0) and "fit A" in pf.sources["op_overhead_s"]
+    assert (pf.prefill_token_overhead_s, pf.prefill_segment_overhead_s) == (7e-7, 3e-5)
+    assert "fit B" in pf.sources["prefill_token_overhead_s"] and "fit B" in pf.sources["prefill_segment_overhead_s"]
+    from engines.sim.hardware import profile_toml
+
+    back = tmp_path / "fitted.toml"
+    back.write_text(profile_toml(pf))
+    assert load_profile(str(back)).prefill_segment_overhead_s == 3e-5  # written and read back
     # `hw calibrate --model`: curves keyed by the model's shape, read back from a TOML (keys quoted)
     entry = {"model": "x", "params": {"expert": 1 << 20}, "seconds": {"expert": {"1": 1e-3, "64": 2e-3}}}
     cache_path().write_text(json.dumps({cpu_model(): {**m2, "model_gemm": {"d4-q4-kv4-i8-v10-b2": entry}}}))
@@ -202,6 +216,34 @@ def test_fit_step_overhead_is_the_median_residual():
     assert fit_step_overhead([0, 0, 0.01], [0, 0, 0.02])[0] == 0.0  # a negative residual is clipped
     with pytest.raises(ValueError, match="replay"):
         fit_step_overhead([0.1, 0.2], [0.1])
+
+
+def test_fit_step_overhead_per_call_is_the_median_residual_per_call():
+    from engines.sim.calibrate import fit_step_overhead
+
+    # after 2 warm-up steps, residuals 1, 2, 4 ms over 100, 100, 200 calls: 10, 20, 20 us per call -> 20 us
+    seconds, d = fit_step_overhead([9, 9, 0.011, 0.012, 0.014], [0, 0, 0.010, 0.010, 0.010], calls=[1, 1, 100, 100, 200])
+    assert seconds == pytest.approx(20e-6) and d["steps"] == 3 and d["median_calls"] == 100
+    with pytest.raises(ValueError, match="replay"):
+        fit_step_overhead([0.1, 0.2, 0.3], [0.1, 0.2, 0.3], calls=[1, 2])
+
+
+def test_fit_prefill_overhead_recovers_hand_made_rates():
+    from engines.sim.calibrate import fit_prefill_overhead
+
+    a, b, layers = 1e-6, 2e-5, 2  # per token and per segment, per layer
+    steps = [(32, 1), (384, 1), (256, 4), (768, 24), (768, 6)]
+    rows = [(t, g, layers * (a * t + b * g)) for t, g in steps]
+    got_a, got_b, d = fit_prefill_overhead(rows, layers)
+    assert got_a == pytest.approx(a) and got_b == pytest.approx(b) and d["rms_s"] == pytest.approx(0, abs=1e-12)
+    # a negative per-segment cost is not a cost: 0, and the per-token rate refitted alone
+    rows = [(100, 1, 2 * 1e-4), (100, 10, 2 * 0.9e-4), (400, 1, 2 * 4e-4)]
+    got_a, got_b, _ = fit_prefill_overhead(rows, 2)
+    assert got_b == 0.0 and got_a == pytest.approx((100 * 1e-4 + 100 * 0.9e-4 + 400 * 4e-4) / (100**2 * 2 + 400**2))
+    with pytest.raises(ValueError, match="proportional"):
+        fit_prefill_overhead([(100, 1, 1e-3), (200, 2, 2e-3)], 2)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_prefill_overhead([(100, 1, 1e-3)], 2)
 
 
 def test_pwbench_hw_calibrate_caches_prints_and_writes_a_profile(tmp_path, monkeypatch):
