@@ -230,7 +230,10 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     dev_bw = hw.device_bytes_per_s
     e = s.dtype_bytes
     kv_layer = s.kv_bytes_per_token // s.layers
-    proj_flops = 2 * T * s.hidden * (2 * s.q_size + 2 * s.kv_size)
+    # Every dense weight of a layer is one multiply-add per token (projections, router, shared experts,
+    # dense MLPs), as the simulator's flat model counts them (engines/sim/cost.py); counting the
+    # attention projections alone left DeepSeek-V3's dense MLP and shared expert out of prefill.
+    proj_flops = 2 * T * s.layer_dense_bytes / e
     decode_parts = max(1, math.ceil(decode_seqs / max(1, plan.micro_batch)))
     # Attention micro-batches: the decode runs, then the prefill chunks, each its own where
     # their KV is staged per chunk (stream, split), else all together.

@@ -45,7 +45,9 @@ from engines.sim.cost import StepCost, module_curves, prefill_overhead_s
 from engines.sim.executor import SimExecutor
 from engines.sim.routing import routing_source
 
-VERSION = "moegen-3"  # 2: GEMMs by the module curves engines/sim/cost.py picks; 3: the prefill overheads
+# 2: GEMMs by the module curves engines/sim/cost.py picks; 3: the prefill overheads, and dense FLOPs from
+# every dense parameter (were the attention projections')
+VERSION = "moegen-3"
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 

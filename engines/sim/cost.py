@@ -59,8 +59,8 @@ rate (efficiencies are at most 1), so `seconds >= roofline_s`.
 
 Differences from moegen's plan model by design: no micro-batches, rings or host attention (the
 simulated engine's own control code decides placements, the step reports its copies); experts
-priced one by one (uneven loads cost more than moegen's even split); dense FLOPs from every
-dense parameter (moegen counts the attention projections only).
+priced one by one (uneven loads cost more than moegen's even split). Both count dense FLOPs from
+every dense parameter.
 
 Interpolation: the curves' points are read once and interpolated here in log(size), flat beyond
 the points, as `Curve.at` does (a few lines duplicated from engines/moegen/cost.py's

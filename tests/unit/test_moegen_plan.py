@@ -45,7 +45,7 @@ def test_one_layer_by_hand():
     hw = TOY_HW
     plan = BatchPlan("device", 10, 10, expert_slots=4, resident_experts=0, device_kv_bytes=0)
     c = step_cost(shape, hw, plan, decode_seqs=10, prefill_tokens=0, decode_context=10 * 50, prefill_context=0)
-    dense = max(1_000 / 1e9, 2 * 10 * 100 * (2 * 100 + 2 * 50) / 1e12)  # 1 us (bytes)
+    dense = max(1_000 / 1e9, 2 * 10 * (1_000 / 4) / 1e12)  # 1 us (bytes); FLOPs: every dense parameter
     attention = max(KV_READS * 500 * 400 / 1e9, 4 * 2 * 50 * 500 / 1e12)  # 600 us (bytes)
     experts = max(4 * 1e6 / 1e9, 10 * 2 * 6 * 100 * 200 / 1e12)  # 4 ms (bytes: 4 experts)
     link = 4 * 1e6 / 1e8  # 40 ms: every expert streams
@@ -290,7 +290,7 @@ def test_few_row_matmuls_and_greedy_sampling_cost_what_pwbench_hw_measured():
     plan = BatchPlan("device", 32, 32, expert_slots=0, resident_experts=4, device_kv_bytes=0)
     c = step_cost(shape, hw, plan, decode_seqs=32, prefill_tokens=0, decode_context=32 * 50, prefill_context=0)
     rate32, rate16 = hw.matmul_flops(32), hw.matmul_flops(16)  # projections: 32 rows; experts: 32 x 2 / 4
-    dense = max(1_000 / 1e9, 2 * 32 * 100 * (2 * 100 + 2 * 50) / rate32)
+    dense = max(1_000 / 1e9, 2 * 32 * (1_000 / 4) / rate32)
     attention = max(KV_READS * 1600 * 400 / 1e9, 4 * 2 * 50 * 1600 / 1e12)
     experts = max(4 * 1e6 / 1e9, 32 * 2 * 6 * 100 * 200 / rate16)
     head = max(4_000 / 1e9, 2 * 32 * 100 * 1000 / rate32) + 32 * 1000 * 4 / 2e8
