@@ -126,9 +126,9 @@ class _Pricing:
                 "version": VERSION, "profile": self.profile.name,
                 "hardware": dataclasses.asdict(self.hw),
                 "step_overhead_s": float(self.profile.step_overhead_s),
-                "prefill_overhead": "layers x (prefill_token_overhead_s x prefill tokens + prefill_segment_overhead_s "
-                                    "x prefill segments), as engines/sim/cost.py adds it: "
-                                    f"{float(getattr(self.profile, 'prefill_token_overhead_s', 0.0) or 0.0):.3g} s, "
+                "prefill_overhead": "layers x (prefill_element_overhead_s x prefill tokens x hidden + "
+                                    "prefill_segment_overhead_s x prefill segments), as engines/sim/cost.py adds it: "
+                                    f"{float(getattr(self.profile, 'prefill_element_overhead_s', 0.0) or 0.0):.3g} s, "
                                     f"{float(getattr(self.profile, 'prefill_segment_overhead_s', 0.0) or 0.0):.3g} s",
                 "curves_applied": "projections, experts, LM head: the curves engines/sim/cost.py module_curves "
                                   "picks (gemm@K, grouped_gemm@K, head@K where measured for this model, else "
@@ -283,7 +283,7 @@ class MoEGenSimExecutor(SimExecutor):
         c = step_cost(shape, hw, plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
                       active_experts=active, copied_experts=copied)
         overhead = float(self.profile.step_overhead_s) + prefill_overhead_s(
-            self.profile, self.shape.layers, prefill_tokens, sum(1 for c in prefills if c.length))
+            self.profile, self.shape, prefill_tokens, sum(1 for c in prefills if c.length))
         kvb = self.kv_bytes_per_token
         read = (self.dense_bytes_read + sum(nbytes * n for nbytes, n in runs.items())
                 + decode_context * kvb + sum(ch.start for ch in prefills) * kvb)

@@ -193,16 +193,17 @@ def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: i
     return max(0.0, median), details
 
 
-def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int) -> tuple[float, float, dict[str, Any]]:
+def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
+                         hidden: int = 1) -> tuple[float, float, dict[str, Any]]:
     """The model code's prefill time beyond what the cost model prices, per layer: `rows` are
     (prefill tokens, prefill segments, measured minus predicted seconds) of prefill-only steps of
-    one model with `layers` layers; least squares residual = layers x (a x tokens + b x segments)
-    with a, b >= 0 (a coefficient the fit makes negative is 0 and the other refitted alone).
+    one model with `layers` layers of `hidden` width; least squares residual = layers x (a x tokens
+    x hidden + b x segments) with a, b >= 0 (a coefficient the fit makes negative is 0 and the other refitted alone).
     Returns (a, b, details: steps, rms of the fit's error). ValueError (one line) for fewer than
     two rows or rows that cannot tell the two apart."""
     if len(rows) < 2 or layers < 1:
         raise ValueError(f"prefill overhead: {len(rows)} steps of {layers} layers; need at least 2 steps")
-    x = [(layers * t, layers * g) for t, g, _ in rows]
+    x = [(layers * t * hidden, layers * g) for t, g, _ in rows]
     y = [r for *_, r in rows]
     stt, stg, sgg = (sum(a * a for a, _ in x), sum(a * b for a, b in x), sum(b * b for _, b in x))
     sty, sgy = sum(a * r for (a, _), r in zip(x, y)), sum(b * r for (_, b), r in zip(x, y))

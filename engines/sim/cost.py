@@ -47,8 +47,8 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   first + max(compute, the rest); without, copies add.
   On a shared processor (the `cpu` profile: the "link" is a memcpy on the same cores, as in
   moegen's model) both directions and compute add up, always.
-- `step_overhead_s` once per step; `prefill_token_overhead_s` per prefill token and
-  `prefill_segment_overhead_s` per prefill segment (one sequence's chunk), each per layer
+- `step_overhead_s` once per step; `prefill_element_overhead_s` per prefill activation element
+  (token x hidden) and `prefill_segment_overhead_s` per prefill segment (one sequence's chunk), each per layer
   (`prefill_overhead_s`): the model code's time beyond the priced modules that grows with the
   prefill (per-segment attention calls on views, cache writes; `pwbench hw calibrate` fits both
   on the bundled model; 0 in the GPU profiles).
@@ -155,14 +155,16 @@ def torch_calls(shape: ModelShape, groups: int, expert_runs: int) -> int:
     return (per_layer + OPS_PER_ATTENTION_GROUP * groups) * shape.layers + OPS_PER_EXPERT * expert_runs
 
 
-def prefill_overhead_s(profile: Any, layers: int, tokens: int, segments: int) -> float:
+def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: int) -> float:
     """The model code's time a prefill of `tokens` tokens in `segments` segments takes beyond the
-    priced modules, over `layers` layers, by the profile's per-layer rates (0 where it has none)."""
+    priced modules, over the model's layers, by the profile's per-layer rates (0 where it has
+    none): per activation element (token x hidden: the elementwise kernels around the priced
+    modules scale with it) and per segment (each sequence's chunk attended in its own calls)."""
     if not tokens:
         return 0.0
-    per_token = float(getattr(profile, "prefill_token_overhead_s", 0.0) or 0.0)
+    per_element = float(getattr(profile, "prefill_element_overhead_s", 0.0) or 0.0)
     per_segment = float(getattr(profile, "prefill_segment_overhead_s", 0.0) or 0.0)
-    return layers * (per_token * tokens + per_segment * segments)
+    return shape.layers * (per_element * tokens * shape.hidden + per_segment * segments)
 
 
 def gemm_s(weight_bytes: float, flops: float, bw: float, peak: float, efficiency: float) -> float:
@@ -454,7 +456,7 @@ class CostModel:
                 exposed = first + max(0.0, rest - compute)
         overhead = float(self.profile.step_overhead_s) if (T or busy) else 0.0
         if prefill_tokens:
-            overhead += prefill_overhead_s(self.profile, s.layers, prefill_tokens,
+            overhead += prefill_overhead_s(self.profile, s, prefill_tokens,
                                            sum(1 for n, _ in work.prefill if n > 0))
         seconds = compute + exposed + overhead
         parts = {"dense": dense, "head": head, "experts": experts, "attention": attention,
@@ -487,7 +489,7 @@ class CostModel:
             "profile": p.name, "description": getattr(p, "description", ""), "dtype": self.dtype,
             "memory_bytes_per_s": self.bw, "flops_per_s": self.peak, "link_pinned_bytes_per_s": self.link,
             "step_overhead_s": float(p.step_overhead_s),
-            "prefill_token_overhead_s": float(getattr(p, "prefill_token_overhead_s", 0.0) or 0.0),
+            "prefill_element_overhead_s": float(getattr(p, "prefill_element_overhead_s", 0.0) or 0.0),
             "prefill_segment_overhead_s": float(getattr(p, "prefill_segment_overhead_s", 0.0) or 0.0),
             "op_overhead_s": self.op_overhead_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
@@ -533,8 +535,8 @@ class CostModel:
                                      "attention_prefill(chunk); (context + chunk) x kv_bytes_per_token at the "
                                      "bandwidth",
                 "copies": "bytes / (link_pinned_bytes_per_s x copy(bytes per transfer))",
-                "overhead": "step_overhead_s per step + layers x (prefill_token_overhead_s x prefill tokens + "
-                            "prefill_segment_overhead_s x prefill segments)",
+                "overhead": "step_overhead_s per step + layers x (prefill_element_overhead_s x prefill tokens x "
+                            "hidden + prefill_segment_overhead_s x prefill segments)",
                 "roofline": "(dense_bytes_read + experts' nbytes + KV attended) / memory_bytes_per_s",
             },
             "left_out": "the scheduler's Python per sequence; kernel fusion beyond this runtime's; MLA "

@@ -84,15 +84,15 @@ def curve_base(key: str) -> str:
     return base if at and suffix and base in SHAPED_CURVES else key
 REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
-           "host_flops_per_s", "step_overhead_s", "op_overhead_s", "prefill_token_overhead_s",
+           "host_flops_per_s", "step_overhead_s", "op_overhead_s", "prefill_element_overhead_s",
            "prefill_segment_overhead_s")
 _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
 _BOOLS = ("shared_processor",)
 _TABLES = ("flops_per_s", "efficiency", "sources")
 _FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
-_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "prefill_token_overhead_s", "prefill_segment_overhead_s")
-_ZERO_OK = ("op_overhead_s", "step_overhead_s", "prefill_token_overhead_s", "prefill_segment_overhead_s")
+_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "prefill_element_overhead_s", "prefill_segment_overhead_s")
+_ZERO_OK = ("op_overhead_s", "step_overhead_s", "prefill_element_overhead_s", "prefill_segment_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,9 @@ class HardwareProfile:
     sources: dict[str, str]  # field -> source
     default_dtype: str  # "bfloat16" on GPUs, "float32" for cpu
     op_overhead_s: float = 0.0  # per kernel/op dispatch (added to the design's fields)
-    # The model code's time per prefill token and per prefill segment (one sequence's chunk), per
-    # layer, beyond the priced modules (added): `pwbench hw calibrate` fits both on the cpu profile.
-    prefill_token_overhead_s: float = 0.0
+    # The model code's time per prefill activation element (token x hidden) and per prefill segment (one
+    # sequence's chunk), per layer, beyond the priced modules (added): `pwbench hw calibrate` fits both.
+    prefill_element_overhead_s: float = 0.0
     prefill_segment_overhead_s: float = 0.0
     origin: str = ""  # the file (or "cpu: ...") it was read from (added)
     # host and device are one processor (copies are memcpys on the compute cores); None: the
@@ -457,7 +457,7 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
     if m.get("step_overhead_s") is not None:  # `pwbench hw calibrate`: the runtime's per-step time outside the model
         table["step_overhead_s"] = float(m["step_overhead_s"])
         sources["step_overhead_s"] = f"{src}: {m.get('step_overhead_source', 'step_overhead_s')}"
-    for f in ("prefill_token_overhead_s", "prefill_segment_overhead_s"):
+    for f in ("prefill_element_overhead_s", "prefill_segment_overhead_s"):
         if m.get(f) is not None:  # `pwbench hw calibrate`'s prefill probe
             table[f] = float(m[f])
             sources[f] = f"{src}: {m.get('prefill_overhead_source', f)}"

@@ -101,7 +101,7 @@ def hw_show(
 
 SCALARS = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s",
            "host_memory_bytes", "host_memory_bytes_per_s", "host_flops_per_s", "step_overhead_s", "op_overhead_s",
-           "prefill_token_overhead_s", "prefill_segment_overhead_s")
+           "prefill_element_overhead_s", "prefill_segment_overhead_s")
 
 
 def _profile_json(p: Any) -> dict[str, Any]:
@@ -178,7 +178,7 @@ def measure_op_overhead() -> tuple[float, str]:
     with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
         trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-no-overhead.toml"
         prof.write_text(profile_toml(dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker,
-                                                         prefill_token_overhead_s=0.0,
+                                                         prefill_element_overhead_s=0.0,
                                                          prefill_segment_overhead_s=0.0)))
         measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
         threads = torch.get_num_threads()
@@ -186,9 +186,10 @@ def measure_op_overhead() -> tuple[float, str]:
         measured.start()
         try:
             _timed_steps(measured, batch("warm"), time.thread_time)  # the first calls fault pages in
-            # each step the least of PROBE_PASSES passes (the same batches): the pass a neighbour disturbed least
+            # each step the median of PROBE_PASSES passes (the same batches): a run's typical step, as a
+            # run's latency medians see it, with one neighbour's burst in one pass left out
             passes = [_timed_steps(measured, batch(f"probe{k}"), time.thread_time) for k in range(PROBE_PASSES)]
-            wall = [min(step) for step in zip(*passes)]
+            wall = [sorted(step)[len(step) // 2] for step in zip(*passes)]
         finally:
             measured.stop()
             torch.set_num_threads(threads)
@@ -205,8 +206,8 @@ def measure_op_overhead() -> tuple[float, str]:
     seconds, d = fit_step_overhead(wall, predicted, calls=calls)
     source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
               f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, one torch thread) of the "
-              f"measured CPU time per step (the least of {PROBE_PASSES} passes; {d['median_measured_s'] * 1e3:.2f} ms) "
-              "minus the same step simulated "
+              f"measured CPU time per step (the median of {PROBE_PASSES} passes; "
+              f"{d['median_measured_s'] * 1e3:.2f} ms) minus the same step simulated "
               f"without dispatch or step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute, "
               "its GEMMs by the bundled model's own shape curves where measured, plus the control code's measured "
               f"CPU time), per torch call the cost model counts in the step (~{d['median_calls']}): the runtime's "
@@ -262,14 +263,14 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
 
     with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
         trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-no-prefill-overhead.toml"
-        prof.write_text(profile_toml(dataclasses.replace(cpu_profile(), prefill_token_overhead_s=0.0,
+        prof.write_text(profile_toml(dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0,
                                                          prefill_segment_overhead_s=0.0)))
         measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         measured.start()
         try:
-            layers = measured.checkpoint.config.num_layers
+            layers, hidden = measured.checkpoint.config.num_layers, measured.checkpoint.config.hidden_size
             wall = steps(measured, time.thread_time)
         finally:
             measured.stop()
@@ -283,18 +284,18 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
     rows = []
     for k, (segments, n) in enumerate(PREFILL_PROBE):
         got = slice(k * PREFILL_REPEATS, (k + 1) * PREFILL_REPEATS)
-        # the least measured (the repeat a neighbour disturbed least) against the median simulated
-        residual = min(wall[got]) - sorted(predicted[got])[PREFILL_REPEATS // 2]
+        # the median measured repeat (a run's typical step) against the median simulated one
+        residual = sorted(wall[got])[PREFILL_REPEATS // 2] - sorted(predicted[got])[PREFILL_REPEATS // 2]
         rows.append((segments * n, segments, residual))
-    per_token, per_segment, d = fit_prefill_overhead(rows, layers)
+    per_element, per_segment, d = fit_prefill_overhead(rows, layers, hidden)
     probe = ", ".join(f"{g} x {n}" for g, n in PREFILL_PROBE)
     source = (f"`pwbench hw calibrate`: least squares over {d['steps']} prefill steps of the bundled model on engine "
-              f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {probe}; least of "
+              f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {probe}; median of "
               f"{PREFILL_REPEATS} repeats each, one torch thread, this thread's CPU time) of measured minus simulated "
-              f"(the cost model with step overhead, without these) = layers x ({per_token * 1e6:.2f} us x tokens + "
+              f"(the cost model without these) = layers x ({per_element * 1e9:.2f} ns x tokens x hidden ({hidden}) + "
               f"{per_segment * 1e6:.1f} us x segments); rms error {d['rms_s'] * 1e3:.2f} ms: the model code's time "
-              "per prefill token and segment beyond the priced modules")
-    return per_token, per_segment, source
+              "per prefill activation element and segment beyond the priced modules")
+    return per_element, per_segment, source
 
 
 @hw_app.command("calibrate")
@@ -355,7 +356,7 @@ def hw_calibrate(
         result["step_overhead_s"] = 0.0
         result["step_overhead_source"] = "folded into op_overhead_s (fitted per counted torch call)"
         save_cached(result)
-        (result["prefill_token_overhead_s"], result["prefill_segment_overhead_s"],
+        (result["prefill_element_overhead_s"], result["prefill_segment_overhead_s"],
          result["prefill_overhead_source"]) = measure_prefill_overhead()
         save_cached(result)
     try:

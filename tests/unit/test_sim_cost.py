@@ -88,19 +88,20 @@ def test_prefill_attention_by_hand():
 
 
 def test_prefill_overheads_by_hand():
-    # Two prefill segments (6 and 3 tokens; an empty one does not count) and one decode row, 3 layers:
-    # 3 x (1 us x 9 tokens + 20 us x 2 segments) = 147 us over the 5 us step overhead; a decode-only step
-    # has none, and a profile without the rates (a GPU's) adds nothing.
+    # Two prefill segments (6 and 3 tokens; an empty one does not count) and one decode row, 3 layers of
+    # hidden 4: 3 x (1 us x 9 tokens x 4 + 20 us x 2 segments) = 228 us over the 5 us step overhead; a
+    # decode-only step has none, and a profile without the rates (a GPU's) adds nothing.
     from engines.sim.cost import prefill_overhead_s
 
     shape = replace(TINY, layers=3)
     work = StepWork(prefill=((6, 0), (3, 4), (0, 2)), decode_contexts=(10,), kv_bytes_per_token=16)
-    rated = replace(profile(), prefill_token_overhead_s=1e-6, prefill_segment_overhead_s=2e-5)
-    assert CostModel(rated, shape, "bfloat16").step(work).parts["overhead"] == pytest.approx(5e-6 + 147e-6)
+    rated = replace(profile(), prefill_element_overhead_s=1e-6, prefill_segment_overhead_s=2e-5)
+    assert CostModel(rated, shape, "bfloat16").step(work).parts["overhead"] == pytest.approx(5e-6 + 228e-6)
     assert CostModel(profile(), shape, "bfloat16").step(work).parts["overhead"] == pytest.approx(5e-6)
     decode = replace(work, prefill=())
     assert CostModel(rated, shape, "bfloat16").step(decode).parts["overhead"] == pytest.approx(5e-6)
-    assert prefill_overhead_s(rated, 3, 9, 2) == pytest.approx(147e-6) and prefill_overhead_s(rated, 3, 0, 0) == 0
+    assert prefill_overhead_s(rated, shape, 9, 2) == pytest.approx(228e-6)
+    assert prefill_overhead_s(rated, shape, 0, 0) == 0
 
 
 def test_copies_add_overlap_or_share_the_processor():

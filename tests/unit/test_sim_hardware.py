@@ -147,12 +147,12 @@ def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
     # `hw calibrate`'s fits: the runtime's time per counted call replaces the tiny call's, the prefill rates
     # are read as they were fitted; a step overhead of 0 (folded into the call's) is 0, not cpu.toml's
     m_fit = {**m2, "step_overhead_s": 0.0, "runtime_op_overhead_s": 2.2e-6, "runtime_op_overhead_source": "fit A",
-             "prefill_token_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_overhead_source": "fit B"}
+             "prefill_element_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_overhead_source": "fit B"}
     cache_path().write_text(json.dumps({cpu_model(): m_fit}))
     pf = load_profile("cpu")
     assert (pf.op_overhead_s, pf.step_overhead_s) == (2.2e-6, 0.0) and "fit A" in pf.sources["op_overhead_s"]
-    assert (pf.prefill_token_overhead_s, pf.prefill_segment_overhead_s) == (7e-7, 3e-5)
-    assert "fit B" in pf.sources["prefill_token_overhead_s"] and "fit B" in pf.sources["prefill_segment_overhead_s"]
+    assert (pf.prefill_element_overhead_s, pf.prefill_segment_overhead_s) == (7e-7, 3e-5)
+    assert "fit B" in pf.sources["prefill_element_overhead_s"] and "fit B" in pf.sources["prefill_segment_overhead_s"]
     from engines.sim.hardware import profile_toml
 
     back = tmp_path / "fitted.toml"
@@ -222,7 +222,8 @@ def test_fit_step_overhead_per_call_is_the_median_residual_per_call():
     from engines.sim.calibrate import fit_step_overhead
 
     # after 2 warm-up steps, residuals 1, 2, 4 ms over 100, 100, 200 calls: 10, 20, 20 us per call -> 20 us
-    seconds, d = fit_step_overhead([9, 9, 0.011, 0.012, 0.014], [0, 0, 0.010, 0.010, 0.010], calls=[1, 1, 100, 100, 200])
+    measured, predicted = [9, 9, 0.011, 0.012, 0.014], [0, 0, 0.010, 0.010, 0.010]
+    seconds, d = fit_step_overhead(measured, predicted, calls=[1, 1, 100, 100, 200])
     assert seconds == pytest.approx(20e-6) and d["steps"] == 3 and d["median_calls"] == 100
     with pytest.raises(ValueError, match="replay"):
         fit_step_overhead([0.1, 0.2, 0.3], [0.1, 0.2, 0.3], calls=[1, 2])
@@ -231,12 +232,12 @@ def test_fit_step_overhead_per_call_is_the_median_residual_per_call():
 def test_fit_prefill_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_prefill_overhead
 
-    a, b, layers = 1e-6, 2e-5, 2  # per token and per segment, per layer
+    a, b, layers, hidden = 1e-8, 2e-5, 2, 128  # per token x hidden element and per segment, per layer
     steps = [(32, 1), (384, 1), (256, 4), (768, 24), (768, 6)]
-    rows = [(t, g, layers * (a * t + b * g)) for t, g in steps]
-    got_a, got_b, d = fit_prefill_overhead(rows, layers)
+    rows = [(t, g, layers * (a * t * hidden + b * g)) for t, g in steps]
+    got_a, got_b, d = fit_prefill_overhead(rows, layers, hidden)
     assert got_a == pytest.approx(a) and got_b == pytest.approx(b) and d["rms_s"] == pytest.approx(0, abs=1e-12)
-    # a negative per-segment cost is not a cost: 0, and the per-token rate refitted alone
+    # a negative per-segment cost is not a cost: 0, and the per-element rate refitted alone
     rows = [(100, 1, 2 * 1e-4), (100, 10, 2 * 0.9e-4), (400, 1, 2 * 4e-4)]
     got_a, got_b, _ = fit_prefill_overhead(rows, 2)
     assert got_b == 0.0 and got_a == pytest.approx((100 * 1e-4 + 100 * 0.9e-4 + 400 * 4e-4) / (100**2 * 2 + 400**2))
