@@ -11,7 +11,8 @@ simulates (`engine_class(name).simulates`; the others are skipped with a line sa
 two workloads, offline (`offline_batch`: every request at t=0) and open loop (`rag_long` with
 Poisson arrivals at a moderate rate, independent turns, lengths scaled to the model), the run
 is measured (harness.run.execute, its routing recorded with `record_routing`; timed on the run
-thread's CPU time, `--clock cpu`, so neighbours on this shared machine do not count) and then
+thread's CPU time, `--clock cpu`, so neighbours on this shared machine do not count; `--repeats`
+times, the median run taken) and then
 simulated on the `cpu` profile (`simulate="cpu"`, `routing="replay:<that trace>"`), with the
 same options and budget. One table per model: measured, simulated and the error for output
 tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-cache and
@@ -48,7 +49,7 @@ DEFAULT_ENGINES = "moe,offload,static-rtn,pagedweight,moegen,full"  # each runs 
 # keep the open-loop run moderately loaded on this CPU (a few requests in flight, no backlog).
 # The random models' static-rtn runs dominate the benchmark's time (its CPU dequantization: ~1 s
 # per decode step here), so their sizes are smaller.
-# `repeats`: measured runs per pair (the least disturbed is compared; the demo model's runs take ~2 s).
+# `repeats`: measured runs per pair (the median is compared; the demo model's runs take ~2 s).
 SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 5},
          "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
          "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2}}
@@ -278,9 +279,10 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
              tmp_name: str, warmup: int, cpu_clock: bool = True,
              repeats: int = 1) -> tuple[str, str, dict, dict] | None:
     """One engine on one workload, measured `repeats` times (its routing recorded) and then simulated
-    replaying the measured run that took the least CPU time in its steps (the one a neighbour on
-    this shared machine disturbed least: the same batches, tokens and routing each time, so the
-    runs differ by that alone); prints what it did and returns the table row (None: it does not
+    replaying the median measured run by the CPU time its steps took (of two, the lower: the same
+    batches, tokens and routing each time, so the runs differ by what neighbours on this shared
+    machine took; a run one burst hit is left out, as `pwbench hw calibrate` takes each probe
+    step's median over passes); prints what it did and returns the table row (None: it does not
     run, and says why)."""
     from engines.base import EngineError
     from harness.run import RunArgs, execute
@@ -312,7 +314,8 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     try:
         t0 = time.perf_counter()
         runs = [measure(k) for k in range(max(1, repeats))]
-        folder_m, measured, clocks, trace = min(runs, key=lambda r: r[2].cpu)
+        # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
+        folder_m, measured, clocks, trace = sorted(runs, key=lambda r: r[2].cpu)[(len(runs) - 1) // 2]
         t1 = time.perf_counter()
         sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
         if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
@@ -330,8 +333,8 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
         s["tok/s x share"] = s["output tok/s"] * clocks.share
         m["tok/s x share"] = m["output tok/s"]
     replay = (simulated.get("simulated") or {}).get("routing") or {}
-    spread = (f"; {len(runs)} measured runs' step CPU s {', '.join(f'{r[2].cpu:.3f}' for r in runs)}, the least "
-              "taken") if len(runs) > 1 else ""
+    spread = (f"; {len(runs)} measured runs' step CPU s {', '.join(f'{r[2].cpu:.3f}' for r in runs)}, the median "
+              "taken (of two, the lower)") if len(runs) > 1 else ""
     print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
           f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
           f"misses {replay.get('replay_misses')}; peak RSS {peak_rss_gb():.2f} GB{spread}")
@@ -371,8 +374,9 @@ def main() -> None:
                              "arrivals skipped, so a neighbour holding the core does not count (torch runs on that "
                              "thread: OMP_NUM_THREADS=1); wall, the wall clock (its core share is printed)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="measured runs per engine and workload; the one with the least CPU time in its steps "
-                             "(the least disturbed by a neighbour) is compared (default: per model, "
+                        help="measured runs per engine and workload; the median by the CPU time of its steps (of "
+                             "two, the lower) is compared, so a run a neighbour's burst hit is left out (default: per "
+                             "model, "
                              + ", ".join(f"{m} {v['repeats']}" for m, v in SIZES.items()) + ")")
     parser.add_argument("--slow", action="store_true",
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
