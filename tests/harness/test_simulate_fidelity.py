@@ -158,3 +158,48 @@ def test_bench_step_residuals_compare_the_same_batches(tmp_path):
     assert step_residuals(m, s) == "prefill 1 steps: 300.0 / 270.0 ms (-10%); decode 3 steps: 55.0 / 60.5 ms (+10%)"
     assert step_residuals(m, write("other", [0.1, 0.1, 0.1, 0.1], [200, 200, 0, 0])) is None
     assert step_residuals(m, tmp_path / "absent") is None
+
+
+@pytest.mark.slow
+def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_path, monkeypatch):
+    """`pwbench hw calibrate` on this machine (~20 s): the runtime's time per counted torch call and
+    the per-layer prefill rates are fitted on the bundled model (engines/sim/calibrate.py's fits,
+    tested by hand in tests/unit/test_sim_hardware.py), land in the cpu profile with their sources,
+    and a simulated prefill step pays exactly layers x (element rate x tokens x hidden + segment rate
+    x segments) more than on the same profile without them (control time off: compute only)."""
+    import dataclasses
+
+    from typer.testing import CliRunner
+
+    from engines.runtime.shape import model_shape
+    from engines.sim.hardware import load_profile, profile_toml
+    from harness.cli import app
+
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path / "cache"))
+    done = CliRunner().invoke(app, ["hw", "calibrate", "--json"])
+    assert done.exit_code == 0, done.output
+    p = load_profile("cpu")
+    assert p.step_overhead_s == 0 and p.op_overhead_s > 0 and "per torch call" in p.sources["op_overhead_s"]
+    assert p.prefill_element_overhead_s >= 0 and p.prefill_segment_overhead_s >= 0
+    assert "prefill steps of the bundled model" in p.sources["prefill_segment_overhead_s"]
+
+    without = tmp_path / "without.toml"
+    without.write_text(profile_toml(dataclasses.replace(p, prefill_element_overhead_s=0.0,
+                                                        prefill_segment_overhead_s=0.0)))
+    firsts = []
+    for prof in ("cpu", str(without)):
+        engine = create_engine("moe", {"model": DEMO, "simulate": prof, "routing": "uniform", "control_time": "off"})
+        engine.start()
+        try:
+            for r in _batch("p", 5):
+                engine.add_request(r)
+            out = engine.step()
+            firsts.append((out.num_prefill_tokens, engine.executor.last.seconds))
+            config = engine.checkpoint.config
+        finally:
+            engine.stop()
+    (tokens, with_s), (_, without_s) = firsts
+    shape = model_shape(config, 4)
+    want = shape.layers * (p.prefill_element_overhead_s * tokens * shape.hidden + p.prefill_segment_overhead_s * 5)
+    assert tokens == sum(32 + 9 * i for i in range(5))
+    assert with_s - without_s == pytest.approx(want, rel=1e-9, abs=1e-12)
