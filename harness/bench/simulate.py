@@ -3,7 +3,7 @@
     python -m harness.bench.simulate [--models demo,mixtral,deepseek_v3]
                                      [--engines moe,offload,static-rtn,pagedweight,moegen,full]
                                      [--requests 6] [--rate R] [--output-len 16] [--keep DIR]
-                                     [--no-shape-calibration]
+                                     [--repeats N] [--no-calibration]
 
 For each model (the bundled demo model, and the Mixtral- and DeepSeek-V3-shaped random models
 of harness.bench.engines.build_model, built into a temporary folder), each engine that
@@ -18,10 +18,10 @@ same options and budget. One table per model: measured, simulated and the error 
 tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-cache and
 expert-cache hit rates and mean expert bits where the engine reports them.
 
-The `cpu` profile is what `pwbench hw calibrate` (or `pwbench hw --device cpu`) cached for this
-CPU; run it first, with the same thread count (OMP_NUM_THREADS) as this benchmark. Each model's
-own GEMM shapes are measured first and added to that cache (as `pwbench hw calibrate --model`
-does; --no-shape-calibration skips it). An offline run's steps are the same batches on both
+The `cpu` profile is what `pwbench hw calibrate` cached for this CPU, run again right before
+each model's runs (`pwbench hw calibrate --model MODEL`: this CPU, the model's own GEMM shapes,
+the runtime's per-call and prefill overheads; --no-calibration takes the cache as it is), with
+this benchmark's thread count (OMP_NUM_THREADS=1). An offline run's steps are the same batches on both
 sides: the line after it gives the median prefill and decode step, measured / simulated.
 Results: docs/simulation-validation.md.
 """
@@ -233,22 +233,21 @@ def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> None:
     sys.stdout.flush()
 
 
-def calibrate_shapes(model: str) -> None:
-    """`pwbench hw calibrate --model`'s measurement of this model's GEMM shapes, added to this
-    CPU's cached measurements (the cpu profile then prices the model by its own shapes)."""
-    from engines.common.peaks import cached_peaks, cpu_model
-    from harness.bench.cpu_ops import model_gemm_entry
-    from harness.hw import save_cached
+def calibrate(model: str) -> None:
+    """`pwbench hw calibrate --model MODEL` now (harness/cli/hw.py `calibrate_cpu`): this CPU, the
+    model's GEMM shapes and the runtime's per-call and prefill overheads measured again right
+    before the model's runs, so the profile is the machine as it is while they run (a shared
+    machine's speed drifts by tens of percent between minutes)."""
+    from engines.sim.hardware import cpu_profile
+    from harness.cli.hw import calibrate_cpu
 
-    entry = cached_peaks().get(cpu_model())
-    if not entry or not entry.get("memory_bandwidth_bytes_per_s"):
-        print(f"{model}: shapes not calibrated: this CPU has no `pwbench hw` measurement; run `pwbench hw calibrate`")
-        return
     t = time.perf_counter()
-    key, shapes = model_gemm_entry(model)
-    entry.setdefault("model_gemm", {})[key] = shapes
-    save_cached(entry)
-    print(f"{Path(model).name}: its GEMM shapes measured ({key}, {time.perf_counter() - t:.0f} s)")
+    calibrate_cpu([model])
+    p = cpu_profile()
+    print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {p.memory_bytes_per_s / 1e9:.1f} GB/s, "
+          f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call, prefill "
+          f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
+          f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment per layer")
 
 
 def step_residuals(measured: Path, simulated: Path) -> str | None:
@@ -366,9 +365,10 @@ def main() -> None:
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep every run's result folder (steps.parquet, requests.parquet) under DIR, for "
                              "comparing measured and simulated steps one by one (default: a temporary folder)")
-    parser.add_argument("--no-shape-calibration", dest="shape_calibration", action="store_false",
-                        help="do not measure each model's own GEMM shapes first (`pwbench hw calibrate --model`'s "
-                             "measurement, ~5-20 s a model, cached): the cpu profile's generic curves price them")
+    parser.add_argument("--no-calibration", "--no-shape-calibration", dest="calibration", action="store_false",
+                        help="do not run `pwbench hw calibrate --model` before each model's runs (this CPU, the "
+                             "model's own GEMM shapes and the runtime's overheads, ~20-40 s a model, cached): the "
+                             "cpu profile as cached prices them")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="the measured runs' clock: cpu (default), the run thread's CPU time with waits for "
                              "arrivals skipped, so a neighbour holding the core does not count (torch runs on that "
@@ -412,8 +412,8 @@ def main() -> None:
                 model = str(tmp / f"{arch}-shaped")
                 if not (Path(model) / "config.json").is_file():
                     build_model(Path(model), arch)
-            if args.shape_calibration:
-                calibrate_shapes(model)
+            if args.calibration:
+                calibrate(model)
             sizes = model_sizes(model)
             rows = []
             for engine in engines:

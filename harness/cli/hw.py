@@ -298,6 +298,41 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
     return per_element, per_segment, source
 
 
+def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
+    """`pwbench hw calibrate`'s work, cached as it goes: this CPU measured as `pwbench hw` does,
+    the GEMM shapes of each folder in `models` (and the bundled model's, for the probes) added
+    to those calibrated before, and with `overheads` the runtime's time per counted call and the
+    prefill rates fitted on the bundled model. Returns the cached measurement."""
+    from engines.common.peaks import cached_peaks, cpu_model
+    from harness.hw import measure, save_cached
+
+    previous = (cached_peaks().get(cpu_model()) or {}).get("model_gemm") or {}
+    result = measure("cpu")
+    folders = list(models)
+    if overheads:  # the probes' model, priced by its own shapes: the residual is then the runtime's Python
+        from engines.common.demo import demo_model_path
+
+        folders.append(str(demo_model_path()))
+    if folders or previous:
+        from harness.bench.cpu_ops import model_gemm_entry
+
+        result["model_gemm"] = dict(previous)  # models calibrated before keep their curves
+        for folder in folders:
+            key, entry = model_gemm_entry(folder)
+            result["model_gemm"][key] = entry
+    save_cached(result)
+    if overheads:
+        # kept beside `pwbench hw`'s op_overhead_s (a tiny call), which moegen's planner reads for measured runs
+        result["runtime_op_overhead_s"], result["runtime_op_overhead_source"] = measure_op_overhead()
+        result["step_overhead_s"] = 0.0
+        result["step_overhead_source"] = "folded into op_overhead_s (fitted per counted torch call)"
+        save_cached(result)
+        (result["prefill_element_overhead_s"], result["prefill_segment_overhead_s"],
+         result["prefill_overhead_source"]) = measure_prefill_overhead()
+        save_cached(result)
+    return result
+
+
 @hw_app.command("calibrate")
 @user_errors
 def hw_calibrate(
@@ -322,10 +357,8 @@ def hw_calibrate(
     from pathlib import Path
 
     from engines.base import ModelLoadError
-    from engines.common.peaks import cached_peaks, cpu_model
     from engines.runtime.checkpoint import open_checkpoint
     from engines.sim.hardware import cpu_profile, load_profile, profile_toml
-    from harness.hw import measure, save_cached
 
     out_path = Path(output).expanduser() if output else None
     if out_path is not None and (out_path.is_dir() or not out_path.parent.is_dir()):
@@ -335,30 +368,7 @@ def hw_calibrate(
             open_checkpoint(folder, config_only=True)
         except ModelLoadError as exc:
             raise fail(f"--model {folder}: {exc}") from None
-    previous = (cached_peaks().get(cpu_model()) or {}).get("model_gemm") or {}
-    result = measure("cpu")
-    folders = list(model or ())
-    if step_overhead:  # the probe's model, priced by its own shapes: the residual is then the per-step Python
-        from engines.common.demo import demo_model_path
-
-        folders.append(str(demo_model_path()))
-    if folders or previous:
-        from harness.bench.cpu_ops import model_gemm_entry
-
-        result["model_gemm"] = dict(previous)  # models calibrated before keep their curves
-        for folder in folders:
-            key, entry = model_gemm_entry(folder)
-            result["model_gemm"][key] = entry
-    save_cached(result)
-    if step_overhead:
-        # kept beside `pwbench hw`'s op_overhead_s (a tiny call), which moegen's planner reads for measured runs
-        result["runtime_op_overhead_s"], result["runtime_op_overhead_source"] = measure_op_overhead()
-        result["step_overhead_s"] = 0.0
-        result["step_overhead_source"] = "folded into op_overhead_s (fitted per counted torch call)"
-        save_cached(result)
-        (result["prefill_element_overhead_s"], result["prefill_segment_overhead_s"],
-         result["prefill_overhead_source"]) = measure_prefill_overhead()
-        save_cached(result)
+    result = calibrate_cpu(list(model or ()), step_overhead)
     try:
         p = cpu_profile()
         if out_path is not None:
