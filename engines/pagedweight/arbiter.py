@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from engines.pagedweight.mckp import (  # noqa: F401  (Allocation, POLISH_KEYS, solve_exact: re-exported)
     POLISH_KEYS,
@@ -54,13 +55,27 @@ class Move:
 
 @dataclass(frozen=True)
 class Decision:
+    """`target` and `cost` are formed when first read (the controller reads neither), from the
+    plan's choices and the `weights` it was given: a caller that reads them must not change
+    those weights in place before."""
+
     step: int
-    target: dict[Key, int]  # the goal: where the adopted plan leads once deferred moves run
     moves: tuple[Move, ...]  # issue in this order: forced first, room made before each promotion
     cancelled: tuple[Move, ...]  # in-flight promotions dropped to fit: abort their copies
     nbytes: int  # resident bytes once this step's moves (and those still in flight) complete
-    cost: float
     fits: bool  # False: even the floors exceed the capacity; queue or preempt requests
+    goal: Mapping[Key, Choice] = field(repr=False)  # each key's option where the adopted plan leads
+    pick: Mapping[Key, Choice] = field(repr=False)  # each key's option once this step's moves land
+    weights: Weights = field(repr=False)
+
+    @cached_property
+    def target(self) -> dict[Key, int]:
+        """The goal's bits per key: where the adopted plan leads once deferred moves run."""
+        return {k: o.bits for k, o in self.goal.items()}
+
+    @cached_property
+    def cost(self) -> float:
+        return _cost(self.pick, self.weights)
 
 
 TransferFn = Callable[[Key, int, int], int]  # (key, from_bits, to_bits) -> bytes moved
@@ -98,7 +113,7 @@ class Arbiter:
         self.bits: dict[Key, int] = dict(initial or {})  # committed: what the device holds
         self.changed_at: dict[Key, int] = {}  # step of each key's last committed change
         self._inflight: dict[Key, Move] = {}
-        self._target: dict[Key, int] = {}
+        self._goal: dict[Key, Choice] = {}  # each key's option in the latest plan's goal (its `target`)
         self._step: int | None = None
         self._floors_version = 0  # raised by raise_floor: the cached widths (see _widths) are stale
         self._shape_cache: tuple | None = None  # ((shape, floors version), keep, pos) from _widths
@@ -106,6 +121,11 @@ class Arbiter:
     @property
     def inflight(self) -> tuple[Move, ...]:
         return tuple(self._inflight.values())
+
+    @property
+    def target(self) -> dict[Key, int]:
+        """The latest plan's goal, in bits per key (a key whose floor was raised since: dropped)."""
+        return {k: o.bits for k, o in self._goal.items()}
 
     def _bytes_moved(self, key: Key, src: Choice, dst: Choice) -> int:
         if callable(self.transfer):
@@ -166,14 +186,16 @@ class Arbiter:
         w = dict.fromkeys(allowed, 1.0) if weights is None else weights
         inflight, bits = self._inflight, self.bits
         eff = {}  # the assignment once in-flight moves land: what bytes are promised to
+        total = 0
         for k, opts in allowed.items():
-            b = inflight[k].to_bits if k in inflight else bits[k]
+            m = inflight.get(k)
+            b = bits[k] if m is None else m.to_bits
             i = pos[k].get(b)
             if i is None:
                 raise ValueError(f"key {k!r} holds {b} bits, not an allowed option {sorted(pos[k])}")
-            eff[k] = opts[i]
+            o = eff[k] = opts[i]
+            total += o.nbytes
         keys = list(allowed)
-        total = sum(o.nbytes for o in eff.values())
         moves: list[Move] = []
         cancelled: list[Move] = []
         budget = math.inf if self.transition_bytes_per_step is None else self.transition_bytes_per_step
@@ -189,11 +211,14 @@ class Arbiter:
                     budget -= m.bytes_moved
         full_budget = budget
 
-        changed, wait = self.changed_at, self.min_residence_steps
-        free = [k for k in keys if k not in inflight and (k not in changed or step >= changed[k] + wait)]
-        room_free = capacity - (total - sum(eff[k].nbytes for k in free))
+        # Free keys: neither in flight nor inside their residence window (the few that are, in a set).
+        wait = self.min_residence_steps
+        held = {k for k, at in self.changed_at.items() if step < at + wait}
+        held.update(inflight)
+        free = [k for k in keys if k not in held] if held else keys
+        room_free = capacity - sum(eff[k].nbytes for k in held if k in eff)
         goal = self._adopt(step, capacity, free, allowed, pos, w, eff, room_free)
-        self._target = {k: eff[k].bits for k in keys} | {k: o.bits for k, o in goal.items()}
+        self._goal = eff | goal  # before the walk below moves eff toward the goal
 
         # Walk toward the goal: promotions by saving per byte, each preceded by the cheapest
         # goal demotions that make its room; stop spending at the transfer budget.
@@ -239,8 +264,7 @@ class Arbiter:
             if alone:
                 break
 
-        return Decision(step, dict(self._target), tuple(moves), tuple(cancelled), total, _cost(eff, w),
-                        total <= capacity)
+        return Decision(step, tuple(moves), tuple(cancelled), total, total <= capacity, self._goal, eff, w)
 
     def _force(self, step: int, capacity: int, allowed: dict[Key, list[Choice]], pos: dict[Key, dict[int, int]],
                w: Weights, eff: dict[Key, Choice], cancelled: list[Move]) -> int:
@@ -282,25 +306,30 @@ class Arbiter:
                pos: dict[Key, dict[int, int]], w: Weights, eff: dict[Key, Choice], room: int) -> dict[Key, Choice]:
         """The goal for the free keys: the earlier goal or the current bits, unless the fresh
         greedy (on a re-plan step) beats that base by the hysteresis margin."""
-        keep = {k: eff[k] for k in free}
+        every = len(free) == len(eff)  # every key free (free is then the keys in eff's order)
+        keep = dict(eff) if every else {k: eff[k] for k in free}
         replan = self._replanned is None or step >= self._replanned[0] + self.replan_every or \
             capacity != self._replanned[1]
         if replan:
             self._replanned = (step, capacity)
-            cand, picked = _greedy_pick({k: allowed[k] for k in free}, room, w)
-        target = self._target
-        old = {}
-        for k in free:
-            i = pos[k].get(target.get(k, eff[k].bits))
-            if i is None:  # an earlier goal no longer allowed (a floor rose): the current bits
-                old = None
-                break
-            old[k] = allowed[k][i]
+            cand, picked = _greedy_pick(allowed if every else {k: allowed[k] for k in free}, room, w)
         base, base_cost = keep, None
-        if old is not None and sum(o.nbytes for o in old.values()) <= room:
-            old_cost, base_cost = _cost(old, w), _cost(keep, w)
-            if old_cost < base_cost:
-                base, base_cost = old, old_cost
+        # The earlier goal, where it leads anywhere else than the current bits (else it is `keep`,
+        # as costly, and `keep` stays the base).
+        goal = self._goal
+        if any((g := goal.get(k)) is not None and g.bits != o.bits for k, o in keep.items()):
+            old = {}
+            for k, o in keep.items():
+                g = goal.get(k)
+                i = pos[k].get(o.bits if g is None else g.bits)
+                if i is None:  # an earlier goal no longer allowed (a floor rose): the current bits
+                    old = None
+                    break
+                old[k] = allowed[k][i]
+            if old is not None and sum(o.nbytes for o in old.values()) <= room:
+                old_cost, base_cost = _cost(old, w), _cost(keep, w)
+                if old_cost < base_cost:
+                    base, base_cost = old, old_cost
         if not replan:
             return base
         if base_cost is None:
@@ -331,7 +360,7 @@ class Arbiter:
         if held >= bits:
             return False
         self._inflight.pop(key, None)
-        self._target.pop(key, None)
+        self._goal = {k: o for k, o in self._goal.items() if k != key}  # a new dict: a Decision holds the old
         self.bits[key] = bits
         self.changed_at[key] = step
         return True

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import torch
@@ -169,7 +170,7 @@ class PagedController(Controller):
         alloc, sched = self.kv.allocator, self.scheduler
         need = sum(alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens) for s in sched.running)
         room = max(0, sched.max_num_seqs - len(sched.running))
-        for s in list(sched.waiting)[:room]:
+        for s in islice(sched.waiting, room):
             more = alloc.blocks_for(len(s.request.prompt_ids) + s.request.max_new_tokens)
             if need + more > alloc.num_blocks:
                 break

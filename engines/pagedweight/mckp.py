@@ -179,25 +179,27 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
         return total
     opts = list(allowed.values())
     ws = [weights[k] for k in keys]
-    # Entries (slope, added, index, option): one per key, so the index breaks every tie.
+    now = [pick[k] for k in keys]  # pick by key index, kept beside it
+    # Entries (slope, added, index, option): one per key, so the index breaks every tie (and
+    # the order entries leave the heap in does not depend on how it is arranged).
     heap = []
-    for i, k in enumerate(keys):
-        if (d := _down(opts[i], pick[k], ws[i], i)) is not None:
+    for i, cur in enumerate(now):
+        if (d := _down(opts[i], cur, ws[i], i)) is not None:
             heap.append(d)
     heapq.heapify(heap)
     log: list[tuple[Key, Choice]] = []  # applied steps, with the option each replaced
     spent = 0.0
     best: tuple[float, int, Key, Choice] | None = None  # (total added, steps kept, key, option)
-    # One entry per key, replaced only when that key is popped: no stale entries to skip.
+    # One entry per key, replaced only when that key is at the top: no stale entries to skip.
     while heap and (best is None or spent < best[0]):
-        _, added, i, o = heapq.heappop(heap)
+        _, added, i, o = heap[0]
         k, deficit = keys[i], total - capacity
-        cur = pick[k]
+        cur = now[i]
         if cur.nbytes - o.nbytes < deficit:
             log.append((k, cur))
             total -= cur.nbytes - o.nbytes
             spent += added
-            pick[k] = o
+            pick[k] = now[i] = o
             d = _down(opts[i], o, ws[i], i)
         else:
             first = best is None
@@ -208,15 +210,16 @@ def _demote(allowed: dict[Key, list[Choice]], pick: dict[Key, Choice], capacity:
                 # The first time the deficit can be closed, also try every key's single
                 # move (the knapsack's "best single item" guard); a key whose least-bytes
                 # option frees too little has none.
-                for j, key in enumerate(keys):
-                    have = pick[key]
+                for j, have in enumerate(now):
                     if have.nbytes - opts[j][0].nbytes >= deficit:
                         c = _closing(opts[j], have, ws[j], deficit)
                         if spent + c[0] < best[0]:
-                            best = (spent + c[0], len(log), key, c[1])
+                            best = (spent + c[0], len(log), keys[j], c[1])
             d = _down(opts[i], cur, ws[i], i, below=deficit)
-        if d is not None:
-            heapq.heappush(heap, d)
+        if d is None:
+            heapq.heappop(heap)
+        else:
+            heapq.heapreplace(heap, d)  # the top entry out, the key's next one in
     if best is None:
         return total  # every key at its least bytes and still over: the floors do not fit
     for k, prev in reversed(log[best[1]:]):

@@ -118,14 +118,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while alloc.over_capacity and self.running:
             self._preempt(self.running[-1], plan)
+        # A sequence leaves `running` here only through _preempt, into plan.preempted (short,
+        # mostly empty): asking it spares a scan of `running` per sequence.
+        preempted = plan.preempted
         for seq in list(self.running):
-            if seq not in self.running or seq.num_pending != 1 or budget == 0:
+            if seq.num_pending != 1 or budget == 0 or seq in preempted:
                 continue
             while not alloc.can_grow(seq.id, len(seq.token_ids)):
                 self._preempt(self.running[-1], plan)
-                if seq not in self.running:
+                if seq in preempted:
                     break
-            if seq in self.running:
+            if seq not in preempted:
                 alloc.grow(seq.id, len(seq.token_ids))
                 plan.decodes.append(Chunk(seq, seq.num_computed, 1))
                 budget -= 1

@@ -38,6 +38,7 @@ from engines.sim.clock import VirtualClock
 from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+_RUNS_LIMIT = 1 << 16  # ExpertRuns kept for reuse (_alike_runs)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class SimExecutor(Executor):
                                  for b in np.unique(self._layer_bytes)]
         self.totals = SimTotals()
         self._logits: dict[int, torch.Tensor] = {}
+        self._runs: dict[tuple[int, int], ExpertRun] = {}  # (tokens << 40 | bytes, count) -> its run
         self.control_time = control_time  # RuntimeConfig.control_time == "measured"
         self._mark: float | None = None  # thread time when the previous step was priced (None: idle since)
         self._control = 0.0  # the step's control seconds so far
@@ -160,8 +162,17 @@ class SimExecutor(Executor):
         alike, first, count = np.unique(keys, return_index=True, return_counts=True)
         order = np.argsort(first)
         mask = (1 << 40) - 1
-        return [ExpertRun(-1, k >> 40, k & mask, 8 * (k & mask) / self.params_per_expert, n, self._scheme)
-                for k, n in zip(alike[order].tolist(), count[order].tolist())]
+        made = self._runs  # ExpertRun is frozen: one instance per (key, count) serves every step
+        if len(made) > _RUNS_LIMIT:
+            made.clear()
+        runs = []
+        for k, n in zip(alike[order].tolist(), count[order].tolist()):
+            run = made.get((k, n))
+            if run is None:
+                run = made[(k, n)] = ExpertRun(-1, k >> 40, k & mask, 8 * (k & mask) / self.params_per_expert, n,
+                                               self._scheme)
+            runs.append(run)
+        return runs
 
     def execute(self, batch: StepBatch) -> StepResult:
         self.begin()

@@ -981,10 +981,11 @@ class SyntheticRouting:
             mark = np.zeros(n + 1, dtype=bool)
             mark[rws] = True
             mark[end] = True
-            check = np.flatnonzero(mark[:n] & cont)  # rows whose previous token is the row above
+            again = mark[:n] & cont  # rows whose previous token is the row above
             check_pred = np.flatnonzero(mark[pred]) if pred.size else pred
             if check_pred.size:  # chain heads continuing the stored state, whose own slots changed
-                check = np.sort(np.concatenate((check, pred[check_pred])))
+                again[pred[check_pred]] = True  # (a chain head is never `cont`: no row twice)
+            check = np.flatnonzero(again)
             if check.size == 0:
                 break
             pvc = out[check - 1]

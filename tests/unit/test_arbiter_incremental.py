@@ -113,7 +113,7 @@ def _run(seed: int, steps: int = 30) -> int:
             if up:
                 w = min(up)
                 assert a.raise_floor(k, w, step) == b.raise_floor(k, w, step)
-        assert (a.bits, a.changed_at, a._target) == (b.bits, b.changed_at, b._target)
+        assert (a.bits, a.changed_at, a.target) == (b.bits, b.changed_at, b._target)
         assert [(m.key, m.to_bits) for m in a.inflight] == [(m.key, m.to_bits) for m in b.inflight]
     return busy
 
