@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ DEFAULT_ENGINES = "moe,offload,static-rtn,pagedweight,moegen,full"  # each runs 
 # The random models' static-rtn runs dominate the benchmark's time (its CPU dequantization: ~1 s
 # per decode step here), so their sizes are smaller.
 # `repeats`: measured runs per pair (the median is compared; the demo model's runs take ~2 s).
-SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 5},
+SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 3},
          "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
          "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2}}
 KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
@@ -274,6 +273,49 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
     return "; ".join(out)
 
 
+def _measure_one(tag: str, k: int, common: dict[str, Any], options: dict[str, Any], tmp_name: str,
+                 cpu_clock: bool, moe_trace: str) -> tuple[str, dict, float, float | None, str, str | None]:
+    """Measured run `k` of a pair, its routing recorded (in a fresh interpreter: `run_pair`): (folder,
+    result, its steps' CPU s, the core share, the routing trace it replays, a note or None)."""
+    from engines.base import EngineError
+    from harness.run import RunArgs, execute
+
+    tmp = Path(tmp_name)
+    suffix = f"-r{k}" if k else ""
+    trace = tmp / f"{tag}{suffix}.routing.parquet"
+    clocks = StepClocks(cpu_clock)
+    note = None
+    try:
+        folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured{suffix}"),
+                                         engine_options={**options, "record_routing": str(trace)}),
+                                 make_runner=clocks.attach, on_start=clocks.start)
+    except EngineError as exc:  # a layer-major executor (moegen) records no routing: replay moe's run
+        if "record_routing" not in str(exc) or not Path(moe_trace).is_file():  # of the same requests (greedy:
+            raise  # the same tokens, so the same (request, position) keys)
+        note = f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead"
+        trace, clocks = Path(moe_trace), StepClocks(cpu_clock)
+        folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-moe-routing{suffix}"),
+                                         engine_options=options),
+                                 make_runner=clocks.attach, on_start=clocks.start)
+    return str(folder), result, clocks.cpu, clocks.share, str(trace), note
+
+
+def _simulate_one(common: dict[str, Any], options: dict[str, Any], output: str) -> tuple[str, dict]:
+    """The pair's simulated run (in a fresh interpreter: `run_pair`): (folder, result)."""
+    from harness.run import RunArgs, execute
+
+    folder, result = execute(RunArgs(**common, engine_options=options, output=output))
+    return str(folder), result
+
+
+def _fresh(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` in a fresh interpreter: what a run leaves in a process (engines not yet collected,
+    allocator and torch caches) slows the next run there (the bundled model's repeats in one process
+    took 0.27 -> 0.36 s, 0.57 -> 0.95 s of step CPU time one after another) and adds to its memory."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
              tmp_name: str, warmup: int, cpu_clock: bool = True,
              repeats: int = 1) -> tuple[str, str, dict, dict] | None:
@@ -281,63 +323,44 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     replaying the median measured run by the CPU time its steps took (of two, the lower: the same
     batches, tokens and routing each time, so the runs differ by what neighbours on this shared
     machine took; a run one burst hit is left out, as `pwbench hw calibrate` takes each probe
-    step's median over passes); prints what it did and returns the table row (None: it does not
-    run, and says why)."""
-    from engines.base import EngineError
-    from harness.run import RunArgs, execute
-
+    step's median over passes), each run in a fresh interpreter; prints what it did and returns the
+    table row (None: it does not run, and says why)."""
     tmp = Path(tmp_name)
     tag = f"{arch}-{engine}-{wl}"
     common = dict(workload=spec, given=given, engine=engine, model=model, warmup=warmup, quality=False)
-
-    def measure(k: int) -> tuple[Path, dict, StepClocks, Path]:
-        suffix = f"-r{k}" if k else ""
-        trace = tmp / f"{tag}{suffix}.routing.parquet"
-        clocks = StepClocks(cpu_clock)
-        hooks = {"make_runner": clocks.attach, "on_start": clocks.start}
-        try:
-            folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured{suffix}"),
-                                             engine_options={**options, "record_routing": str(trace)}), **hooks)
-        except EngineError as exc:  # a layer-major executor (moegen) records no routing:
-            moe_trace = tmp / f"{arch}-moe-{wl}.routing.parquet"  # replay moe's run of the same
-            if "record_routing" not in str(exc) or not moe_trace.is_file():  # requests (greedy:
-                raise  # the same tokens, so the same (request, position) keys)
-            if not k:
-                print(f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead")
-            trace, clocks = moe_trace, StepClocks(cpu_clock)
-            folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-moe-routing{suffix}"),
-                                             engine_options=options),
-                                     make_runner=clocks.attach, on_start=clocks.start)
-        return folder, result, clocks, trace
-
+    moe_trace = str(tmp / f"{arch}-moe-{wl}.routing.parquet")
     try:
         t0 = time.perf_counter()
-        runs = [measure(k) for k in range(max(1, repeats))]
+        runs = [_fresh(_measure_one, tag, k, common, options, tmp_name, cpu_clock, moe_trace)
+                for k in range(max(1, repeats))]
+        if runs[0][5]:
+            print(runs[0][5])
         # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
-        folder_m, measured, clocks, trace = sorted(runs, key=lambda r: r[2].cpu)[(len(runs) - 1) // 2]
+        folder_m, measured, _, share, trace, _ = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
         t1 = time.perf_counter()
         sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
         if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
             sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
-        folder_s, simulated = execute(RunArgs(**common, engine_options=sim_options,
-                                              output=str(tmp / f"{tag}-simulated")))
+        folder_s, simulated = _fresh(_simulate_one, common, sim_options, str(tmp / f"{tag}-simulated"))
         t2 = time.perf_counter()
-    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why; the rest go on)
-        print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why, a killed process too; the rest go on)
+        print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+              flush=True)
         return None
     m, s = metrics(measured), metrics(simulated)
-    m["send lag ms"], s["send lag ms"] = send_lag_ms(folder_m), send_lag_ms(folder_s)
-    m["core share"] = clocks.share  # of one core, while the measured run stepped
-    if clocks.share and s["output tok/s"] and not cpu_clock:  # the simulated rate on the core share measured
-        s["tok/s x share"] = s["output tok/s"] * clocks.share
+    m["send lag ms"], s["send lag ms"] = send_lag_ms(Path(folder_m)), send_lag_ms(Path(folder_s))
+    m["core share"] = share  # of one core, while the measured run stepped
+    if share and s["output tok/s"] and not cpu_clock:  # the simulated rate on the core share measured
+        s["tok/s x share"] = s["output tok/s"] * share
         m["tok/s x share"] = m["output tok/s"]
     replay = (simulated.get("simulated") or {}).get("routing") or {}
-    spread = (f"; {len(runs)} measured runs' step CPU s {', '.join(f'{r[2].cpu:.3f}' for r in runs)}, the median "
+    spread = (f"; {len(runs)} measured runs' step CPU s {', '.join(f'{r[2]:.3f}' for r in runs)}, the median "
               "taken (of two, the lower)") if len(runs) > 1 else ""
     print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
           f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
-          f"misses {replay.get('replay_misses')}; peak RSS {peak_rss_gb():.2f} GB{spread}")
-    residuals = step_residuals(folder_m, folder_s)
+          f"misses {replay.get('replay_misses')}; largest run's peak RSS so far "
+          f"{peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB{spread}")
+    residuals = step_residuals(Path(folder_m), Path(folder_s))
     if residuals:
         print(f"{tag}: step medians measured / simulated: {residuals}")
     sys.stdout.flush()
@@ -424,18 +447,9 @@ def main() -> None:
                         print(f"{tag}: skipped (several minutes of CPU quantization and dequantization; --slow "
                               "runs it)")
                         continue
-                    # Each pair in a fresh interpreter: what a run leaves in the process (allocator
-                    # caches, torch's, the engine's) goes with it, so the benchmark's memory is its
-                    # largest run's, not the sum of all (one process reached ~19.4 GB and was killed).
                     sys.stdout.flush()
-                    try:
-                        with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-                            row = pool.submit(run_pair, arch, engine, wl, spec, given, model, options, str(tmp),
-                                              args.warmup, args.clock == "cpu",
-                                              args.repeats or SIZES[arch]["repeats"]).result()
-                    except BrokenProcessPool as exc:  # killed (for memory, say): the rest go on
-                        print(f"{tag}: does not run: its process died ({exc})")
-                        continue
+                    row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), args.warmup,
+                                   args.clock == "cpu", args.repeats or SIZES[arch]["repeats"])
                     if row is not None:
                         rows.append(row)
             if rows:
