@@ -145,6 +145,40 @@ def _timed_steps(engine: Any, requests: list[Any], clock: Any, costs: list[Any] 
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def _measured_then_simulated(profile: Any, measure: Any, simulate: Any) -> tuple[Any, Any]:
+    """`measure(engine)` on the bundled model on engine moe, measured with one torch thread and its
+    routing recorded, then `simulate(engine)` on the same model simulated on `profile` replaying it:
+    (what each returned)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from engines.common.demo import demo_model_path
+    from engines.registry import create_engine
+    from engines.sim.hardware import profile_toml
+
+    model = str(demo_model_path())
+    with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
+        trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-probe.toml"
+        prof.write_text(profile_toml(profile))
+        measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        measured.start()
+        try:
+            got = measure(measured)
+        finally:
+            measured.stop()
+            torch.set_num_threads(threads)
+        simulated = create_engine("moe", {"model": model, "simulate": str(prof), "routing": f"replay:{trace}"})
+        simulated.start()
+        try:
+            return got, simulate(simulated)
+        finally:
+            simulated.stop()
+
+
 def measure_op_overhead() -> tuple[float, str]:
     """The runtime's time per torch call the cost model counts (engines/sim/cost.py
     `torch_calls`): the calls' Python and the small kernels around the priced modules, fitted
@@ -155,19 +189,11 @@ def measure_op_overhead() -> tuple[float, str]:
     (`pwbench hw`'s op_overhead_s, ~1.4 us here) is a third or less of what a call of the runtime
     takes (4-8 us measured on the bundled and the benchmark models' decode steps)."""
     import dataclasses
-    import tempfile
     import time
-    from pathlib import Path
-
-    import torch
 
     from engines.base import EngineRequest
-    from engines.common.demo import demo_model_path
-    from engines.registry import create_engine
     from engines.sim.calibrate import fit_step_overhead
-    from engines.sim.hardware import cpu_profile, profile_toml
-
-    model = str(demo_model_path())
+    from engines.sim.hardware import cpu_profile
 
     def batch(prefix: str) -> list[Any]:
         return [EngineRequest(f"{prefix}{i}", tuple(3 + (37 * i + 11 * j) % 1000 for j in range(PROBE_PROMPT)),
@@ -175,32 +201,23 @@ def measure_op_overhead() -> tuple[float, str]:
 
     base = cpu_profile()
     marker = base.op_overhead_s or 1e-6  # prices each counted call at this, so that dispatch / marker counts them
-    with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
-        trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-no-overhead.toml"
-        prof.write_text(profile_toml(dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker,
-                                                         prefill_element_overhead_s=0.0,
-                                                         prefill_segment_overhead_s=0.0)))
-        measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        measured.start()
-        try:
-            _timed_steps(measured, batch("warm"), time.thread_time)  # the first calls fault pages in
-            # each step the median of PROBE_PASSES passes (the same batches): a run's typical step, as a
-            # run's latency medians see it, with one neighbour's burst in one pass left out
-            passes = [_timed_steps(measured, batch(f"probe{k}"), time.thread_time) for k in range(PROBE_PASSES)]
-            wall = [sorted(step)[len(step) // 2] for step in zip(*passes)]
-        finally:
-            measured.stop()
-            torch.set_num_threads(threads)
-        simulated = create_engine("moe", {"model": model, "simulate": str(prof), "routing": f"replay:{trace}"})
-        simulated.start()
+
+    def measure(engine: Any) -> list[float]:
+        _timed_steps(engine, batch("warm"), time.thread_time)  # the first calls fault pages in
+        # each step the median of PROBE_PASSES passes (the same batches): a run's typical step, as a
+        # run's latency medians see it, with one neighbour's burst in one pass left out
+        passes = [_timed_steps(engine, batch(f"probe{k}"), time.thread_time) for k in range(PROBE_PASSES)]
+        return [sorted(step)[len(step) // 2] for step in zip(*passes)]
+
+    def simulate(engine: Any) -> list[Any]:
         costs: list[Any] = []
-        try:
-            _timed_steps(simulated, batch("warm"), simulated.virtual_clock.now)
-            _timed_steps(simulated, batch("probe0"), simulated.virtual_clock.now, costs)
-        finally:
-            simulated.stop()
+        _timed_steps(engine, batch("warm"), engine.virtual_clock.now)
+        _timed_steps(engine, batch("probe0"), engine.virtual_clock.now, costs)
+        return costs
+
+    wall, costs = _measured_then_simulated(
+        dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker, prefill_element_overhead_s=0.0,
+                            prefill_segment_overhead_s=0.0), measure, simulate)
     calls = [max(1, round(c.parts["dispatch"] / marker)) for c in costs]
     predicted = [c.seconds - c.parts["dispatch"] for c in costs]
     seconds, d = fit_step_overhead(wall, predicted, calls=calls)
@@ -224,26 +241,19 @@ PREFILL_REPEATS = 5
 
 
 def measure_prefill_overhead() -> tuple[float, float, str]:
-    """The runtime's prefill time per token and per segment (per layer) that the cost model does
-    not price, fitted on the bundled model (engines/sim/calibrate.py `fit_prefill_overhead`):
-    each probe batch's prefill step, median of its repeats, measured in this thread's CPU time
+    """The runtime's prefill time per activation element (token x hidden) and per segment (per
+    layer) that the cost model does not price, fitted on the bundled model (engines/sim/calibrate.py
+    `fit_prefill_overhead`): each probe batch's prefill step, median of its repeats, measured in this thread's CPU time
     with one torch thread, minus the same step simulated on the cpu profile as fitted so far
     (step overhead included, no prefill overhead), replaying the measured routing."""
     import dataclasses
     import random
-    import tempfile
     import time
-    from pathlib import Path
-
-    import torch
 
     from engines.base import EngineRequest
-    from engines.common.demo import demo_model_path
-    from engines.registry import create_engine
     from engines.sim.calibrate import fit_prefill_overhead
-    from engines.sim.hardware import cpu_profile, profile_toml
+    from engines.sim.hardware import cpu_profile
 
-    model = str(demo_model_path())
     rng = random.Random(0)
     batches = [[EngineRequest(f"p{k}-{r}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), 1, ignore_eos=True)
                 for i in range(segments)] for k, (segments, n) in enumerate(PREFILL_PROBE)
@@ -261,26 +271,13 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
             out.append(timed[0])
         return out
 
-    with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
-        trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-no-prefill-overhead.toml"
-        prof.write_text(profile_toml(dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0,
-                                                         prefill_segment_overhead_s=0.0)))
-        measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        measured.start()
-        try:
-            layers, hidden = measured.checkpoint.config.num_layers, measured.checkpoint.config.hidden_size
-            wall = steps(measured, time.thread_time)
-        finally:
-            measured.stop()
-            torch.set_num_threads(threads)
-        simulated = create_engine("moe", {"model": model, "simulate": str(prof), "routing": f"replay:{trace}"})
-        simulated.start()
-        try:
-            predicted = steps(simulated, simulated.virtual_clock.now)
-        finally:
-            simulated.stop()
+    def measure(engine: Any) -> tuple[int, int, list[float]]:
+        config = engine.checkpoint.config
+        return config.num_layers, config.hidden_size, steps(engine, time.thread_time)
+
+    (layers, hidden, wall), predicted = _measured_then_simulated(
+        dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0),
+        measure, lambda engine: steps(engine, engine.virtual_clock.now))
     rows = []
     for k, (segments, n) in enumerate(PREFILL_PROBE):
         got = slice(k * PREFILL_REPEATS, (k + 1) * PREFILL_REPEATS)
