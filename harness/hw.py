@@ -56,6 +56,49 @@ def _timeit(fn, repeats: int = 5, min_s: float = 0.1, warmup: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# The host's speed: this host (a VM sharing its cores) runs the same CPU work 1.5-1.7x slower in some
+# seconds than in others (a fixed pure-Python loop: 15 ms in some seconds, 23-25 ms in others;
+# docs/simulation-validation.md). `host_speed` times a reference loop against the fastest this CPU ever
+# ran it (kept in the cache folder beside hw.json), so a benchmark can say at what speed a run ran.
+SPEED_FILE, SPEED_LOOP = "cpu-speed.json", 40_000
+
+
+def _reference_loop_s() -> float:
+    """This thread's CPU time for a fixed pure-Python loop (~2-4 ms here): the host's speed now."""
+    t = time.thread_time()
+    acc = 0
+    for i in range(SPEED_LOOP):
+        acc += i * i % 7
+    return time.thread_time() - t
+
+
+def host_speed(record: bool = True) -> float:
+    """The host's speed now against the fastest seen on this CPU (1.0: as fast; 0.6: the same work
+    takes 1/0.6 as long), the faster of two timings of the reference loop; with `record` a faster time
+    than any before is kept."""
+    from engines.common.folders import cache_dir  # noqa: PLC0415
+
+    path = cache_dir() / SPEED_FILE
+    try:
+        best_all = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        best_all = {}
+    if not isinstance(best_all, dict):
+        best_all = {}
+    now = min(_reference_loop_s() for _ in range(2))
+    key = cpu_model()
+    best = best_all.get(key)
+    if not isinstance(best, (int, float)) or best <= 0 or now < best:
+        best = now
+        if record:
+            best_all[key] = now
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(best_all))
+            tmp.replace(path)
+    return best / now
+
+
 class PeakProbe:
     """The roofline's two peaks on this CPU in a few tens of milliseconds (a 64 MiB copy and
     a 1024^3 float32 matmul, each the median of three), so a benchmark can pair every step

@@ -48,8 +48,9 @@ DEFAULT_ENGINES = "moe,offload,static-rtn,pagedweight,moegen,full"  # each runs 
 # keep the open-loop run moderately loaded on this CPU (a few requests in flight, no backlog).
 # The random models' static-rtn runs dominate the benchmark's time (its CPU dequantization: ~1 s
 # per decode step here), so their sizes are smaller.
-# `repeats`: measured runs per pair (the median is compared; the demo model's runs take ~2 s).
-SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 3},
+# `repeats`: measured runs per pair (the median is compared; the demo model's runs take ~2 s, and this
+# host runs the same work 1.5-1.7x slower in some seconds than in others: harness.hw `host_speed`).
+SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 5},
          "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
          "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2}}
 KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
@@ -167,10 +168,12 @@ class StepClocks:
     With `cpu_clock` the run itself is timed on that CPU time (harness.runner.ThreadCpuClock: its
     latencies and arrivals on the core's own time, the neighbours' share left out)."""
 
-    def __init__(self, cpu_clock: bool = False) -> None:
+    def __init__(self, cpu_clock: bool = False, speeds: bool = False) -> None:
         self.wall = self.cpu = 0.0
         self.on = False
         self.cpu_clock = cpu_clock
+        self.probe = speeds  # probe the host's speed when the timed run begins and after it ends
+        self.speeds: list[float] = []  # (harness.hw `host_speed`)
 
     def attach(self, runner: Any) -> None:
         if self.cpu_clock:
@@ -192,7 +195,17 @@ class StepClocks:
         engine.step = timed
 
     def start(self) -> None:
+        if self.probe:
+            from harness.hw import host_speed
+
+            self.speeds.append(host_speed())
         self.on = True
+
+    def end(self) -> None:
+        if self.probe:
+            from harness.hw import host_speed
+
+            self.speeds.append(host_speed())
 
     @property
     def share(self) -> float | None:
@@ -274,16 +287,17 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
 
 
 def _measure_one(tag: str, k: int, common: dict[str, Any], options: dict[str, Any], tmp_name: str,
-                 cpu_clock: bool, moe_trace: str) -> tuple[str, dict, float, float | None, str, str | None]:
+                 cpu_clock: bool, moe_trace: str) -> tuple[str, dict, float, float | None, str, str | None, list]:
     """Measured run `k` of a pair, its routing recorded (in a fresh interpreter: `run_pair`): (folder,
-    result, its steps' CPU s, the core share, the routing trace it replays, a note or None)."""
+    result, its steps' CPU s, the core share, the routing trace it replays, a note or None, the host's
+    speed when its timed part began and after it ended)."""
     from engines.base import EngineError
     from harness.run import RunArgs, execute
 
     tmp = Path(tmp_name)
     suffix = f"-r{k}" if k else ""
     trace = tmp / f"{tag}{suffix}.routing.parquet"
-    clocks = StepClocks(cpu_clock)
+    clocks = StepClocks(cpu_clock, speeds=True)
     note = None
     try:
         folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured{suffix}"),
@@ -293,11 +307,16 @@ def _measure_one(tag: str, k: int, common: dict[str, Any], options: dict[str, An
         if "record_routing" not in str(exc) or not Path(moe_trace).is_file():  # of the same requests (greedy:
             raise  # the same tokens, so the same (request, position) keys)
         note = f"{tag}: {str(exc).splitlines()[0]}: replaying engine moe's trace instead"
-        trace, clocks = Path(moe_trace), StepClocks(cpu_clock)
+        trace, clocks = Path(moe_trace), StepClocks(cpu_clock, speeds=True)
         folder, result = execute(RunArgs(**common, output=str(tmp / f"{tag}-measured-moe-routing{suffix}"),
                                          engine_options=options),
                                  make_runner=clocks.attach, on_start=clocks.start)
-    return str(folder), result, clocks.cpu, clocks.share, str(trace), note
+    clocks.end()
+    return str(folder), result, clocks.cpu, clocks.share, str(trace), note, clocks.speeds
+
+
+def _speeds(speeds: list[float]) -> str:
+    return "-".join(f"{v:.2f}" for v in speeds) or "-"
 
 
 def _simulate_one(common: dict[str, Any], options: dict[str, Any], output: str) -> tuple[str, dict]:
@@ -336,7 +355,7 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
         if runs[0][5]:
             print(runs[0][5])
         # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
-        folder_m, measured, _, share, trace, _ = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
+        folder_m, measured, _, share, trace, _, _ = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
         t1 = time.perf_counter()
         sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
         if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
@@ -354,8 +373,8 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
         s["tok/s x share"] = s["output tok/s"] * share
         m["tok/s x share"] = m["output tok/s"]
     replay = (simulated.get("simulated") or {}).get("routing") or {}
-    spread = (f"; {len(runs)} measured runs' step CPU s {', '.join(f'{r[2]:.3f}' for r in runs)}, the median "
-              "taken (of two, the lower)") if len(runs) > 1 else ""
+    spread = (f"; {len(runs)} measured runs' step CPU s (host speed at start-end) "
+              f"{', '.join(f'{r[2]:.3f} ({_speeds(r[6])})' for r in runs)}, the median taken (of two, the lower)")
     print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
           f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
           f"misses {replay.get('replay_misses')}; largest run's peak RSS so far "
