@@ -46,8 +46,9 @@ from engines.sim.executor import SimExecutor
 from engines.sim.routing import routing_source
 
 # 2: GEMMs by the module curves engines/sim/cost.py picks; 3: the prefill overheads, and dense FLOPs from
-# every dense parameter (were the attention projections')
-VERSION = "moegen-3"
+# every dense parameter (were the attention projections'); 4: on a shared processor host prefill attention
+# at the device's attention_prefill curve (was the host's peak FLOP/s: 2-3x fast on the cpu profile)
+VERSION = "moegen-4"
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -68,7 +69,8 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
     (half an expert: gate_up and down cross apart) on the link, "attention_decode" at `context`
     tokens and "attention_prefill" (shaped where measured) at `chunk` tokens (the executor re-reads
     both per step at the step's own sizes), "elementwise" and "sample" when the profile has them.
-    Host attention: no curve (host memory bandwidth and FLOP/s as given)."""
+    Host attention: no curve (host memory bandwidth and FLOP/s as given), except prefill attention on
+    a shared processor, where the host is the device: the device's attention_prefill curve."""
     if dtype not in profile.flops_per_s:
         raise EngineError(f"hardware profile {profile.name!r} has no FLOP rate for dtype {dtype!r} "
                           f"(flops_per_s has {sorted(profile.flops_per_s)}); add it or pick one of those")
@@ -87,6 +89,7 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
         return tuple((float(x), float(y)) for x, y in c.points) if c is not None else ()
 
     prefill = chosen.get("attention_prefill")
+    prefill_rate = peak * (prefill.at(max(1, chunk)) if prefill is not None else 1.0)
     return Hardware(
         device_bytes_per_s=bw, device_flops_per_s=peak,
         host_bytes_per_s=float(profile.host_memory_bytes_per_s), host_flops_per_s=float(profile.host_flops_per_s),
@@ -99,8 +102,8 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
         elementwise_at_tokens=tuple((t, bw * ew.at(t)) for t in _ROWS) if ew is not None else (),
         attention_bytes_per_s=bw * eff("attention_decode", max(1, context)),
         host_attention_bytes_per_s=float(profile.host_memory_bytes_per_s),
-        prefill_attention_flops_per_s=peak * (prefill.at(max(1, chunk)) if prefill is not None else 1.0),
-        host_prefill_attention_flops_per_s=float(profile.host_flops_per_s),
+        prefill_attention_flops_per_s=prefill_rate,
+        host_prefill_attention_flops_per_s=prefill_rate if shared_processor else float(profile.host_flops_per_s),
         dense_efficiency=points("gemm"), expert_efficiency=points("grouped_gemm"), head_efficiency=points("head"),
     )
 
@@ -140,6 +143,8 @@ class _Pricing:
 
 
 class MoEGenSimExecutor(SimExecutor):
+    executor_overhead_key = "layer_major"  # its per-layer loop over micro-batches, buffers and staging
+
     def __init__(self, simulation: Any, cfg: Any, model: MoEModel, kv: PagedKVCache, ledger: TransferLedger,
                  experts: ExpertBackend, dense_bytes_read: int, plan: BatchPlan, shape: ModelShape,
                  hw: Hardware) -> None:
@@ -273,13 +278,15 @@ class MoEGenSimExecutor(SimExecutor):
         active = sum(n > 0 for layer in counts.values() for n in layer) / n_moe
         shape, plan = self._priced(runs, copied_bytes)
         copied = copied_bytes / max(1, shape.expert_bytes) / n_moe
+        prefill_rate = self.hw.device_flops_per_s * self._eff("attention_prefill", prefill_tokens / len(prefills)) \
+            if prefills else self.hw.prefill_attention_flops_per_s
         hw = dataclasses.replace(
             self.hw,
             attention_bytes_per_s=self.hw.device_bytes_per_s * self._eff("attention_decode", decode_context / nd)
             if nd else self.hw.attention_bytes_per_s,
-            prefill_attention_flops_per_s=self.hw.device_flops_per_s * self._eff(
-                "attention_prefill", prefill_tokens / len(prefills)) if prefills else
-            self.hw.prefill_attention_flops_per_s)
+            prefill_attention_flops_per_s=prefill_rate)
+        if self.hw.shared_processor:  # the host is the device: its prefill attention runs at the same rate
+            hw = dataclasses.replace(hw, host_prefill_attention_flops_per_s=prefill_rate)
         c = step_cost(shape, hw, plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
                       active_experts=active, copied_experts=copied)
         overhead = float(self.profile.step_overhead_s) + prefill_overhead_s(

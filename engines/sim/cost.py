@@ -47,6 +47,9 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   first + max(compute, the rest); without, copies add.
   On a shared processor (the `cpu` profile: the "link" is a memcpy on the same cores, as in
   moegen's model) both directions and compute add up, always.
+- An engine's parts beyond this runtime's path (`executor_overhead_s`, added by the simulated
+  executor, not `step()`): per layer and per layer-token, by the keys of its expert backend and
+  executor (pagedweight's bookkeeping per layer, offload's cache, moegen's layer-major loop).
 - `step_overhead_s` once per step; `prefill_element_overhead_s` per prefill activation element
   (token x hidden) and `prefill_segment_overhead_s` per prefill segment (one sequence's chunk), each per layer
   (`prefill_overhead_s`): the model code's time beyond the priced modules that grows with the
@@ -165,6 +168,20 @@ def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: i
     per_element = float(getattr(profile, "prefill_element_overhead_s", 0.0) or 0.0)
     per_segment = float(getattr(profile, "prefill_segment_overhead_s", 0.0) or 0.0)
     return shape.layers * (per_element * tokens * shape.hidden + per_segment * segments)
+
+
+def executor_overhead_s(profile: Any, keys: tuple[str, ...], layers: int, tokens: int) -> float:
+    """The host time an engine's parts take per step beyond this runtime's priced modules and counted
+    calls, over the model's layers: for each of `keys` (an expert backend's `sim_overhead_key`, a
+    layer-major executor's "layer_major") the profile's `executor_overhead_s[key]` per layer and
+    `executor_token_overhead_s[key]` per layer and token of the step (0 where it has none: the GPU
+    profiles, where the host's Python runs beside the device's kernels). `pwbench hw calibrate` fits
+    both on the bundled model, stepping each engine beside engine moe."""
+    if not keys or not tokens:
+        return 0.0
+    per_layer = getattr(profile, "executor_overhead_s", None) or {}
+    per_token = getattr(profile, "executor_token_overhead_s", None) or {}
+    return layers * sum(float(per_layer.get(k, 0.0)) + float(per_token.get(k, 0.0)) * tokens for k in keys)
 
 
 def gemm_s(weight_bytes: float, flops: float, bw: float, peak: float, efficiency: float) -> float:

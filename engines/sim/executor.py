@@ -35,7 +35,7 @@ from engines.runtime.shape import model_shape
 from engines.runtime.transfer import TransferLedger
 from engines.sim.ahead import AheadRouter, tally_layers
 from engines.sim.clock import VirtualClock
-from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork
+from engines.sim.cost import CostModel, ExpertRun, StepCost, StepWork, executor_overhead_s
 
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 _RUNS_LIMIT = 1 << 16  # ExpertRuns kept for reuse (_alike_runs)
@@ -52,6 +52,10 @@ class SimTotals:
 
 
 class SimExecutor(Executor):
+    # keys of the profile's executor_overhead tables this executor adds (engines/sim/cost.py
+    # `executor_overhead_s`): the layer-major executor's; the expert backend's own is added to it
+    executor_overhead_key: str | None = None
+
     def __init__(self, model: MoEModel, ledger: TransferLedger, experts: ExpertBackend, routing: Any,
                  cost: CostModel, clock: VirtualClock, dense_bytes_read: int, copies_overlap: bool,
                  control_time: bool = True) -> None:
@@ -80,11 +84,27 @@ class SimExecutor(Executor):
             self._size_groups = [(int(b), 8 * int(b) / self.params_per_expert, np.flatnonzero(self._layer_bytes == b))
                                  for b in np.unique(self._layer_bytes)]
         self.totals = SimTotals()
+        self.profile = cost.profile if cost is not None else None  # a subclass pricing otherwise sets its own
+        self.overhead_keys = tuple(k for k in (self.executor_overhead_key, experts.sim_overhead_key) if k)
         self._logits: dict[int, torch.Tensor] = {}
         self._runs: dict[tuple[int, int], ExpertRun] = {}  # (tokens << 40 | bytes, count) -> its run
         self.control_time = control_time  # RuntimeConfig.control_time == "measured"
         self._mark: float | None = None  # thread time when the previous step was priced (None: idle since)
         self._control = 0.0  # the step's control seconds so far
+
+    def overhead_assumptions(self) -> dict[str, Any]:
+        """What the result folder records about the engine's parts' host time (`executor_overhead_s`)."""
+        if not self.overhead_keys:
+            return {"keys": [], "note": "engine moe's path: nothing beyond the priced modules and counted calls"}
+        p = self.profile
+        per_layer = getattr(p, "executor_overhead_s", None) or {}
+        per_token = getattr(p, "executor_token_overhead_s", None) or {}
+        sources = getattr(p, "sources", None) or {}
+        return {"keys": list(self.overhead_keys),
+                "per_layer_s": {k: float(per_layer.get(k, 0.0)) for k in self.overhead_keys},
+                "per_layer_token_s": {k: float(per_token.get(k, 0.0)) for k in self.overhead_keys},
+                "source": sources.get("executor_overhead_s", "not in the profile: 0 (the GPU profiles: the host's "
+                                      "Python runs beside the device's kernels)")}
 
     # -- control time (RuntimeEngine.step calls step_begin / step_end on a simulated run) ---------------
     def step_begin(self) -> None:
@@ -219,6 +239,11 @@ class SimExecutor(Executor):
                experts_hit: int | None = None) -> StepResult:
         """A priced step: the clock moves by its time, the totals add it; one fixed token per
         sampled row (no logits are computed: a meta row per logit row)."""
+        if self.overhead_keys:  # the engine's parts' host time beyond the priced modules
+            extra = executor_overhead_s(self.profile, self.overhead_keys, self.model.config.num_layers,
+                                        sum(c.length for c in batch.chunks))
+            if extra:
+                cost = StepCost(cost.seconds + extra, {**cost.parts, "executor": extra}, cost.roofline_s)
         if self.control_time and self._control > 0.0:
             cost = StepCost(cost.seconds + self._control, {**cost.parts, "control": self._control}, cost.roofline_s)
         self._control = 0.0

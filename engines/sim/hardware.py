@@ -37,7 +37,7 @@ import json
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,9 +89,13 @@ _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", 
 _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
 _BOOLS = ("shared_processor",)
-_TABLES = ("flops_per_s", "efficiency", "sources")
+# An engine's parts' host time beyond this runtime's priced path, per layer and per layer-token, by key
+# (engines/sim/cost.py `executor_overhead_s`); the cpu profile's from `pwbench hw calibrate`.
+_OVERHEAD_TABLES = ("executor_overhead_s", "executor_token_overhead_s")
+_TABLES = ("flops_per_s", "efficiency", "sources", *_OVERHEAD_TABLES)
 _FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
-_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "prefill_element_overhead_s", "prefill_segment_overhead_s")
+_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "prefill_element_overhead_s", "prefill_segment_overhead_s",
+                    *_OVERHEAD_TABLES)
 _ZERO_OK = ("op_overhead_s", "step_overhead_s", "prefill_element_overhead_s", "prefill_segment_overhead_s")
 
 
@@ -138,6 +142,10 @@ class HardwareProfile:
     # sequence's chunk), per layer, beyond the priced modules (added): `pwbench hw calibrate` fits both.
     prefill_element_overhead_s: float = 0.0
     prefill_segment_overhead_s: float = 0.0
+    # An engine's parts' host time beyond the priced path (pagedweight's backend, offload's cache, moegen's
+    # layer-major loop), per layer and per layer-token, by key (added): `pwbench hw calibrate` fits them.
+    executor_overhead_s: dict[str, float] = field(default_factory=dict)
+    executor_token_overhead_s: dict[str, float] = field(default_factory=dict)
     origin: str = ""  # the file (or "cpu: ...") it was read from (added)
     # host and device are one processor (copies are memcpys on the compute cores); None: the
     # profile is named "cpu" (`shared` below is the one rule). Added.
@@ -233,6 +241,9 @@ def _profile_table(p: HardwareProfile) -> dict[str, Any]:
     if p.shared_processor is not None:
         table["shared_processor"] = p.shared_processor
     table["flops_per_s"] = dict(p.flops_per_s)
+    for f in _OVERHEAD_TABLES:
+        if getattr(p, f):
+            table[f] = dict(getattr(p, f))
     table["sources"] = dict(p.sources)
     table["efficiency"] = {k: {"points": [list(pt) for pt in c.points], "source": c.source}
                            for k, c in p.efficiency.items()}
@@ -324,6 +335,11 @@ def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
     absent = [k for k in REQUIRED_CURVES if k not in kw["efficiency"]]
     if absent:
         raise _bad(where, f"efficiency.{absent[0]}", "is missing", "add the curve, or inherit it from a built-in")
+    for f in _OVERHEAD_TABLES:
+        given = table.get(f, {})
+        if not isinstance(given, dict):
+            raise _bad(where, f, "must be a table of key = seconds", f"write [{f}] pagedweight = 1e-4")
+        kw[f] = {str(k): _number(where, f"{f}.{k}", v, zero=True) for k, v in given.items()}
     sources = table["sources"]
     if not isinstance(sources, dict) or not all(isinstance(v, str) for v in sources.values()):
         raise _bad(where, "sources", "must be a table of field = \"source\"",
@@ -340,7 +356,7 @@ def _apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any], where:
         if head not in _FIELDS or (rest and head not in _TABLES) or (head in _TABLES and not rest):
             raise _bad(where, str(key), "is not an overridable field",
                        f"use one of {', '.join((*_STRS, *_INTS, *_FLOATS, *_BOOLS))}, or flops_per_s.DTYPE, "
-                       "efficiency.KEY, sources.FIELD")
+                       "efficiency.KEY, sources.FIELD, executor_overhead_s.KEY, executor_token_overhead_s.KEY")
         if not rest:
             table[head] = value
             table["sources"][head] = "given (override)"
@@ -349,7 +365,7 @@ def _apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any], where:
                 value = {"points": value, "source": "given (override)"}
             table["efficiency"][rest] = value
         else:
-            table[head][rest] = value
+            table.setdefault(head, {})[rest] = value
             if head == "flops_per_s":
                 table["sources"][key] = "given (override)"
     return table
@@ -410,6 +426,9 @@ def profile_toml(p: HardwareProfile, name: str | None = None, header: str = "") 
             lines.append(f"{key} = {_toml_value(table[key])}")
     lines += ["", "[flops_per_s]"]
     lines += [f"{_toml_key(k)} = {_toml_value(float(v))}" for k, v in table["flops_per_s"].items()]
+    for f in _OVERHEAD_TABLES:
+        if table.get(f):
+            lines += ["", f"[{f}]"] + [f"{_toml_key(k)} = {_toml_value(float(v))}" for k, v in table[f].items()]
     lines += ["", "[sources]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table["sources"].items()]
     for key, curve in table["efficiency"].items():
         points = [[float(x), float(y)] for x, y in curve["points"]]
@@ -461,6 +480,10 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
         if m.get(f) is not None:  # `pwbench hw calibrate`'s prefill probe
             table[f] = float(m[f])
             sources[f] = f"{src}: {m.get('prefill_overhead_source', f)}"
+    for f in _OVERHEAD_TABLES:
+        if isinstance(m.get(f), dict):  # `pwbench hw calibrate`'s engine probe
+            table[f] = {str(k): float(v) for k, v in m[f].items()}
+            sources[f] = f"{src}: {m.get('executor_overhead_source', f)}"
     table["shared_processor"] = True
     sources["shared_processor"] = "one CPU: host and device are the same cores and memory"
     table["efficiency"] = {**table["efficiency"], **fit_cpu_curves(m)}

@@ -95,6 +95,7 @@ class Simulation:
         return {"hardware": self.profile.name, "hardware_description": self.profile.description,
                 "cost_model_version": CostModel.VERSION,
                 "cost_model": self.cost.assumptions() if self.executor is not None else {},
+                "executor_overhead": self.executor.overhead_assumptions() if self.executor is not None else {},
                 "routing": self._routing(),
                 "control_time": ("measured: each step adds the CPU time of the engine's control code (scheduler, KV, "
                                  "the technique's per-step host work, the harness's bookkeeping) as it ran here, "

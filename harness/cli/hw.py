@@ -295,6 +295,114 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
     return per_element, per_segment, source
 
 
+# `hw calibrate`'s engine probe: each engine whose parts run host code beyond engine moe's path, stepped
+# beside engine moe on the same batches (one step of each in turn, so the host's speed, which drifts
+# by 1.5x within a second here, is the same for both), measured and simulated: (engine, its key in the
+# profile's executor_overhead tables). Engine full's parts are pagedweight's backend and moegen's
+# executor: it is priced by their two keys, not fitted.
+EXECUTOR_PROBE = (("offload", "offload"), ("pagedweight", "pagedweight"), ("moegen", "layer_major"))
+EXECUTOR_ROUNDS = 9  # rounds of 6 requests (the first warms up, not counted)
+
+
+def _paired_steps(make: Any, name: str, clock: Any) -> tuple[list[float], list[float], int, int]:
+    """Engine moe and engine `name` (each from `make(engine)`) stepped in turn on the same requests:
+    (the per-step time differences name - moe of prefill steps, of decode steps, the tokens of one
+    prefill step, of one decode step)."""
+    import random
+
+    from engines.base import EngineRequest
+
+    pair = [make("moe"), make(name)]
+    prefill, decode, tokens = [], [], [0, 0]
+    try:
+        for k in range(EXECUTOR_ROUNDS):
+            rng = random.Random(k)
+            prompts = [tuple(rng.randrange(3, 1000) for _ in range(60 + 10 * i)) for i in range(PROBE_REQUESTS)]
+            for e in pair:
+                for i, prompt in enumerate(prompts):
+                    e.add_request(EngineRequest(f"x{k}-{i}", prompt, 24, ignore_eos=True))
+            first = True
+            while any(e.has_unfinished() for e in pair):
+                took = []
+                for e in pair:
+                    t = clock(e)
+                    out = e.step()
+                    took.append(clock(e) - t)
+                if k:
+                    (prefill if first else decode).append(took[1] - took[0])
+                    tokens[0 if first else 1] = out.num_prefill_tokens + out.num_decode_tokens
+                first = False
+    finally:
+        for e in pair:
+            e.stop()
+    return prefill, decode, tokens[0], tokens[1]
+
+
+def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], str]:
+    """The host time per layer and per layer-token that each engine's parts take beyond engine moe's
+    path and the cost model does not price (engines/sim/cost.py `executor_overhead_s`), fitted on the
+    bundled model: for each of EXECUTOR_PROBE, the median step-time difference from engine moe,
+    measured (this thread's CPU time, one torch thread) minus simulated (the cpu profile without
+    these, uniform routing), on prefill and on decode steps, solved for per layer and per
+    layer-token (clipped at 0)."""
+    import dataclasses
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from engines.common.demo import demo_model_path
+    from engines.registry import create_engine
+    from engines.sim.hardware import cpu_profile, profile_toml
+    from harness.bench.simulate import engine_options, model_sizes
+    from harness.calibration import create_calibrated
+
+    model = str(demo_model_path())
+    sizes = model_sizes(model)
+    layers = None
+    per_layer, per_token, notes = {}, {}, []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
+            prof = Path(tmp) / "cpu-probe.toml"
+            prof.write_text(profile_toml(dataclasses.replace(cpu_profile(), executor_overhead_s={},
+                                                             executor_token_overhead_s={})))
+
+            def make(sim: bool) -> Any:
+                def one(name: str) -> Any:
+                    opts = {"model": model, "device": "cpu", "dtype": "float32", **engine_options(name, sizes)}
+                    e = (create_engine(name, {**opts, "simulate": str(prof), "routing": "uniform"}) if sim
+                         else create_calibrated(name, opts))
+                    e.start()
+                    return e
+                return one
+
+            for name, key in EXECUTOR_PROBE:
+                m_pre, m_dec, t_pre, t_dec = _paired_steps(make(False), name, lambda e: time.thread_time())
+                s_pre, s_dec, _, _ = _paired_steps(make(True), name, lambda e: e.virtual_clock.now())
+                med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+                gap_pre, gap_dec = med(m_pre) - med(s_pre), med(m_dec) - med(s_dec)
+                if layers is None:
+                    from engines.runtime.checkpoint import open_checkpoint
+
+                    layers = open_checkpoint(model, config_only=True).config.num_layers
+                b = max(0.0, (gap_pre - gap_dec) / (layers * max(1, t_pre - t_dec)))
+                a = max(0.0, gap_dec / layers - b * t_dec)
+                per_layer[key], per_token[key] = a, b
+                notes.append(f"{name} ({key}): prefill {gap_pre * 1e3:+.2f} ms over {t_pre} tokens, decode "
+                             f"{gap_dec * 1e3:+.2f} ms over {t_dec}")
+    finally:
+        torch.set_num_threads(threads)
+    source = (f"`pwbench hw calibrate`: each engine stepped beside engine moe on the bundled model ({layers} layers; "
+              f"{EXECUTOR_ROUNDS - 1} rounds of {PROBE_REQUESTS} requests, one step of each in turn, this thread's CPU "
+              "time, one torch thread), the median step-time difference from moe measured minus simulated (without "
+              "these): " + "; ".join(notes) + "; solved per layer (executor_overhead_s) and per layer-token "
+              "(executor_token_overhead_s)")
+    return per_layer, per_token, source
+
+
 def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
     """`pwbench hw calibrate`'s work, cached as it goes: this CPU measured as `pwbench hw` does,
     the GEMM shapes of each folder in `models` (and the bundled model's, for the probes) added
@@ -326,6 +434,9 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
         save_cached(result)
         (result["prefill_element_overhead_s"], result["prefill_segment_overhead_s"],
          result["prefill_overhead_source"]) = measure_prefill_overhead()
+        save_cached(result)
+        (result["executor_overhead_s"], result["executor_token_overhead_s"],
+         result["executor_overhead_source"]) = measure_executor_overheads()
         save_cached(result)
     return result
 

@@ -162,8 +162,8 @@ def test_bench_step_residuals_compare_the_same_batches(tmp_path):
 
 @pytest.mark.slow
 def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_path, monkeypatch):
-    """`pwbench hw calibrate` on this machine (~20 s): the runtime's time per counted torch call and
-    the per-layer prefill rates are fitted on the bundled model (engines/sim/calibrate.py's fits,
+    """`pwbench hw calibrate` on this machine (~40 s): the runtime's time per counted torch call,
+    the per-layer prefill rates and the engines' parts' overheads are fitted on the bundled model (engines/sim/calibrate.py's fits,
     tested by hand in tests/unit/test_sim_hardware.py), land in the cpu profile with their sources,
     and a simulated prefill step pays exactly layers x (element rate x tokens x hidden + segment rate
     x segments) more than on the same profile without them (control time off: compute only)."""
@@ -182,6 +182,10 @@ def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_
     assert p.step_overhead_s == 0 and p.op_overhead_s > 0 and "per torch call" in p.sources["op_overhead_s"]
     assert p.prefill_element_overhead_s >= 0 and p.prefill_segment_overhead_s >= 0
     assert "prefill steps of the bundled model" in p.sources["prefill_segment_overhead_s"]
+    # each engine's parts, stepped beside engine moe: one key each, full priced by two of them (not fitted)
+    for table in (p.executor_overhead_s, p.executor_token_overhead_s):
+        assert set(table) == {"offload", "pagedweight", "layer_major"} and min(table.values()) >= 0
+    assert "stepped beside engine moe" in p.sources["executor_overhead_s"]
 
     without = tmp_path / "without.toml"
     without.write_text(profile_toml(dataclasses.replace(p, prefill_element_overhead_s=0.0,

@@ -104,6 +104,21 @@ def test_prefill_overheads_by_hand():
     assert prefill_overhead_s(rated, shape, 0, 0) == 0
 
 
+def test_executor_overhead_by_hand():
+    # Keys layer_major (10 us a layer, 0.5 us a layer-token) and pagedweight (20 us, 0): over 4 layers and
+    # a step of 6 tokens, 4 x ((10 + 0.5 x 6) + 20) us = 132 us; a key the profile lacks adds 0, as do no
+    # keys, a step without tokens and a profile without the tables (a GPU's).
+    from engines.sim.cost import executor_overhead_s
+
+    p = replace(profile(), executor_overhead_s={"layer_major": 1e-5, "pagedweight": 2e-5},
+                executor_token_overhead_s={"layer_major": 5e-7})
+    assert executor_overhead_s(p, ("layer_major", "pagedweight"), 4, 6) == pytest.approx(132e-6)
+    assert executor_overhead_s(p, ("layer_major", "offload"), 4, 6) == pytest.approx(4 * 13e-6)
+    assert executor_overhead_s(p, (), 4, 6) == 0
+    assert executor_overhead_s(p, ("pagedweight",), 4, 0) == 0
+    assert executor_overhead_s(profile(), ("pagedweight",), 4, 6) == 0
+
+
 def test_copies_add_overlap_or_share_the_processor():
     # h2d 1000 B in 2 transfers, d2h 500 B in 1, at 1e8 x copy 0.5: 20 us and 10 us.
     copies = dict(h2d_bytes=1000, h2d_transfers=2, d2h_bytes=500, d2h_transfers=1)

@@ -147,12 +147,16 @@ def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
     # `hw calibrate`'s fits: the runtime's time per counted call replaces the tiny call's, the prefill rates
     # are read as they were fitted; a step overhead of 0 (folded into the call's) is 0, not cpu.toml's
     m_fit = {**m2, "step_overhead_s": 0.0, "runtime_op_overhead_s": 2.2e-6, "runtime_op_overhead_source": "fit A",
-             "prefill_element_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_overhead_source": "fit B"}
+             "prefill_element_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_overhead_source": "fit B",
+             "executor_overhead_s": {"pagedweight": 2e-4}, "executor_token_overhead_s": {"layer_major": 1e-6},
+             "executor_overhead_source": "fit C"}
     cache_path().write_text(json.dumps({cpu_model(): m_fit}))
     pf = load_profile("cpu")
     assert (pf.op_overhead_s, pf.step_overhead_s) == (2.2e-6, 0.0) and "fit A" in pf.sources["op_overhead_s"]
     assert (pf.prefill_element_overhead_s, pf.prefill_segment_overhead_s) == (7e-7, 3e-5)
     assert "fit B" in pf.sources["prefill_element_overhead_s"] and "fit B" in pf.sources["prefill_segment_overhead_s"]
+    assert pf.executor_overhead_s == {"pagedweight": 2e-4} and pf.executor_token_overhead_s == {"layer_major": 1e-6}
+    assert "fit C" in pf.sources["executor_overhead_s"]
     from engines.sim.hardware import profile_toml
 
     back = tmp_path / "fitted.toml"
@@ -205,6 +209,29 @@ def test_profile_toml_reads_back_to_the_same_profile(tmp_path):
         assert f.read_text().startswith("# line one\n# line two\n")
     assert load_profile(str(tmp_path / "cpu.toml")).shared_processor is True  # survives the rename
     assert load_profile(str(tmp_path / "h100-sxm.toml")).shared_processor is False
+
+
+def test_executor_overhead_tables_read_override_round_trip_and_reject_bad_values(tmp_path):
+    from dataclasses import replace
+
+    from engines.sim.hardware import profile_toml
+
+    f = tmp_path / "mine.toml"
+    f.write_text('inherit = "cpu"\nname = "mine"\n[executor_overhead_s]\npagedweight = 2e-4\nlayer_major = 0\n'
+                 '[executor_token_overhead_s]\nlayer_major = 1e-6\n')
+    p = load_profile(str(f))
+    assert p.executor_overhead_s == {"pagedweight": 2e-4, "layer_major": 0.0}
+    assert p.executor_token_overhead_s == {"layer_major": 1e-6}
+    assert load_profile("h100-sxm").executor_overhead_s == {}  # GPUs: none
+    o = load_profile(str(f), {"executor_overhead_s.offload": 5e-5})
+    assert o.executor_overhead_s == {"pagedweight": 2e-4, "layer_major": 0.0, "offload": 5e-5}
+    back = tmp_path / "back.toml"
+    back.write_text(profile_toml(o))
+    assert replace(load_profile(str(back)), origin="") == replace(o, origin="")
+    f.write_text('inherit = "cpu"\n[executor_overhead_s]\npagedweight = -1\n')
+    with pytest.raises(ValueError) as err:
+        load_profile(str(f))
+    assert "\n" not in str(err.value) and "'executor_overhead_s.pagedweight'" in str(err.value)
 
 
 def test_fit_step_overhead_is_the_median_residual():
