@@ -163,8 +163,9 @@ def test_bench_step_residuals_compare_the_same_batches(tmp_path):
 @pytest.mark.slow
 def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_path, monkeypatch):
     """`pwbench hw calibrate` on this machine (~40 s): the runtime's time per counted torch call,
-    the per-layer prefill rates and the engines' parts' overheads are fitted on the bundled model (engines/sim/calibrate.py's fits,
-    tested by hand in tests/unit/test_sim_hardware.py), land in the cpu profile with their sources,
+    the per-layer prefill rates and the engines' parts' overheads are fitted on the bundled model
+    (engines/sim/calibrate.py's fits, tested by hand in tests/unit/test_sim_hardware.py), land in the
+    cpu profile with their sources,
     and a simulated prefill step pays exactly layers x (element rate x tokens x hidden + segment rate
     x segments) more than on the same profile without them (control time off: compute only)."""
     import dataclasses
