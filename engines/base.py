@@ -209,6 +209,11 @@ class Engine(ABC):
     # Runs under --simulate: its control path (scheduler, KV, budget, expert residency) has a
     # simulated counterpart on the meta device (engines/sim).
     simulates: ClassVar[bool] = False
+    # The keys of a hardware profile's executor_overhead tables its simulated steps pay: its parts'
+    # host time beyond engine moe's path (engines/sim/cost.py `executor_overhead_s`; its simulated
+    # executor derives the same keys from its expert backend and executor). `pwbench hw calibrate`
+    # fits each key on an engine that pays it alone.
+    sim_overhead_keys: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def start(self) -> None: ...

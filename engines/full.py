@@ -199,6 +199,7 @@ class FullEngine(RuntimeEngine):
     config_cls = FullConfig
     needs_calibration = True
     simulates = True
+    sim_overhead_keys = ("layer_major", "pagedweight")
 
     def start(self) -> None:
         # No --budget: the whole device; a simulated run's is the profile's (Simulation.configure).

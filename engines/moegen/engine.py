@@ -130,6 +130,7 @@ class MoEGenEngine(RuntimeEngine):
     config_cls = MoEGenConfig
     plannable = True
     simulates = True
+    sim_overhead_keys = ("layer_major",)
 
     def build(self, cfg: MoEGenConfig, loaded: Loaded) -> EngineParts:
         if cfg.expert_bits is not None:

@@ -107,6 +107,7 @@ def offload_parts(cfg: OffloadConfig, loaded: Loaded) -> EngineParts:
 class OffloadEngine(RuntimeEngine):
     name = "offload"
     simulates = True
+    sim_overhead_keys = ("offload",)
     config_cls = OffloadConfig
 
     def load(self, cfg: OffloadConfig) -> Loaded:

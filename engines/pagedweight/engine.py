@@ -268,6 +268,7 @@ class PagedWeightEngine(RuntimeEngine):
     config_cls = PagedWeightConfig
     needs_calibration = True
     simulates = True
+    sim_overhead_keys = ("pagedweight",)
 
     def load(self, cfg: PagedWeightConfig) -> Loaded:
         return paged_load(self, cfg)

@@ -259,7 +259,9 @@ def calibrate(model: str) -> None:
     print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {p.memory_bytes_per_s / 1e9:.1f} GB/s, "
           f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call, prefill "
           f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
-          f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment per layer")
+          f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment per layer; the engines' parts per layer: "
+          + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
+                      for k, v in p.executor_overhead_s.items()))
 
 
 def step_residuals(measured: Path, simulated: Path) -> str | None:

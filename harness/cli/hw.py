@@ -107,6 +107,7 @@ SCALARS = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinne
 def _profile_json(p: Any) -> dict[str, Any]:
     return {"name": p.name, "description": p.description, "default_dtype": p.default_dtype, "origin": p.origin,
             **{k: getattr(p, k) for k in SCALARS}, "flops_per_s": p.flops_per_s,
+            "executor_overhead_s": p.executor_overhead_s, "executor_token_overhead_s": p.executor_token_overhead_s,
             "efficiency": {k: {"points": [list(x) for x in c.points], "basis": c.basis, "source": c.source}
                            for k, c in p.efficiency.items()},
             "sources": p.sources}
@@ -116,6 +117,9 @@ def _print_profile(p: Any) -> None:
     typer.echo(f"{p.name}: {p.description} (default dtype {p.default_dtype}; from {p.origin})")
     for key in SCALARS:
         typer.echo(f"  {key:26s} {getattr(p, key):<12.4g} {p.sources.get(key, '')}")
+    for table in ("executor_overhead_s", "executor_token_overhead_s"):
+        for key, value in getattr(p, table).items():
+            typer.echo(f"  {table + '.' + key:26s} {value:<12.4g} {p.sources.get(table, '')}")
     for dtype, value in p.flops_per_s.items():
         src = p.sources.get(f"flops_per_s.{dtype}") or p.sources.get("flops_per_s", "")
         typer.echo(f"  {'flops_per_s.' + dtype:26s} {value:<12.4g} {src}")
@@ -295,12 +299,11 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
     return per_element, per_segment, source
 
 
-# `hw calibrate`'s engine probe: each engine whose parts run host code beyond engine moe's path, stepped
-# beside engine moe on the same batches (one step of each in turn, so the host's speed, which drifts
-# by 1.5x within a second here, is the same for both), measured and simulated: (engine, its key in the
-# profile's executor_overhead tables). Engine full's parts are pagedweight's backend and moegen's
-# executor: it is priced by their two keys, not fitted.
-EXECUTOR_PROBE = (("offload", "offload"), ("pagedweight", "pagedweight"), ("moegen", "layer_major"))
+# `hw calibrate`'s engine probe: each engine that pays one key of the profile's executor_overhead tables
+# (its class's `sim_overhead_keys`: its parts' host code beyond engine moe's path) stepped beside engine
+# moe on the same batches (one step of each in turn, so the host's speed, which drifts by 1.5x within a
+# second here, is the same for both), measured and simulated. An engine of several keys (full: moegen's
+# executor and pagedweight's backend) is priced by them, not fitted.
 EXECUTOR_ROUNDS = 9  # rounds of 6 requests (the first warms up, not counted)
 
 
@@ -341,7 +344,7 @@ def _paired_steps(make: Any, name: str, clock: Any) -> tuple[list[float], list[f
 def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], str]:
     """The host time per layer and per layer-token that each engine's parts take beyond engine moe's
     path and the cost model does not price (engines/sim/cost.py `executor_overhead_s`), fitted on the
-    bundled model: for each of EXECUTOR_PROBE, the median step-time difference from engine moe,
+    bundled model: for each engine that pays one key, the median step-time difference from engine moe,
     measured (this thread's CPU time, one torch thread) minus simulated (the cpu profile without
     these, uniform routing), on prefill and on decode steps, solved for per layer and per
     layer-token (clipped at 0)."""
@@ -353,11 +356,13 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
     import torch
 
     from engines.common.demo import demo_model_path
-    from engines.registry import create_engine
+    from engines.registry import create_engine, engine_class, list_engines
     from engines.sim.hardware import cpu_profile, profile_toml
     from harness.bench.simulate import engine_options, model_sizes
     from harness.calibration import create_calibrated
 
+    probe = [(name, engine_class(name).sim_overhead_keys[0]) for name, _ in list_engines()
+             if len(engine_class(name).sim_overhead_keys) == 1]
     model = str(demo_model_path())
     sizes = model_sizes(model)
     layers = None
@@ -379,7 +384,7 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
                     return e
                 return one
 
-            for name, key in EXECUTOR_PROBE:
+            for name, key in probe:
                 m_pre, m_dec, t_pre, t_dec = _paired_steps(make(False), name, lambda e: time.thread_time())
                 s_pre, s_dec, _, _ = _paired_steps(make(True), name, lambda e: e.virtual_clock.now())
                 med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
