@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,13 @@ from tiny_models import build_hf_model, save_checkpoint
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+# The Ctrl-C tests send SIGINT to a pwbench subprocess. A shell starts a background job (`... &`) with
+# SIGINT ignored, exec keeps an ignored signal ignored, and Python then installs no KeyboardInterrupt
+# handler: the child would run on and the tests fail. Seen once here on 2026-12-04, the slow step run
+# as `nohup ... &`. A handled (not ignored) SIGINT is reset to the default at exec, so children get theirs.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
