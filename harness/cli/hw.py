@@ -451,10 +451,10 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
 def hw_calibrate(
     output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
                                                "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
-    step_overhead: Annotated[bool, typer.Option(help="Also fit the runtime's time per torch call and per prefill "
-                                                "token and segment on the bundled model "
-                                                "(a few seconds; its GEMM shapes are measured first, as --model "
-                                                "does).")] = True,
+    step_overhead: Annotated[bool, typer.Option(help="Also fit, on the bundled model, the runtime's time per torch "
+                                                "call and per prefill token and segment, and each engine's parts' "
+                                                "time beyond engine moe's path (stepped beside moe) (~20 s; its "
+                                                "GEMM shapes are measured first, as --model does).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
         "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, and causal SDPA over its heads "
@@ -465,7 +465,8 @@ def hw_calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
-    curves and per-step overhead, print the profile with every source, and optionally write it.
+    curves and overheads (per torch call, per prefill token and segment, per engine part), print
+    the profile with every source, and optionally write it.
     With --model, also measure that model's own GEMM shapes (curves keyed by its shape)."""
     from pathlib import Path
 
