@@ -210,9 +210,9 @@ class Engine(ABC):
     # simulated counterpart on the meta device (engines/sim).
     simulates: ClassVar[bool] = False
     # The keys of a hardware profile's executor_overhead tables its simulated steps pay: its parts'
-    # host time beyond engine moe's path (engines/sim/cost.py `executor_overhead_s`; its simulated
-    # executor derives the same keys from its expert backend and executor). `pwbench hw calibrate`
-    # fits each key on an engine that pays it alone.
+    # host time beyond engine moe's path (engines/sim/cost.py `executor_overhead_s`): "pagedweight"
+    # (its backend's bookkeeping), "offload" (its cache), "layer_major" (moegen's executor loop).
+    # `pwbench hw calibrate` fits each key on an engine that pays it alone.
     sim_overhead_keys: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod

@@ -143,8 +143,6 @@ class _Pricing:
 
 
 class MoEGenSimExecutor(SimExecutor):
-    executor_overhead_key = "layer_major"  # its per-layer loop over micro-batches, buffers and staging
-
     def __init__(self, simulation: Any, cfg: Any, model: MoEModel, kv: PagedKVCache, ledger: TransferLedger,
                  experts: ExpertBackend, dense_bytes_read: int, plan: BatchPlan, shape: ModelShape,
                  hw: Hardware) -> None:
@@ -284,9 +282,10 @@ class MoEGenSimExecutor(SimExecutor):
             self.hw,
             attention_bytes_per_s=self.hw.device_bytes_per_s * self._eff("attention_decode", decode_context / nd)
             if nd else self.hw.attention_bytes_per_s,
-            prefill_attention_flops_per_s=prefill_rate)
-        if self.hw.shared_processor:  # the host is the device: its prefill attention runs at the same rate
-            hw = dataclasses.replace(hw, host_prefill_attention_flops_per_s=prefill_rate)
+            prefill_attention_flops_per_s=prefill_rate,
+            # on a shared processor the host is the device: its prefill attention runs at the same rate
+            host_prefill_attention_flops_per_s=prefill_rate if self.hw.shared_processor
+            else self.hw.host_prefill_attention_flops_per_s)
         c = step_cost(shape, hw, plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
                       active_experts=active, copied_experts=copied)
         overhead = float(self.profile.step_overhead_s) + prefill_overhead_s(

@@ -89,8 +89,6 @@ class ExpertCache:
 class OffloadBackend(HostTierBackend):
     """Experts in the host tier, `slots` device slots per MoE layer (see the module docstring)."""
 
-    sim_overhead_key = "offload"  # its forward's cache lookups and per-expert copies
-
     def __init__(self, experts: dict[int, HostStack], slots: int, copies: CopyEngine, device: torch.device,
                  policy: str = "lru", predictor: Predictor | None = None) -> None:
         if slots < 1:

@@ -83,8 +83,6 @@ class FeedbackSample:
 
 
 class PagedWeightBackend(ExpertBackend):
-    sim_overhead_key = "pagedweight"  # its forward's bookkeeping (importance, per-row bits, per-expert calls)
-
     def __init__(self, stores: Mapping[Key, object], copies: CopyEngine, device: torch.device,
                  importance: Importance, feedback_share: float = 0.0, seed: int = 0, mxfp4: bool = False) -> None:
         super().__init__()

@@ -293,6 +293,8 @@ class RuntimeEngine(Engine):
             overlap = self.experts.copies_overlap and not self.simulation.shared_processor
             self.executor = self.simulation.make_executor(cfg, self.model, self.ledger, self.experts,
                                                           self._dense_bytes_read, overlap)
+        if self.simulation is not None:  # the engine's parts' host time its simulated steps pay
+            self.executor.overhead_keys = self.sim_overhead_keys
         self._aborted: list[str] = []
         self._num_requests = 0
         self.ledger.take_step()  # loading traffic is not part of any step

@@ -138,10 +138,6 @@ class ExpertBackend(ABC):
     `step_stats` reports this step's expert traffic and resets it.
     """
 
-    # --simulate on a shared processor: the key of this backend's per-layer host time beyond the priced
-    # modules in the profile's executor_overhead tables (engines/sim/cost.py `executor_overhead_s`).
-    sim_overhead_key: str | None = None
-
     def __init__(self) -> None:
         self._stats: Counter[str] = Counter()
 

@@ -172,9 +172,9 @@ def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: i
 
 def executor_overhead_s(profile: Any, keys: tuple[str, ...], layers: int, tokens: int) -> float:
     """The host time an engine's parts take per step beyond this runtime's priced modules and counted
-    calls, over the model's layers: for each of `keys` (an expert backend's `sim_overhead_key`, a
-    layer-major executor's "layer_major") the profile's `executor_overhead_s[key]` per layer and
-    `executor_token_overhead_s[key]` per layer and token of the step (0 where it has none: the GPU
+    calls, over the model's layers: for each of `keys` (the engine's `sim_overhead_keys`) the
+    profile's `executor_overhead_s[key]` per layer and `executor_token_overhead_s[key]` per layer
+    and token of the step (0 where it has none: the GPU
     profiles, where the host's Python runs beside the device's kernels). `pwbench hw calibrate` fits
     both on the bundled model, stepping each engine beside engine moe."""
     if not keys or not tokens:

@@ -52,10 +52,6 @@ class SimTotals:
 
 
 class SimExecutor(Executor):
-    # keys of the profile's executor_overhead tables this executor adds (engines/sim/cost.py
-    # `executor_overhead_s`): the layer-major executor's; the expert backend's own is added to it
-    executor_overhead_key: str | None = None
-
     def __init__(self, model: MoEModel, ledger: TransferLedger, experts: ExpertBackend, routing: Any,
                  cost: CostModel, clock: VirtualClock, dense_bytes_read: int, copies_overlap: bool,
                  control_time: bool = True) -> None:
@@ -85,7 +81,9 @@ class SimExecutor(Executor):
                                  for b in np.unique(self._layer_bytes)]
         self.totals = SimTotals()
         self.profile = cost.profile if cost is not None else None  # a subclass pricing otherwise sets its own
-        self.overhead_keys = tuple(k for k in (self.executor_overhead_key, experts.sim_overhead_key) if k)
+        # keys of the profile's executor_overhead tables each step pays (engines/sim/cost.py
+        # `executor_overhead_s`): the engine's `sim_overhead_keys`, set by the engine that builds this
+        self.overhead_keys: tuple[str, ...] = ()
         self._logits: dict[int, torch.Tensor] = {}
         self._runs: dict[tuple[int, int], ExpertRun] = {}  # (tokens << 40 | bytes, count) -> its run
         self.control_time = control_time  # RuntimeConfig.control_time == "measured"

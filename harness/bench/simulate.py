@@ -194,18 +194,19 @@ class StepClocks:
 
         engine.step = timed
 
-    def start(self) -> None:
+    def _probe(self) -> None:
         if self.probe:
             from harness.hw import host_speed
 
             self.speeds.append(host_speed())
+
+    def start(self) -> None:
+        self._probe()
         self.on = True
 
     def end(self) -> None:
-        if self.probe:
-            from harness.hw import host_speed
-
-            self.speeds.append(host_speed())
+        """Called once the run has ended: the host's speed then."""
+        self._probe()
 
     @property
     def share(self) -> float | None:

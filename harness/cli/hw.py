@@ -357,6 +357,7 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
 
     from engines.common.demo import demo_model_path
     from engines.registry import create_engine, engine_class, list_engines
+    from engines.runtime.checkpoint import open_checkpoint
     from engines.sim.hardware import cpu_profile, profile_toml
     from harness.bench.simulate import engine_options, model_sizes
     from harness.calibration import create_calibrated
@@ -365,7 +366,11 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
              if len(engine_class(name).sim_overhead_keys) == 1]
     model = str(demo_model_path())
     sizes = model_sizes(model)
-    layers = None
+    layers = open_checkpoint(model, config_only=True).config.num_layers
+
+    def med(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2]
+
     per_layer, per_token, notes = {}, {}, []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -375,24 +380,18 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
             prof.write_text(profile_toml(dataclasses.replace(cpu_profile(), executor_overhead_s={},
                                                              executor_token_overhead_s={})))
 
-            def make(sim: bool) -> Any:
-                def one(name: str) -> Any:
-                    opts = {"model": model, "device": "cpu", "dtype": "float32", **engine_options(name, sizes)}
-                    e = (create_engine(name, {**opts, "simulate": str(prof), "routing": "uniform"}) if sim
-                         else create_calibrated(name, opts))
-                    e.start()
-                    return e
-                return one
+            def started(name: str, sim: bool) -> Any:
+                opts = {"model": model, "device": "cpu", "dtype": "float32", **engine_options(name, sizes)}
+                e = (create_engine(name, {**opts, "simulate": str(prof), "routing": "uniform"}) if sim
+                     else create_calibrated(name, opts))
+                e.start()
+                return e
 
             for name, key in probe:
-                m_pre, m_dec, t_pre, t_dec = _paired_steps(make(False), name, lambda e: time.thread_time())
-                s_pre, s_dec, _, _ = _paired_steps(make(True), name, lambda e: e.virtual_clock.now())
-                med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+                m_pre, m_dec, t_pre, t_dec = _paired_steps(lambda n: started(n, False), name,
+                                                           lambda e: time.thread_time())
+                s_pre, s_dec, _, _ = _paired_steps(lambda n: started(n, True), name, lambda e: e.virtual_clock.now())
                 gap_pre, gap_dec = med(m_pre) - med(s_pre), med(m_dec) - med(s_dec)
-                if layers is None:
-                    from engines.runtime.checkpoint import open_checkpoint
-
-                    layers = open_checkpoint(model, config_only=True).config.num_layers
                 b = max(0.0, (gap_pre - gap_dec) / (layers * max(1, t_pre - t_dec)))
                 a = max(0.0, gap_dec / layers - b * t_dec)
                 per_layer[key], per_token[key] = a, b
