@@ -48,8 +48,8 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   On a shared processor (the `cpu` profile: the "link" is a memcpy on the same cores, as in
   moegen's model) both directions and compute add up, always.
 - An engine's parts beyond this runtime's path (`executor_overhead_s`, added by the simulated
-  executor, not `step()`): per layer and per layer-token, by the keys of its expert backend and
-  executor (pagedweight's bookkeeping per layer, offload's cache, moegen's layer-major loop).
+  executor, not `step()`): per layer and per layer-token, by the engine's keys (`sim_overhead_keys`:
+  pagedweight's bookkeeping per layer, offload's cache, moegen's layer-major loop).
 - `step_overhead_s` once per step; `prefill_element_overhead_s` per prefill activation element
   (token x hidden) and `prefill_segment_overhead_s` per prefill segment (one sequence's chunk), each per layer
   (`prefill_overhead_s`): the model code's time beyond the priced modules that grows with the
