@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -189,6 +190,21 @@ def _builtin_path(name: str) -> Path | None:
 
 def builtin_names() -> list[str]:
     return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+# The built-in profile of a GPU by the name CUDA reports ("NVIDIA H200", "NVIDIA H100 80GB HBM3",
+# "NVIDIA A100-SXM4-80GB"): a key matches as a whole word, the first match wins (PCIe before SXM).
+_GPU_PROFILES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100", "a100-80gb"),
+                 ("L40S", "l40s"), ("L4", "l4"), ("A10G", "a10g"), ("RTX 6000 Ada", "rtx-6000-ada"),
+                 ("T4", "t4"), ("A5000", "a5000"))
+
+
+def profile_for_device(device_name: str) -> str | None:
+    """The built-in profile's name for a GPU named `device_name` (torch.cuda.get_device_name), or None."""
+    for key, name in _GPU_PROFILES:
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
+            return name
+    return None
 
 
 def _locate(name_or_path: str, where: str = "") -> tuple[Path, str]:

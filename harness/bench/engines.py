@@ -24,10 +24,23 @@ MODELS = ("mixtral", "deepseek_v3")
 
 
 def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
+    """A seeded random checkpoint of `arch` in `folder`: "mixtral" and "deepseek_v3" as the module
+    docstring says (float32), or "mixtral_layers": Mixtral-8x7B's own dimensions (hidden 4096, 8
+    experts of 14336, top-2, 32 heads / 8 KV heads, vocab 32000) in 2 of its 32 layers, 2.9B
+    parameters in bfloat16 (5.8 GB), built on the GPU when there is one: each step's GEMMs, expert
+    bytes and copies are the real model's per layer, for validating a GPU's profile."""
     import torch
     import transformers
 
-    if arch == "mixtral":
+    dtype = torch.float32
+    if arch == "mixtral_layers":
+        config = transformers.MixtralConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+            num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+            rope_theta=1e6,
+        )
+        model_cls, dtype = transformers.MixtralForCausalLM, torch.bfloat16
+    elif arch == "mixtral":
         config = transformers.MixtralConfig(
             vocab_size=32000, hidden_size=512, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
@@ -44,7 +57,13 @@ def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
     else:
         raise SystemExit(f"--models: unknown model {arch!r}; choose from {', '.join(MODELS)}")
     torch.manual_seed(seed)
-    model = model_cls(config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda" if dtype != torch.float32 and torch.cuda.is_available() else "cpu"):
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
     print(f"model {arch}-shaped: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
     model.save_pretrained(folder)
 

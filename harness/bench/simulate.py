@@ -42,7 +42,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "engines" / "demo_model"
-MODELS = ("demo", "mixtral", "deepseek_v3")
+MODELS = ("demo", "mixtral", "deepseek_v3", "mixtral_layers")
+DEFAULT_MODELS = {"cpu": "demo,mixtral,deepseek_v3", "cuda": "demo,mixtral_layers"}
 DEFAULT_ENGINES = "moe,offload,static-rtn,pagedweight,moegen,full"  # each runs only if its class simulates
 # Per model: offline prompt range and the rag_long length scale / Poisson rate (requests/s) that
 # keep the open-loop run moderately loaded on this CPU (a few requests in flight, no backlog).
@@ -50,25 +51,30 @@ DEFAULT_ENGINES = "moe,offload,static-rtn,pagedweight,moegen,full"  # each runs 
 # per decode step here), so their sizes are smaller.
 # `repeats`: measured runs per pair (the median is compared; the demo model's runs take ~2 s, and this
 # host runs the same work 1.5-1.7x slower in some seconds than in others: harness.hw `host_speed`).
+# mixtral_layers (Mixtral-8x7B's own layer dimensions, 2 layers, bf16: a GPU's model) gets longer
+# prompts and a rate a GPU keeps up with.
 SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats": 5},
          "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
-         "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2}}
+         "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
+         "mixtral_layers": {"input_range": (256, 1024), "scale": 0.5, "rate": 4.0, "repeats": 1}}
 KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
 
 
-def model_sizes(model: str) -> dict[str, int]:
-    """Dense bytes, bytes per expert, experts and KV bytes per token, from a simulated start (meta)."""
+def model_sizes(model: str, profile: str = "cpu") -> dict[str, int]:
+    """Dense bytes, bytes per expert, experts and KV bytes per token, from a simulated start (meta)
+    on `profile` (its default dtype: float32 on cpu, bf16 on a GPU)."""
     from engines.registry import create_engine
 
-    e = create_engine("moe", {"model": model, "simulate": "cpu", "routing": "uniform"})
+    e = create_engine("moe", {"model": model, "simulate": profile, "routing": "uniform"})
     e.start()
     try:
         info = e.info()
-        stats = info.model_stats
-        return {"weight_bytes": int(info.weight_bytes), "dense_bytes": int(stats["dense_weight_bytes"]),
-                "expert_bytes": int(info.weight_bytes) - int(stats["dense_weight_bytes"]),
-                "kv_bytes_per_token": int(stats["kv_bytes_per_token"]),
-                "num_experts": int(e.checkpoint.config.num_experts)}
+        stats, config = info.model_stats, e.checkpoint.config
+        # the routed experts' bytes; everything else (embedding included) is dense
+        experts = round(stats["bytes_per_expert"] * config.num_experts * len(config.moe_layers))
+        return {"weight_bytes": int(info.weight_bytes), "dense_bytes": int(info.weight_bytes) - experts,
+                "expert_bytes": experts, "kv_bytes_per_token": int(stats["kv_bytes_per_token"]),
+                "num_experts": int(config.num_experts)}
     finally:
         e.stop()
 
@@ -238,12 +244,14 @@ def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> None:
     print("| engine | workload | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for engine, wl, m, s in rows:
-        cells = []
-        for k in keys:
-            e = error(m.get(k), s.get(k))
-            cells.append(f"{fmt(m.get(k))} / {fmt(s.get(k))}" + (f" ({e:+.0f}%)" if e is not None else ""))
-        print(f"| {engine} | {wl} | " + " | ".join(cells) + " |")
+        print(f"| {engine} | {wl} | " + " | ".join(cell(m, s, k) for k in keys) + " |")
     sys.stdout.flush()
+
+
+def cell(m: dict, s: dict, key: str) -> str:
+    """One table cell: measured / simulated (error %)."""
+    e = error(m.get(key), s.get(key))
+    return f"{fmt(m.get(key))} / {fmt(s.get(key))}" + (f" ({e:+.0f}%)" if e is not None else "")
 
 
 def calibrate(model: str) -> None:
@@ -339,28 +347,29 @@ def _fresh(fn: Any, *args: Any) -> Any:
 
 
 def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
-             tmp_name: str, warmup: int, cpu_clock: bool = True,
-             repeats: int = 1) -> tuple[str, str, dict, dict] | None:
+             tmp_name: str, warmup: int, cpu_clock: bool = True, repeats: int = 1, device: str = "cpu",
+             target: str = "cpu") -> tuple[str, str, dict, dict] | None:
     """One engine on one workload, measured `repeats` times (its routing recorded) and then simulated
     replaying the median measured run by the CPU time its steps took (of two, the lower: the same
     batches, tokens and routing each time, so the runs differ by what neighbours on this shared
     machine took; a run one burst hit is left out, as `pwbench hw calibrate` takes each probe
     step's median over passes), each run in a fresh interpreter; prints what it did and returns the
-    table row (None: it does not run, and says why)."""
+    table row (None: it does not run, and says why). `device`: where the measured runs run;
+    `target`: the profile (name or TOML file) the simulated run prices."""
     tmp = Path(tmp_name)
     tag = f"{arch}-{engine}-{wl}"
     common = dict(workload=spec, given=given, engine=engine, model=model, warmup=warmup, quality=False)
     moe_trace = str(tmp / f"{arch}-moe-{wl}.routing.parquet")
     try:
         t0 = time.perf_counter()
-        runs = [_fresh(_measure_one, tag, k, common, options, tmp_name, cpu_clock, moe_trace)
+        runs = [_fresh(_measure_one, tag, k, common, {**options, "device": device}, tmp_name, cpu_clock, moe_trace)
                 for k in range(max(1, repeats))]
         if runs[0][5]:
             print(runs[0][5])
         # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
         folder_m, measured, _, share, trace, _, _ = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
         t1 = time.perf_counter()
-        sim_options = {**options, "simulate": "cpu", "routing": f"replay:{trace}"}
+        sim_options = {**options, "simulate": target, "routing": f"replay:{trace}"}
         if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
             sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
         folder_s, simulated = _fresh(_simulate_one, common, sim_options, str(tmp / f"{tag}-simulated"))
@@ -394,13 +403,69 @@ def peak_rss_gb(who: int = resource.RUSAGE_SELF) -> float:
     return resource.getrusage(who).ru_maxrss * 1024 / 1e9  # Linux: KiB
 
 
+def gpu_profile(name: str | None) -> Any:
+    """The profile `--device cuda` validates: `name`, or the built-in one for this GPU; SystemExit (one
+    line) without CUDA or a profile."""
+    import torch
+
+    from engines.sim.hardware import load_profile, profile_for_device
+
+    if not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; run on a GPU machine")
+    gpu = torch.cuda.get_device_name()
+    name = name or profile_for_device(gpu)
+    if name is None:
+        raise SystemExit(f"--device cuda: no built-in profile for {gpu!r} (`pwbench hw list`); give --profile "
+                         "NAME or FILE.toml")
+    try:
+        p = load_profile(name)
+    except ValueError as exc:
+        raise SystemExit(f"--profile: {exc}") from None
+    print(f"{gpu}: validating profile {p.name} ({p.description}; {p.origin}): {p.memory_bytes_per_s / 1e12:.2f} TB/s, "
+          f"{p.flops() / 1e12:.0f} TFLOP/s {p.default_dtype}, link {p.link_pinned_bytes_per_s / 1e9:.0f} GB/s pinned, "
+          f"step overhead {p.step_overhead_s * 1e3:.2f} ms, op overhead {p.op_overhead_s * 1e6:.1f} us")
+    return p
+
+
+def eager_profile(p: Any, tmp: Path) -> str:
+    """`p` with this runtime's host time per torch call (eager PyTorch: each kernel launched from
+    Python) fitted on this GPU on the bundled model (harness/cli/hw.py `measure_op_overhead`), step
+    overhead folded into it as on the cpu profile; written to `tmp`, its path returned."""
+    import dataclasses
+
+    from engines.sim.hardware import profile_toml
+    from harness.cli.hw import measure_op_overhead
+
+    t = time.perf_counter()
+    per_call, source = _fresh(measure_op_overhead, "cuda", p)
+    eager = dataclasses.replace(p, op_overhead_s=per_call, step_overhead_s=0.0,
+                                sources={**p.sources, "op_overhead_s": source,
+                                         "step_overhead_s": "folded into op_overhead_s (fitted per counted call)"})
+    path = tmp / f"{p.name}-eager.toml"
+    path.write_text(profile_toml(eager, name=f"{p.name}-eager",
+                                 header=f"{p.description} with eager PyTorch's time per call fitted on this GPU"))
+    print(f"{p.name}: eager dispatch fitted ({time.perf_counter() - t:.0f} s): {per_call * 1e6:.2f} us per counted "
+          f"torch call ({source}); the simulated runs price {path.name}", flush=True)
+    return str(path)
+
+
 def main() -> None:
     from engines.registry import engine_class
     from engines.sim.hardware import cpu_profile
     from harness.bench.engines import build_model
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated, from {', '.join(MODELS)} (default: "
+                             + "; ".join(f"--device {d}: {m}" for d, m in DEFAULT_MODELS.items()) + ")")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the measured runs run. cuda: validates that GPU's profile (--profile): the "
+                             "runs in bf16 on the wall clock, the simulated runs on the profile with eager "
+                             "PyTorch's host time per call fitted on this GPU first (this runtime launches each "
+                             "kernel from Python; the shipped profiles assume CUDA graphs)")
+    parser.add_argument("--profile", default=None,
+                        help="with --device cuda: the profile to validate (default: the built-in one for this GPU's "
+                             "name, e.g. h200)")
     parser.add_argument("--engines", default=DEFAULT_ENGINES,
                         help="comma-separated engine names; one whose class does not simulate is skipped")
     parser.add_argument("--requests", type=int, default=6, help="requests per workload")
@@ -427,7 +492,7 @@ def main() -> None:
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
                              "its CPU dequantization costs ~1 s per decode step there)")
     args = parser.parse_args()
-    models = [m for m in args.models.split(",") if m]
+    models = [m for m in (args.models or DEFAULT_MODELS[args.device]).split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         raise SystemExit(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
@@ -441,15 +506,23 @@ def main() -> None:
             engines.append(name)
         else:
             print(f"skip {name}: it cannot be simulated yet (class flag `simulates` is false)")
-    p = cpu_profile()
-    print(f"cpu profile: {p.description}; {p.memory_bytes_per_s / 1e9:.1f} GB/s, {p.flops() / 1e9:.0f} GFLOP/s, "
-          f"step overhead {p.step_overhead_s * 1e3:.2f} ms, op overhead {p.op_overhead_s * 1e6:.1f} us ({p.origin})")
+    if args.device == "cuda":
+        profile = gpu_profile(args.profile)
+    else:
+        if args.profile not in (None, "cpu"):
+            raise SystemExit(f"--profile {args.profile}: measured on this CPU, only the cpu profile is validated; "
+                             "give --device cuda on a GPU machine for a GPU's profile")
+        p = cpu_profile()
+        print(f"cpu profile: {p.description}; {p.memory_bytes_per_s / 1e9:.1f} GB/s, {p.flops() / 1e9:.0f} GFLOP/s, "
+              f"step overhead {p.step_overhead_s * 1e3:.2f} ms, op overhead {p.op_overhead_s * 1e6:.1f} us "
+              f"({p.origin})")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pwbench-bench-sim-") as tmp_name:
         tmp = Path(tmp_name)
         if args.keep:
             tmp = Path(args.keep).expanduser()
             tmp.mkdir(parents=True, exist_ok=True)
+        target = "cpu" if args.device == "cpu" else eager_profile(profile, tmp)
         for arch in models:
             if arch == "demo":
                 model = str(DEMO)
@@ -457,23 +530,29 @@ def main() -> None:
                 model = str(tmp / f"{arch}-shaped")
                 if not (Path(model) / "config.json").is_file():
                     build_model(Path(model), arch)
-            if args.calibration:
+            if args.calibration and args.device == "cpu":
                 calibrate(model)
-            sizes = model_sizes(model)
+            sizes = model_sizes(model, target)
             rows = []
             for engine in engines:
                 options = engine_options(engine, sizes)
                 for wl, spec, given in workloads(arch, args.requests, args.output_len, args.rate):
                     tag = f"{arch}-{engine}-{wl}"
-                    if engine.startswith("static-") and arch != "demo" and not args.slow:
+                    if engine.startswith("static-") and arch != "demo" and not args.slow and args.device == "cpu":
                         print(f"{tag}: skipped (several minutes of CPU quantization and dequantization; --slow "
                               "runs it)")
                         continue
                     sys.stdout.flush()
                     row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), args.warmup,
-                                   args.clock == "cpu", args.repeats or SIZES[arch]["repeats"])
+                                   args.clock == "cpu" and args.device == "cpu",
+                                   args.repeats or (SIZES[arch]["repeats"] if args.device == "cpu" else 1),
+                                   args.device, target)
                     if row is not None:
                         rows.append(row)
+                        _, _, m, s = row  # at once too, so a run stopped early keeps what it measured
+                        print(f"{tag}: " + "; ".join(f"{k} {cell(m, s, k)}" for k in
+                                                     ("output tok/s", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms")),
+                              flush=True)
             if rows:
                 print_table(arch, rows)
     print(f"\nwall time {time.perf_counter() - start:.0f} s; peak RSS: this process {peak_rss_gb():.2f} GB, "

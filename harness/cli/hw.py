@@ -149,10 +149,10 @@ def _timed_steps(engine: Any, requests: list[Any], clock: Any, costs: list[Any] 
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _measured_then_simulated(profile: Any, measure: Any, simulate: Any) -> tuple[Any, Any]:
-    """`measure(engine)` on the bundled model on engine moe, measured with one torch thread and its
-    routing recorded, then `simulate(engine)` on the same model simulated on `profile` replaying it:
-    (what each returned)."""
+def _measured_then_simulated(profile: Any, measure: Any, simulate: Any, device: str = "cpu") -> tuple[Any, Any]:
+    """`measure(engine)` on the bundled model on engine moe on `device` (on the CPU with one torch
+    thread), its routing recorded, then `simulate(engine)` on the same model simulated on `profile`
+    replaying it: (what each returned)."""
     import tempfile
     from pathlib import Path
 
@@ -166,9 +166,10 @@ def _measured_then_simulated(profile: Any, measure: Any, simulate: Any) -> tuple
     with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
         trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-probe.toml"
         prof.write_text(profile_toml(profile))
-        measured = create_engine("moe", {"model": model, "device": "cpu", "record_routing": str(trace)})
+        measured = create_engine("moe", {"model": model, "device": device, "record_routing": str(trace)})
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)
+        if device == "cpu":
+            torch.set_num_threads(1)
         measured.start()
         try:
             got = measure(measured)
@@ -183,7 +184,7 @@ def _measured_then_simulated(profile: Any, measure: Any, simulate: Any) -> tuple
             simulated.stop()
 
 
-def measure_op_overhead() -> tuple[float, str]:
+def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, str]:
     """The runtime's time per torch call the cost model counts (engines/sim/cost.py
     `torch_calls`): the calls' Python and the small kernels around the priced modules, fitted
     on the bundled model (median over decode-heavy steps of measured minus simulated, the
@@ -191,7 +192,12 @@ def measure_op_overhead() -> tuple[float, str]:
     this thread's CPU time with one torch thread: on a shared machine the time a neighbour holds
     the core is not the runtime's (wall time here ran ~2x the CPU time). A tiny call alone
     (`pwbench hw`'s op_overhead_s, ~1.4 us here) is a third or less of what a call of the runtime
-    takes (4-8 us measured on the bundled and the benchmark models' decode steps)."""
+    takes (4-8 us measured on the bundled and the benchmark models' decode steps).
+
+    On a GPU (`device` cuda, `base` its profile) the same fit gives eager PyTorch's host time per
+    call: steps timed on the wall clock, synchronized; the bundled model's kernels are so small that
+    the host's launches are the step (the cost model then prices a step as the larger of the
+    launches and the device's work)."""
     import dataclasses
     import time
 
@@ -203,14 +209,24 @@ def measure_op_overhead() -> tuple[float, str]:
         return [EngineRequest(f"{prefix}{i}", tuple(3 + (37 * i + 11 * j) % 1000 for j in range(PROBE_PROMPT)),
                               PROBE_OUTPUT, ignore_eos=True) for i in range(PROBE_REQUESTS)]
 
-    base = cpu_profile()
-    marker = base.op_overhead_s or 1e-6  # prices each counted call at this, so that dispatch / marker counts them
+    base = base or cpu_profile()
+    # Each counted call priced at `marker`, so that dispatch / marker counts them; off a shared
+    # processor only the launches beyond the device's work show, so the marker there dwarfs it.
+    marker = (base.op_overhead_s or 1e-6) if base.shared else 1.0
+    if device == "cpu":
+        clock = time.thread_time
+    else:
+        import torch
+
+        def clock() -> float:
+            torch.cuda.synchronize()
+            return time.perf_counter()
 
     def measure(engine: Any) -> list[float]:
-        _timed_steps(engine, batch("warm"), time.thread_time)  # the first calls fault pages in
+        _timed_steps(engine, batch("warm"), clock)  # the first calls fault pages in
         # each step the median of PROBE_PASSES passes (the same batches): a run's typical step, as a
         # run's latency medians see it, with one neighbour's burst in one pass left out
-        passes = [_timed_steps(engine, batch(f"probe{k}"), time.thread_time) for k in range(PROBE_PASSES)]
+        passes = [_timed_steps(engine, batch(f"probe{k}"), clock) for k in range(PROBE_PASSES)]
         return [sorted(step)[len(step) // 2] for step in zip(*passes)]
 
     def simulate(engine: Any) -> list[Any]:
@@ -221,13 +237,14 @@ def measure_op_overhead() -> tuple[float, str]:
 
     wall, costs = _measured_then_simulated(
         dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker, prefill_element_overhead_s=0.0,
-                            prefill_segment_overhead_s=0.0), measure, simulate)
+                            prefill_segment_overhead_s=0.0), measure, simulate, device)
     calls = [max(1, round(c.parts["dispatch"] / marker)) for c in costs]
     predicted = [c.seconds - c.parts["dispatch"] for c in costs]
     seconds, d = fit_step_overhead(wall, predicted, calls=calls)
+    where = "one torch thread" if device == "cpu" else f"{device}, eager PyTorch, wall clock synchronized"
     source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
-              f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, one torch thread) of the "
-              f"measured CPU time per step (the median of {PROBE_PASSES} passes; "
+              f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, {where}) of the "
+              f"measured time per step (the median of {PROBE_PASSES} passes; "
               f"{d['median_measured_s'] * 1e3:.2f} ms) minus the same step simulated "
               f"without dispatch or step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute, "
               "its GEMMs by the bundled model's own shape curves where measured, plus the control code's measured "

@@ -19,6 +19,7 @@ from engines.sim.hardware import (
     curve_base,
     list_profiles,
     load_profile,
+    profile_for_device,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +59,16 @@ def test_datasheet_numbers_as_the_brief_gives_them():
     assert a100.flops() == 312e12 and abs(a100.memory_bytes_per_s - 2.0e12) < 0.05e12
     assert (l4.memory_bytes, l4.memory_bytes_per_s, l4.flops()) == (24e9, 300e9, 121e12)
     assert h100.link_pinned_bytes_per_s == 55e9 and a100.link_pinned_bytes_per_s == 25e9
+
+
+def test_profile_for_device_maps_cuda_names_to_builtins():
+    # The names torch.cuda.get_device_name() reports on these GPUs (nvidia-smi's product names).
+    names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-sxm", "NVIDIA H100 PCIe": "h100-pcie",
+             "NVIDIA A100-SXM4-80GB": "a100-80gb", "NVIDIA A100 80GB PCIe": "a100-80gb", "NVIDIA L40S": "l40s",
+             "NVIDIA L4": "l4", "NVIDIA A10G": "a10g", "NVIDIA RTX 6000 Ada Generation": "rtx-6000-ada",
+             "Tesla T4": "t4", "NVIDIA RTX A5000": "a5000", "NVIDIA GeForce RTX 4090": None, "NVIDIA A10": None}
+    assert {n: profile_for_device(n) for n in names} == names
+    assert all(load_profile(p).name == p for p in names.values() if p)
 
 
 def test_curve_is_log_interpolated_and_flat_beyond():
