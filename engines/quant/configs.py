@@ -84,13 +84,18 @@ def load_table(path: Path) -> dict[int, KernelConfig] | None:
         raise QuantFormatError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
 
 
-def default_config(m: int) -> KernelConfig:
+def default_config(m: int, bits: int = 4) -> KernelConfig:
     """Untuned fallback by token count: small M is weight-bandwidth bound, so keep the M tile
-    small and the N tile wide; large M is compute bound, so grow both."""
+    small and the N tile wide; large M is compute bound, so grow both. 3-bit codes straddle
+    32-bit words and are gathered per element: the large tile with 3 stages asked an H200 for
+    307,200 bytes of shared memory (it has 232,448; tests/quant/test_kernels.py
+    test_gpu_fused_moe_large, 2026-12-04), so 3-bit gets half the N tile and 2 stages there."""
     if m <= 32:
         return KernelConfig(16, 64, 64, num_warps=4, num_stages=3)
     if m <= 256:
         return KernelConfig(32, 64, 64, num_warps=4, num_stages=3)
+    if bits == 3:
+        return KernelConfig(64, 64, 64, num_warps=4, num_stages=2)
     return KernelConfig(64, 128, 64, num_warps=8, num_stages=3)
 
 
@@ -105,7 +110,7 @@ def pick_config(experts: int, n: int, k: int, bits: int, group_size: int, dtype:
         cfg = INTERPRETER_CONFIG
     else:
         table = load_table(config_dir / config_file_name(experts, n, k, bits, group_size, device_key(device), dtype))
-        cfg = nearest(table, m) if table else default_config(m)
+        cfg = nearest(table, m) if table else default_config(m, bits)
     return replace(cfg, block_k=min(cfg.block_k, group_size))
 
 

@@ -188,6 +188,15 @@ def attend_cached(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, layer: int, b
                            sinks=spec.sinks)
 
 
+def no_per_shape_attention_plans() -> None:
+    """On CUDA, leave SDPA's cuDNN backend out (process-wide): it builds a graph for each new
+    sequence length (a first call of each shape costs milliseconds to tens of them; torchtune#1652,
+    ml-explore/mlx#2743), and decode meets a new context length every KV block, a prefill every new
+    prompt length; flash and memory-efficient attention run any shape at once
+    (harness/bench/sdpa_shapes.py times both on a GPU)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
             sinks: Tensor | None) -> Tensor:
     """SDPA over [..., n, d] queries and [..., L, d] keys (key heads repeated to the query heads

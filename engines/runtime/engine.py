@@ -19,6 +19,7 @@ import torch
 from engines.base import Engine, EngineError, EngineInfo, EngineRequest, InvalidRequestError, RequestOutput, StepOutput
 from engines.common.device import dtype_name, resolve_device, resolve_dtype
 from engines.runtime import cpu_attention
+from engines.runtime.attention import no_per_shape_attention_plans
 from engines.runtime.batch import SeqState, StepBatch, build_batch
 from engines.runtime.budget import OFFLOAD_FIX, Claim, DeviceBudget
 from engines.runtime.checkpoint import Checkpoint, load_weights, open_checkpoint
@@ -262,6 +263,8 @@ class RuntimeEngine(Engine):
         loaded = self.load(cfg)
         self.loaded, self.checkpoint, self.weights = loaded, loaded.checkpoint, loaded.weights
         self.device, self.dtype, self.ledger = loaded.device, loaded.dtype, loaded.ledger
+        if self.device.type == "cuda":
+            no_per_shape_attention_plans()
         self._dense_bytes = loaded.dense_bytes
         self.parts = parts = self.build(cfg, loaded)
         self.config = cfg = parts.config or cfg

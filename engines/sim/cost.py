@@ -36,9 +36,11 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   the context's KV and writing the chunk's.
 - This runtime's kernels as counts (facts about engines/runtime, shared with moegen's model):
   activations through the elementwise kernels ("elementwise" over the step's tokens) and a
-  dispatch overhead per torch call (`profile.op_overhead_s`). On the cpu profile dispatch adds
-  to compute (the same cores); on a device launches are asynchronous, so the host's dispatch
-  runs beside the device's work and only what exceeds it shows (part "dispatch").
+  dispatch overhead per torch call (`profile.op_overhead_s`, part "dispatch"), added to compute:
+  on the cpu profile the same cores dispatch and compute, and on a device every MoE layer of this
+  runtime waits for its routing counts on the host, so launches cannot run ahead of the device
+  (measured on an H200: docs/simulation-validation.md). A profile of CUDA-graph serving has
+  op_overhead_s 0.
   "elementwise" (optional) is a fraction of memory_bytes_per_s over the step's tokens.
 - Copies: h2d and d2h bytes at link_pinned_bytes_per_s x "copy" over bytes per transfer; the two
   directions run at once (PCIe is full duplex). With `copies_overlap` the copies run beside
@@ -174,8 +176,8 @@ def executor_overhead_s(profile: Any, keys: tuple[str, ...], layers: int, tokens
     """The host time an engine's parts take per step beyond this runtime's priced modules and counted
     calls, over the model's layers: for each of `keys` (the engine's `sim_overhead_keys`) the
     profile's `executor_overhead_s[key]` per layer and `executor_token_overhead_s[key]` per layer
-    and token of the step (0 where it has none: the GPU
-    profiles, where the host's Python runs beside the device's kernels). `pwbench hw calibrate` fits
+    and token of the step (0 where it has none: the shipped GPU
+    profiles, which price CUDA-graph serving: no host Python per layer). `pwbench hw calibrate` fits
     both on the bundled model, stepping each engine beside engine moe."""
     if not keys or not tokens:
         return 0.0
@@ -448,11 +450,10 @@ class CostModel:
         else:
             read = 0.0  # no token computed: nothing read
         compute = dense + head + experts + attention + activations
-        if self.shared:  # the same cores dispatch and compute
-            compute += dispatch
-        else:  # launches are asynchronous: the host dispatches while the device computes
-            dispatch = max(0.0, dispatch - compute)
-            compute += dispatch
+        # The host's launches and the device's work add, on a device too: every MoE layer of this
+        # runtime waits for its routing counts on the host (engines/runtime/model.py `_moe`), so the
+        # host cannot launch ahead of the device (docs/simulation-validation.md, the H200 run).
+        compute += dispatch
         # Copies.
         h2d = d2h = 0.0
         if work.h2d_bytes:

@@ -101,8 +101,8 @@ class SimExecutor(Executor):
         return {"keys": list(self.overhead_keys),
                 "per_layer_s": {k: float(per_layer.get(k, 0.0)) for k in self.overhead_keys},
                 "per_layer_token_s": {k: float(per_token.get(k, 0.0)) for k in self.overhead_keys},
-                "source": sources.get("executor_overhead_s", "not in the profile: 0 (the GPU profiles: the host's "
-                                      "Python runs beside the device's kernels)")}
+                "source": sources.get("executor_overhead_s", "not in the profile: 0 (the shipped GPU profiles price "
+                                      "CUDA-graph serving: no host Python per layer)")}
 
     # -- control time (RuntimeEngine.step calls step_begin / step_end on a simulated run) ---------------
     def step_begin(self) -> None:

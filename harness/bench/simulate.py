@@ -398,6 +398,45 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     return engine, wl, m, s
 
 
+def reprice(keep: Path, target: str) -> None:
+    """Simulate again, on `target` (a profile name or TOML file), every measured run a `--keep` folder
+    holds, with its own workload, options, warm-up and recorded routing, and print the tables: a
+    validation measured elsewhere (a GPU machine) priced here after a change to the cost model."""
+    from workloads.registry import WorkloadSpec
+
+    rows: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="pwbench-reprice-") as out:
+        for measured in sorted(keep.glob("*-measured*")):
+            if not (measured / "run.json").is_file():
+                continue
+            run = json.loads((measured / "run.json").read_text())
+            cfg, tag = run["config"], measured.name.split("-measured")[0]
+            arch, rest = tag.split("-", 1)
+            engine, wl = rest.rsplit("-", 1)
+            trace = keep / (f"{arch}-moe-{wl}.routing.parquet" if measured.name.endswith("-moe-routing")
+                            else f"{tag}.routing.parquet")
+            model = DEMO if arch == "demo" else keep / f"{arch}-shaped"
+            if not (Path(model) / "config.json").is_file():
+                from harness.bench.engines import build_model
+
+                build_model(Path(model), arch)
+            workload = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg["workload"].items()}
+            spec = WorkloadSpec(**workload)
+            common = dict(workload=spec, given=frozenset({"scale", "time_scale"}) if spec.name == "rag_long"
+                          else frozenset(), engine=engine, model=str(model), warmup=cfg["warmup"], quality=False)
+            options = {k: v for k, v in cfg["engine_options"].items() if k not in ("device", "record_routing")}
+            folder_s, simulated = _fresh(_simulate_one, common,
+                                         {**options, "simulate": target, "routing": f"replay:{trace}"},
+                                         str(Path(out) / f"{tag}-simulated"))
+            m, s = metrics(run), metrics(simulated)
+            residuals = step_residuals(measured, Path(folder_s))
+            print(f"{tag}: " + "; ".join(f"{k} {cell(m, s, k)}" for k in ("output tok/s", "TTFT p50 ms", "TPOT p50 ms"))
+                  + (f"; step medians measured / simulated: {residuals}" if residuals else ""), flush=True)
+            rows.setdefault(arch, []).append((engine, wl, m, s))
+    for arch, found in rows.items():
+        print_table(arch, found)
+
+
 def peak_rss_gb(who: int = resource.RUSAGE_SELF) -> float:
     """The largest resident set this process (or the largest of its finished children) reached, GB."""
     return resource.getrusage(who).ru_maxrss * 1024 / 1e9  # Linux: KiB
@@ -471,7 +510,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6, help="requests per workload")
     parser.add_argument("--output-len", type=int, default=16, help="offline_batch output tokens")
     parser.add_argument("--rate", type=float, default=None, help="rag_long requests/s (default: per model)")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--workloads", default="offline,rag_long", help="comma-separated, from offline, rag_long")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up requests before each measured run (default: 1; on cuda 2, so that the "
+                             "kernels' first calls, lazily loaded, fall in the warm-up)")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep every run's result folder (steps.parquet, requests.parquet) under DIR, for "
                              "comparing measured and simulated steps one by one (default: a temporary folder)")
@@ -488,11 +530,24 @@ def main() -> None:
                              "two, the lower) is compared, so a run a neighbour's burst hit is left out (default: per "
                              "model, "
                              + ", ".join(f"{m} {v['repeats']}" for m, v in SIZES.items()) + ")")
+    parser.add_argument("--reprice", default=None, metavar="DIR",
+                        help="measure nothing: simulate again, on --profile (a name or TOML file; default cpu), "
+                             "every measured run a --keep DIR holds (e.g. one brought back from a GPU machine) and "
+                             "print the tables")
     parser.add_argument("--slow", action="store_true",
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
                              "its CPU dequantization costs ~1 s per decode step there)")
     args = parser.parse_args()
+    if args.reprice:
+        if not Path(args.reprice).is_dir():
+            raise SystemExit(f"--reprice {args.reprice}: not a folder; give a --keep folder of an earlier run")
+        reprice(Path(args.reprice), args.profile or "cpu")
+        return
     models = [m for m in (args.models or DEFAULT_MODELS[args.device]).split(",") if m]
+    chosen = {w for w in args.workloads.split(",") if w}
+    if not chosen or chosen - {"offline", "rag_long"}:
+        raise SystemExit(f"--workloads {args.workloads}: choose from offline, rag_long")
+    warmup = args.warmup if args.warmup is not None else (1 if args.device == "cpu" else 2)
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         raise SystemExit(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
@@ -537,13 +592,15 @@ def main() -> None:
             for engine in engines:
                 options = engine_options(engine, sizes)
                 for wl, spec, given in workloads(arch, args.requests, args.output_len, args.rate):
+                    if wl not in chosen:
+                        continue
                     tag = f"{arch}-{engine}-{wl}"
                     if engine.startswith("static-") and arch != "demo" and not args.slow and args.device == "cpu":
                         print(f"{tag}: skipped (several minutes of CPU quantization and dequantization; --slow "
                               "runs it)")
                         continue
                     sys.stdout.flush()
-                    row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), args.warmup,
+                    row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), warmup,
                                    args.clock == "cpu" and args.device == "cpu",
                                    args.repeats or (SIZES[arch]["repeats"] if args.device == "cpu" else 1),
                                    args.device, target)

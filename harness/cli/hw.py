@@ -184,6 +184,21 @@ def _measured_then_simulated(profile: Any, measure: Any, simulate: Any, device: 
             simulated.stop()
 
 
+def _step_clock(device: str) -> Any:
+    """The probes' clock: this thread's CPU time on the CPU; on a GPU the wall clock, synchronized."""
+    import time
+
+    if device == "cpu":
+        return time.thread_time
+    import torch
+
+    def clock() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    return clock
+
+
 def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, str]:
     """The runtime's time per torch call the cost model counts (engines/sim/cost.py
     `torch_calls`): the calls' Python and the small kernels around the priced modules, fitted
@@ -196,10 +211,9 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, s
 
     On a GPU (`device` cuda, `base` its profile) the same fit gives eager PyTorch's host time per
     call: steps timed on the wall clock, synchronized; the bundled model's kernels are so small that
-    the host's launches are the step (the cost model then prices a step as the larger of the
-    launches and the device's work)."""
+    the host's launches are the step (the cost model adds them to the device's work: this runtime's
+    MoE layers wait for their routing counts on the host)."""
     import dataclasses
-    import time
 
     from engines.base import EngineRequest
     from engines.sim.calibrate import fit_step_overhead
@@ -210,17 +224,8 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, s
                               PROBE_OUTPUT, ignore_eos=True) for i in range(PROBE_REQUESTS)]
 
     base = base or cpu_profile()
-    # Each counted call priced at `marker`, so that dispatch / marker counts them; off a shared
-    # processor only the launches beyond the device's work show, so the marker there dwarfs it.
-    marker = (base.op_overhead_s or 1e-6) if base.shared else 1.0
-    if device == "cpu":
-        clock = time.thread_time
-    else:
-        import torch
-
-        def clock() -> float:
-            torch.cuda.synchronize()
-            return time.perf_counter()
+    marker = base.op_overhead_s or 1e-6  # prices each counted call at this, so that dispatch / marker counts them
+    clock = _step_clock(device)
 
     def measure(engine: Any) -> list[float]:
         _timed_steps(engine, batch("warm"), clock)  # the first calls fault pages in

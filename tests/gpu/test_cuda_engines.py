@@ -1,14 +1,18 @@
 """The `moe` engine on a CUDA device: what the CPU-pinned equality tests say, said on the GPU.
 
 Skipped without CUDA (the `gpu` marker, see tests/conftest.py). Oracle: transformers' float32
-model on the CPU. In float32 on the GPU the tokens must be the same and the logits within 1e-3
-(matmuls in full float32: TF32 is off by default for them); in bfloat16 (8 mantissa bits) the
-teacher-forced logits must be within 0.1 of the reference and pick the same top token at
->= 90% of positions. Bytes moved are no longer zero: loading moves exactly the weights'
-bytes host->device, and a step copies back exactly the sampled ids (int64) and the logits asked for.
+model on the CPU. In float32 on the GPU the logits must be within 1e-3 (matmuls in full float32:
+TF32 is off by default for them) and the tokens the same, except where the reference's top two
+logits were a near tie (then the runs part there); in bfloat16 (8 mantissa bits) the teacher-forced
+logits must be no further from the reference than twice transformers' own bf16 model on the same
+GPU is (+0.02), and pick the same top token at >= 90% of positions. Bytes moved are no longer
+zero: loading moves exactly the weights' bytes host->device, and a step copies back exactly the
+sampled ids (int64), the logits asked for and each MoE layer's expert counts.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -48,8 +52,15 @@ def test_float32_on_cuda_matches_the_reference(arch, checkpoints):
         with torch.inference_mode():
             ref = model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert got[str(i)]["tokens"] == ref.sequences[0, len(p):].tolist()
-        assert (torch.cat(got[str(i)]["logits"]) - torch.cat(ref.logits).float()).abs().max().item() <= 1e-3
+        expected = ref.sequences[0, len(p):].tolist()
+        # Up to the first token that differs the inputs are the same, so the logits must be too, that
+        # step's included; a token may differ only where the reference's top two were a near tie.
+        n = next((j for j, (a, b) in enumerate(zip(got[str(i)]["tokens"], expected)) if a != b), len(expected))
+        mine, theirs = torch.cat(got[str(i)]["logits"])[: n + 1], torch.cat(ref.logits).float()[: n + 1]
+        assert (mine - theirs).abs().max().item() <= 1e-3
+        if n < len(expected):
+            top = theirs[n].topk(2).values
+            assert (top[0] - top[1]).item() <= 2e-3, f"prompt {i}: token {n} differs without a near tie"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -59,13 +70,17 @@ def test_bfloat16_on_cuda_is_close_to_the_reference(arch, checkpoints):
             for i, p in enumerate(PROMPTS)]
     with MoEEngine(MoEEngineConfig(model=str(checkpoints(arch)), device="cuda", dtype="bfloat16")) as engine:
         got = run(engine, reqs)
+    # bf16's own error, the bound's scale: transformers' model in bf16 on the same GPU against float32.
+    theirs16 = copy.deepcopy(model).to("cuda", torch.bfloat16)
     agree = total = 0
     for i, p in enumerate(PROMPTS):
         with torch.inference_mode():
             ref = model(input_ids=torch.tensor([p])).logits[0].float()
+            hf16 = theirs16(input_ids=torch.tensor([p], device="cuda")).logits[0].float().cpu()
         mine = got[str(i)]["prompt_logits"].float()
         assert mine.shape == ref.shape
-        assert (mine - ref).abs().max().item() <= 0.1
+        bound = 2 * (hf16 - ref).abs().max().item() + 0.02
+        assert (mine - ref).abs().max().item() <= bound
         agree += int((mine.argmax(-1) == ref.argmax(-1)).sum())
         total += len(p)
     assert agree >= 0.9 * total
@@ -75,6 +90,7 @@ def test_bytes_moved_are_the_weights_and_the_step_tensors(checkpoints):
     folder = str(checkpoints("mixtral"))
     with MoEEngine(MoEEngineConfig(model=folder, device="cuda", dtype="bfloat16")) as engine:
         info = engine.info()
+        mc = engine.checkpoint.config
         # Every weight crossed the bus once, at its stored (bf16) size, through the ledger.
         assert engine.ledger.total["h2d:load"] == info.weight_bytes > 0
         engine.add_request(EngineRequest("a", (5, 6, 7), 3, ignore_eos=True))
@@ -88,8 +104,9 @@ def test_bytes_moved_are_the_weights_and_the_step_tensors(checkpoints):
             continue
         rows = len([o for o in s.outputs if o.new_token_ids])
         with_logits = len([o for o in s.outputs if o.request_id == "b" and o.new_token_ids])
-        # Back to the host: one int64 id per sampled row, plus b's float32 logits row.
-        assert s.d2h_bytes == 8 * rows + 4 * vocab * with_logits
+        # Back to the host: one int64 id per sampled row, b's float32 logits row, and each MoE
+        # layer's int64 token count per expert (the host splits the batch by expert with them).
+        assert s.d2h_bytes == 8 * rows + 4 * vocab * with_logits + 8 * mc.num_experts * len(mc.moe_layers)
         assert s.h2d_bytes > 0 and s.h2d_transfers >= 4  # token ids, positions, slots, logit rows
 
 
