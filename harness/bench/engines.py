@@ -23,12 +23,13 @@ from pathlib import Path
 MODELS = ("mixtral", "deepseek_v3")
 
 
-def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
+def build_model(folder: Path, arch: str = "mixtral", seed: int = 0, config_only: bool = False) -> None:
     """A seeded random checkpoint of `arch` in `folder`: "mixtral" and "deepseek_v3" as the module
     docstring says (float32), or "mixtral_layers": Mixtral-8x7B's own dimensions (hidden 4096, 8
     experts of 14336, top-2, 32 heads / 8 KV heads, vocab 32000) in 2 of its 32 layers, 2.9B
     parameters in bfloat16 (5.8 GB), built on the GPU when there is one: each step's GEMMs, expert
-    bytes and copies are the real model's per layer, for validating a GPU's profile."""
+    bytes and copies are the real model's per layer, for validating a GPU's profile. With
+    `config_only` only config.json (a simulated run needs no more)."""
     import torch
     import transformers
 
@@ -56,6 +57,9 @@ def build_model(folder: Path, arch: str = "mixtral", seed: int = 0) -> None:
         model_cls = transformers.DeepseekV3ForCausalLM
     else:
         raise SystemExit(f"--models: unknown model {arch!r}; choose from {', '.join(MODELS)}")
+    if config_only:  # enough for a simulated run
+        config.save_pretrained(folder)
+        return
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -3,7 +3,15 @@
     python -m harness.bench.simulate [--models demo,mixtral,deepseek_v3]
                                      [--engines moe,offload,static-rtn,pagedweight,moegen,full]
                                      [--requests 6] [--rate R] [--output-len 16] [--keep DIR]
-                                     [--repeats N] [--no-calibration]
+                                     [--repeats N] [--no-calibration] [--workloads offline,rag_long]
+    python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
+    python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
+
+With `--device cuda` the measured runs run on the GPU in bf16 (wall clock) and the simulated
+ones price that GPU's profile with eager PyTorch's host time per call fitted there first; model
+`mixtral_layers` is Mixtral-8x7B's own dimensions in 2 layers. `--reprice DIR` measures nothing:
+it simulates again the measured runs a `--keep DIR` holds (one brought back from a GPU machine).
+Results: docs/simulation-validation.md ("On a GPU").
 
 For each model (the bundled demo model, and the Mixtral- and DeepSeek-V3-shaped random models
 of harness.bench.engines.build_model, built into a temporary folder), each engine that
@@ -419,7 +427,7 @@ def reprice(keep: Path, target: str) -> None:
             if not (Path(model) / "config.json").is_file():
                 from harness.bench.engines import build_model
 
-                build_model(Path(model), arch)
+                build_model(Path(model), arch, config_only=True)
             workload = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg["workload"].items()}
             spec = WorkloadSpec(**workload)
             common = dict(workload=spec, given=frozenset({"scale", "time_scale"}) if spec.name == "rag_long"

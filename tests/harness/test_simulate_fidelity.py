@@ -160,6 +160,34 @@ def test_bench_step_residuals_compare_the_same_batches(tmp_path):
     assert step_residuals(m, tmp_path / "absent") is None
 
 
+def test_bench_reprices_kept_runs_with_their_batches(tmp_path):
+    """`harness.bench.simulate --keep DIR` then `--reprice DIR` (how a GPU machine's runs are priced
+    again here): the repriced run replays the kept measured run's routing and takes its batches
+    (the step line appears only where both runs' steps align), with its KV capacity and copies."""
+    import os
+    import subprocess
+    import sys
+
+    keep = tmp_path / "keep"
+    bench = [sys.executable, "-m", "harness.bench.simulate"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PWBENCH_CACHE": str(tmp_path / "cache")}
+    first = subprocess.run([*bench, "--models", "demo", "--engines", "offload", "--workloads", "offline",
+                            "--requests", "2", "--repeats", "1", "--no-calibration", "--keep", str(keep)],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run([*bench, "--reprice", str(keep), "--profile", "cpu"], capture_output=True, text=True,
+                           cwd=ROOT, env=env, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = [line for line in again.stdout.splitlines() if line.startswith("demo-offload-offline:")]
+    assert len(lines) == 1 and "step medians measured / simulated: prefill 1 steps" in lines[0]
+    row = next(line for line in again.stdout.splitlines() if line.startswith("| offload | offline |"))
+    kv, h2d = row.split(" | ")[7:9]  # KV capacity, h2d bytes per output token: equal on both sides
+    assert kv.endswith("(+0%)") and h2d.endswith("(+0%)"), row
+    bad = subprocess.run([*bench, "--reprice", str(tmp_path / "absent")], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=60)
+    assert bad.returncode != 0 and "not a folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.slow
 def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_path, monkeypatch):
     """`pwbench hw calibrate` on this machine (~40 s): the runtime's time per counted torch call,
