@@ -26,14 +26,22 @@ class Claim:
     fix: str | None = None
 
 
-def budget_error(engine: str, budget: int, claims: Sequence[Claim]) -> EngineError:
-    """`--budget` below an engine's minimum, stated claim by claim."""
+def budget_error(engine: str, budget: int, claims: Sequence[Claim], needed: int | None = None) -> EngineError:
+    """`--budget` below an engine's minimum, stated claim by claim; with `needed` above the minimum
+    (the weights its options keep on the device, e.g. offload's experts_per_layer, and one KV
+    block), that first."""
     minimum = sum(c.nbytes for c in claims)
     fixes = "".join(f" ({c.fix})" for c in claims if c.fix)
+    parts = " + ".join(f"{c.what} {format_size(c.nbytes)}" for c in claims) + fixes
+    if needed is not None and needed > minimum:
+        return EngineError(
+            f"--budget {format_size(budget)} is too small for engine {engine} on this model with these options: "
+            f"the weights they keep on the device and one KV block need {format_size(needed)} ({needed} bytes); "
+            f"give a larger --budget or options that keep fewer weights on the device (the least the engine "
+            f"takes is {format_size(minimum)} = {parts})")
     return EngineError(
         f"--budget {format_size(budget)} is too small for engine {engine} on this model: it needs at "
-        f"least {format_size(minimum)} ({minimum} bytes) = "
-        + " + ".join(f"{c.what} {format_size(c.nbytes)}" for c in claims) + fixes
+        f"least {format_size(minimum)} ({minimum} bytes) = " + parts
     )
 
 
@@ -54,7 +62,7 @@ class DeviceBudget:
     def check(self, needed: int | None = None) -> None:
         """Refuse a budget below `needed` (default: the minimum), naming every claim."""
         if self.budget_bytes is not None and self.budget_bytes < (self.minimum if needed is None else needed):
-            raise budget_error(self.engine, self.budget_bytes, self.claims)
+            raise budget_error(self.engine, self.budget_bytes, self.claims, needed)
 
     def kv_blocks(self, sizing: KVSizing, block_bytes: int, weights_beside: int) -> int:
         """KV blocks in what the budget leaves beside `weights_beside` device bytes of weights

@@ -156,6 +156,16 @@ def test_bad_budgets(engine, budget, fragments):
     assert_user_error(pwbench(*args, *(["--budget", budget] if budget else [])), *fragments)
 
 
+def test_budget_above_the_minimum_but_below_what_the_options_keep():
+    """offload told to keep all 4 experts of each layer: 967,680 dense + 2 x 4 x 98,304 + one KV block
+    16,384 = 1,770,496 bytes, over a 1.5 MiB budget that its least (1.13 MiB) fits; the error says so
+    rather than that 1.13 MiB is needed."""
+    args = ["generate", "--model", DEMO, "--prompt-ids", "5,6,7", "--engine", "offload", "--budget", "1.5MiB",
+            "--set", "experts_per_layer=4"]
+    assert_user_error(pwbench(*args), "too small for engine offload on this model with these options",
+                      "need 1.69 MiB (1770496 bytes)", "the least the engine takes is 1.13 MiB")
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["--budget", "1MiB"],
      ("too small for engine moegen", "at least 1.02 MiB (1065984 bytes)", "one expert ring slot")),
