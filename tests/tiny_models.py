@@ -104,6 +104,15 @@ def build_hf_model(arch: str, seed: int = 0, **overrides):
             if arch == "gpt_oss" and name.endswith(("bias", "sinks")):
                 scale = 0.5 if ".experts." in name or name.endswith("sinks") else 0.05
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
+    if arch == "gpt_oss":
+        # transformers before swiglu_limit / swiglu_alpha became config fields (5.17 has them as
+        # constants, 7.0 and 1.702) ignores the config's clamp: the oracle must compute what the
+        # config says, as the checkpoint's readers do. (On an H200 with 5.17 the engine's logits
+        # were 0.80 off exactly as with limit 7.0 forced here.)
+        for module in model.modules():
+            if hasattr(module, "limit") and hasattr(module, "alpha"):
+                module.limit = model.config.swiglu_limit
+                module.alpha = getattr(model.config, "swiglu_alpha", 1.702)
     return model
 
 
