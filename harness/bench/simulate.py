@@ -7,6 +7,11 @@
     python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
 
+Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
+one fresh process, measured and simulated: a first pass above the rest is one-time cost (which
+the offline runs' warm-up, a batch of the same shape, takes out), a gap in every pass is the
+cost model's.
+
 With `--device cuda` the measured runs run on the GPU in bf16 (wall clock) and the simulated
 ones price that GPU's profile with eager PyTorch's host time per call fitted there first; model
 `mixtral_layers` is Mixtral-8x7B's own dimensions in 2 layers. `--reprice DIR` measures nothing:
@@ -406,6 +411,42 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     return engine, wl, m, s
 
 
+def prefill_probe(model: str, arch: str, requests: int, device: str, target: str, passes: int = 4) -> list[float]:
+    """One engine moe, the offline workload's prefill step (`requests` prompts of its lengths,
+    distinct random tokens: no prefix hits) `passes` times over, each pass new requests of one
+    token: each pass's prefill step in ms, measured on `device` (this thread's CPU time on the
+    CPU, the synchronized wall clock on a GPU) or, with `target` set, simulated on it. A first
+    pass far above the others is first-call cost (pages, lazily loaded kernels), not per-token
+    cost; run in a fresh interpreter (`main`)."""
+    import random
+
+    from engines.base import EngineRequest
+    from engines.registry import create_engine
+    from harness.cli.hw import _step_clock
+
+    lo, hi = SIZES[arch]["input_range"]
+    rng = random.Random(0)
+    lengths = [rng.randint(lo, hi) for _ in range(requests)]
+    options = {"model": model, **({"simulate": target, "routing": "uniform"} if target else {"device": device})}
+    engine = create_engine("moe", options)
+    engine.start()
+    clock = engine.virtual_clock.now if target else _step_clock(device)
+    took = []
+    try:
+        for k in range(passes):
+            for i, n in enumerate(lengths):
+                engine.add_request(EngineRequest(f"p{k}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), 1,
+                                                 ignore_eos=True))
+            t = clock()
+            engine.step()  # the whole batch's prefill (it fits one step) samples each request's one token
+            took.append(1e3 * (clock() - t))
+            while engine.has_unfinished():
+                engine.step()
+    finally:
+        engine.stop()
+    return took
+
+
 def reprice(keep: Path, target: str) -> None:
     """Simulate again, on `target` (a profile name or TOML file), every measured run a `--keep` folder
     holds, with its own workload, options, warm-up and recorded routing, and print the tables: a
@@ -520,8 +561,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=None, help="rag_long requests/s (default: per model)")
     parser.add_argument("--workloads", default="offline,rag_long", help="comma-separated, from offline, rag_long")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up requests before each measured run (default: 1; on cuda 2, so that the "
-                             "kernels' first calls, lazily loaded, fall in the warm-up)")
+                        help="warm-up requests before each run, measured and simulated (default: offline, a batch "
+                             "of --requests, so that a process's first prefill of that size, which pays one-time "
+                             "costs (pages, lazily loaded kernels: the prefill probe's first pass), falls in the "
+                             "warm-up; rag_long 1, on cuda 2)")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep every run's result folder (steps.parquet, requests.parquet) under DIR, for "
                              "comparing measured and simulated steps one by one (default: a temporary folder)")
@@ -555,7 +598,11 @@ def main() -> None:
     chosen = {w for w in args.workloads.split(",") if w}
     if not chosen or chosen - {"offline", "rag_long"}:
         raise SystemExit(f"--workloads {args.workloads}: choose from offline, rag_long")
-    warmup = args.warmup if args.warmup is not None else (1 if args.device == "cpu" else 2)
+    def warmup(wl: str) -> int:
+        if args.warmup is not None:
+            return args.warmup
+        return args.requests if wl == "offline" else (1 if args.device == "cpu" else 2)
+
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         raise SystemExit(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
@@ -595,6 +642,11 @@ def main() -> None:
                     build_model(Path(model), arch)
             if args.calibration and args.device == "cpu":
                 calibrate(model)
+            measured_pf = _fresh(prefill_probe, model, arch, args.requests, args.device, "")
+            simulated_pf = _fresh(prefill_probe, model, arch, args.requests, args.device, target)
+            print(f"{arch}: prefill probe (engine moe, the offline batch's prefill step {len(measured_pf)} times "
+                  f"in one engine), ms measured: {', '.join(f'{v:.1f}' for v in measured_pf)}; simulated: "
+                  f"{', '.join(f'{v:.1f}' for v in simulated_pf)}", flush=True)
             sizes = model_sizes(model, target)
             rows = []
             for engine in engines:
@@ -608,7 +660,7 @@ def main() -> None:
                               "runs it)")
                         continue
                     sys.stdout.flush()
-                    row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), warmup,
+                    row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), warmup(wl),
                                    args.clock == "cpu" and args.device == "cpu",
                                    args.repeats or (SIZES[arch]["repeats"] if args.device == "cpu" else 1),
                                    args.device, target)
