@@ -125,11 +125,15 @@ def sensitivity_table(model: str, options: dict[str, Any]) -> Path | None:
 def engine_options(engine: str, sizes: dict[str, int]) -> dict[str, Any]:
     """The same options for the measured and the simulated run. Budgeted engines get the dense
     weights, half the experts' full-precision bytes and KV_TOKENS of KV; offload caches half the
-    experts of each layer; pagedweight (and full) weigh experts by token shares."""
+    experts of each layer; pagedweight (and full) weigh experts by token shares, without quality
+    feedback."""
     budget = sizes["dense_bytes"] + sizes["expert_bytes"] // 2 + KV_TOKENS * sizes["kv_bytes_per_token"]
     # pagedweight and full weigh experts by routing token shares, as a simulated run must (its
-    # router gives choices, no routing weights), so both runs' arbiters see the same importance.
-    paged = {"budget_bytes": budget, "importance_from": "tokens"}
+    # router gives choices, no routing weights), so both runs' arbiters see the same importance;
+    # and run without the quality feedback, which a simulated run cannot compute (it compares
+    # outputs): with it the measured run pins experts the simulated one does not (Mixtral-shaped
+    # pagedweight offline after a 6-request warm-up: h2d bytes per token 1,013,760 against 823,680).
+    paged = {"budget_bytes": budget, "importance_from": "tokens", "feedback_every": 0}
     # full needs a budget (without one it does not start); measured, it holds ~7 GB on the
     # Mixtral-shaped model (rings, host tier, bit planes): each run has its own process now, so
     # that no longer adds to what the other runs took.
