@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import time
 from typing import Any
 
 # Where measurements are cached and how they are read live beside the engines' cost model,
 # which reads them too (engines import no harness).
-from engines.common.peaks import cache_path, cpu_model
+from engines.common.peaks import cache_path, cpu_model, names_device
 from engines.common.peaks import cached_peaks as load_cached
 
 # NVIDIA datasheets (dense tensor-core rates, no sparsity); PCIe per direction, theoretical.
@@ -34,12 +33,9 @@ DATASHEET: dict[str, dict[str, float]] = {
 def datasheet_for(device_name: str | None) -> tuple[str, dict[str, float]] | None:
     if not device_name:
         return None
-    # A key matches as a whole word ("NVIDIA L4", "NVIDIA A100-SXM4-80GB"), so "L4" does not
-    # match an L40S nor "A10G" an A100; longest key first.
-    for key in sorted(DATASHEET, key=len, reverse=True):
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
-            return key, DATASHEET[key]
-    return None
+    # A key matches as a whole word ("NVIDIA L4", "NVIDIA A100-SXM4-80GB"); longest key first.
+    key = next((k for k in sorted(DATASHEET, key=len, reverse=True) if names_device(k, device_name)), None)
+    return (key, DATASHEET[key]) if key else None
 
 
 def _timeit(fn, repeats: int = 5, min_s: float = 0.1, warmup: int = 3) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def names_device(key: str, device_name: str) -> bool:
+    """Whether `key` ("L4", "H100 PCIe") names the device `device_name` ("NVIDIA L4", "NVIDIA H100
+    PCIe"): as a whole word, case-insensitive, so "L4" does not name an L40S nor "A10G" an A100."""
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE) is not None
 
 
 def cache_path() -> Path:

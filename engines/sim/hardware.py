@@ -35,14 +35,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from engines.common.peaks import cached_peaks, cpu_model
+from engines.common.peaks import cached_peaks, cpu_model, names_device
 from engines.sim.calibrate import best_flops, cpu_rates, fit_cpu_curves
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
@@ -201,10 +200,7 @@ _GPU_PROFILES = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sx
 
 def profile_for_device(device_name: str) -> str | None:
     """The built-in profile's name for a GPU named `device_name` (torch.cuda.get_device_name), or None."""
-    for key, name in _GPU_PROFILES:
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
-            return name
-    return None
+    return next((name for key, name in _GPU_PROFILES if names_device(key, device_name)), None)
 
 
 def _locate(name_or_path: str, where: str = "") -> tuple[Path, str]:

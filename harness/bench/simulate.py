@@ -70,6 +70,9 @@ SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats
          "mixtral": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
          "deepseek_v3": {"input_range": (32, 128), "scale": 0.08, "rate": 1.0, "repeats": 2},
          "mixtral_layers": {"input_range": (256, 1024), "scale": 0.5, "rate": 4.0, "repeats": 1}}
+# The workload options each workload is given (rag_long's scale and time scale are the benchmark's,
+# not its demo defaults).
+GIVEN = {"offline_batch": frozenset(), "rag_long": frozenset({"scale", "time_scale"})}
 KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
 
 
@@ -152,7 +155,7 @@ def workloads(model: str, requests: int, output_len: int, rate: float | None) ->
                            output_tokens=output_len)
     open_loop = WorkloadSpec("rag_long", requests=requests, scale=size["scale"], time_scale=0.1, arrival="poisson",
                              rate=rate or size["rate"], turns="independent")
-    return [("offline", offline, frozenset()), ("rag_long", open_loop, frozenset({"scale", "time_scale"}))]
+    return [("offline", offline, GIVEN[offline.name]), ("rag_long", open_loop, GIVEN[open_loop.name])]
 
 
 def send_lag_ms(folder: Path) -> float | None:
@@ -269,6 +272,13 @@ def cell(m: dict, s: dict, key: str) -> str:
     """One table cell: measured / simulated (error %)."""
     e = error(m.get(key), s.get(key))
     return f"{fmt(m.get(key))} / {fmt(s.get(key))}" + (f" ({e:+.0f}%)" if e is not None else "")
+
+
+def summary(tag: str, m: dict, s: dict, extra: str | None = None) -> str:
+    """A pair's line as soon as it has run (a run stopped early keeps it): its key cells."""
+    return (f"{tag}: " + "; ".join(f"{k} {cell(m, s, k)}" for k in ("output tok/s", "TTFT p50 ms", "TPOT p50 ms",
+                                                                     "TPOT p99 ms"))
+            + (f"; {extra}" if extra else ""))
 
 
 def calibrate(model: str) -> None:
@@ -426,7 +436,7 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
 
     from engines.base import EngineRequest
     from engines.registry import create_engine
-    from harness.cli.hw import _step_clock
+    from harness.cli.hw import step_clock
 
     lo, hi = SIZES[arch]["input_range"]
     rng = random.Random(0)
@@ -434,7 +444,7 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     options = {"model": model, **({"simulate": target, "routing": "uniform"} if target else {"device": device})}
     engine = create_engine("moe", options)
     engine.start()
-    clock = engine.virtual_clock.now if target else _step_clock(device)
+    clock = engine.virtual_clock.now if target else step_clock(device)
     took = []
     try:
         for k in range(passes):
@@ -475,16 +485,15 @@ def reprice(keep: Path, target: str) -> None:
                 build_model(Path(model), arch, config_only=True)
             workload = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg["workload"].items()}
             spec = WorkloadSpec(**workload)
-            common = dict(workload=spec, given=frozenset({"scale", "time_scale"}) if spec.name == "rag_long"
-                          else frozenset(), engine=engine, model=str(model), warmup=cfg["warmup"], quality=False)
+            common = dict(workload=spec, given=GIVEN[spec.name], engine=engine, model=str(model), warmup=cfg["warmup"],
+                          quality=False)
             options = {k: v for k, v in cfg["engine_options"].items() if k not in ("device", "record_routing")}
             folder_s, simulated = _fresh(_simulate_one, common,
                                          {**options, "simulate": target, "routing": f"replay:{trace}"},
                                          str(Path(out) / f"{tag}-simulated"))
             m, s = metrics(run), metrics(simulated)
             residuals = step_residuals(measured, Path(folder_s))
-            print(f"{tag}: " + "; ".join(f"{k} {cell(m, s, k)}" for k in ("output tok/s", "TTFT p50 ms", "TPOT p50 ms"))
-                  + (f"; step medians measured / simulated: {residuals}" if residuals else ""), flush=True)
+            print(summary(tag, m, s, residuals and f"step medians measured / simulated: {residuals}"), flush=True)
             rows.setdefault(arch, []).append((engine, wl, m, s))
     for arch, found in rows.items():
         print_table(arch, found)
@@ -602,6 +611,7 @@ def main() -> None:
     chosen = {w for w in args.workloads.split(",") if w}
     if not chosen or chosen - {"offline", "rag_long"}:
         raise SystemExit(f"--workloads {args.workloads}: choose from offline, rag_long")
+
     def warmup(wl: str) -> int:
         if args.warmup is not None:
             return args.warmup
@@ -670,10 +680,7 @@ def main() -> None:
                                    args.device, target)
                     if row is not None:
                         rows.append(row)
-                        _, _, m, s = row  # at once too, so a run stopped early keeps what it measured
-                        print(f"{tag}: " + "; ".join(f"{k} {cell(m, s, k)}" for k in
-                                                     ("output tok/s", "TTFT p50 ms", "TPOT p50 ms", "TPOT p99 ms")),
-                              flush=True)
+                        print(summary(tag, row[2], row[3]), flush=True)
             if rows:
                 print_table(arch, rows)
     print(f"\nwall time {time.perf_counter() - start:.0f} s; peak RSS: this process {peak_rss_gb():.2f} GB, "

@@ -184,7 +184,7 @@ def _measured_then_simulated(profile: Any, measure: Any, simulate: Any, device: 
             simulated.stop()
 
 
-def _step_clock(device: str) -> Any:
+def step_clock(device: str) -> Any:
     """The probes' clock: this thread's CPU time on the CPU; on a GPU the wall clock, synchronized."""
     import time
 
@@ -225,7 +225,7 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, s
 
     base = base or cpu_profile()
     marker = base.op_overhead_s or 1e-6  # prices each counted call at this, so that dispatch / marker counts them
-    clock = _step_clock(device)
+    clock = step_clock(device)
 
     def measure(engine: Any) -> list[float]:
         _timed_steps(engine, batch("warm"), clock)  # the first calls fault pages in
