@@ -365,6 +365,17 @@ def _simulate_one(common: dict[str, Any], options: dict[str, Any], output: str) 
     return str(folder), result
 
 
+def simulate_replay(common: dict[str, Any], options: dict[str, Any], target: str, trace: str | Path,
+                    output: str) -> tuple[str, dict]:
+    """A measured run's simulated twin on `target`, in a fresh interpreter: its options and its
+    recorded routing replayed, and for pagedweight and full the sensitivity table its measured start
+    wrote here, if any (as routing is): (folder, result)."""
+    sim_options = {**options, "simulate": target, "routing": f"replay:{trace}"}
+    if takes_option(common["engine"], "sim_sensitivity") and (table := sensitivity_table(common["model"], options)):
+        sim_options["sim_sensitivity"] = str(table)
+    return _fresh(_simulate_one, common, sim_options, output)
+
+
 def _fresh(fn: Any, *args: Any) -> Any:
     """`fn(*args)` in a fresh interpreter: what a run leaves in a process (engines not yet collected,
     allocator and torch caches) slows the next run there (the bundled model's repeats in one process
@@ -396,10 +407,7 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
         # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
         folder_m, measured, _, share, trace, _, _ = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
         t1 = time.perf_counter()
-        sim_options = {**options, "simulate": target, "routing": f"replay:{trace}"}
-        if takes_option(engine, "sim_sensitivity") and (table := sensitivity_table(model, options)):
-            sim_options["sim_sensitivity"] = str(table)  # the measured run's, as routing is
-        folder_s, simulated = _fresh(_simulate_one, common, sim_options, str(tmp / f"{tag}-simulated"))
+        folder_s, simulated = simulate_replay(common, options, target, trace, str(tmp / f"{tag}-simulated"))
         t2 = time.perf_counter()
     except Exception as exc:  # noqa: BLE001  (a row that cannot run says why, a killed process too; the rest go on)
         print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
@@ -488,9 +496,7 @@ def reprice(keep: Path, target: str) -> None:
             common = dict(workload=spec, given=GIVEN[spec.name], engine=engine, model=str(model), warmup=cfg["warmup"],
                           quality=False)
             options = {k: v for k, v in cfg["engine_options"].items() if k not in ("device", "record_routing")}
-            folder_s, simulated = _fresh(_simulate_one, common,
-                                         {**options, "simulate": target, "routing": f"replay:{trace}"},
-                                         str(Path(out) / f"{tag}-simulated"))
+            folder_s, simulated = simulate_replay(common, options, target, trace, str(Path(out) / f"{tag}-simulated"))
             m, s = metrics(run), metrics(simulated)
             residuals = step_residuals(measured, Path(folder_s))
             print(summary(tag, m, s, residuals and f"step medians measured / simulated: {residuals}"), flush=True)
