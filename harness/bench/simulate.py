@@ -73,6 +73,9 @@ SIZES = {"demo": {"input_range": (64, 256), "scale": 0.25, "rate": 2.0, "repeats
 # The workload options each workload is given (rag_long's scale and time scale are the benchmark's,
 # not its demo defaults).
 GIVEN = {"offline_batch": frozenset(), "rag_long": frozenset({"scale", "time_scale"})}
+# Issue 31's time-fidelity line: simulated output tok/s and TTFT/TPOT p50 within 15% of measured,
+# p99 within 25%.
+LINE = {"output tok/s": 15.0, "TTFT p50 ms": 15.0, "TTFT p99 ms": 25.0, "TPOT p50 ms": 15.0, "TPOT p99 ms": 25.0}
 KV_TOKENS = 8192  # the budgeted engines' KV room, in tokens (more than either workload holds at once)
 
 
@@ -256,7 +259,44 @@ def fmt(v: float | None) -> str:
     return f"{v:,.1f}" if isinstance(v, float) else f"{v:,}"
 
 
-def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> None:
+def within_line(key: str, measured: float | None, other: float | None) -> bool | None:
+    """Whether `other` is within issue 31's line of `measured` on time cell `key` (None: not a time
+    cell, or a side is absent)."""
+    e = error(measured, other) if key in LINE else None
+    return None if e is None else abs(e) <= LINE[key]
+
+
+def repeat_error(m: dict, key: str) -> float | None:
+    """The largest error of the pair's other measured runs (`m["repeats"]`) against the compared one
+    on `key`, in %: how far the same run, measured again, lands (None: one measured run)."""
+    errors = [e for r in m.get("repeats") or () if (e := error(m.get(key), r.get(key))) is not None]
+    return max(errors, key=abs) if errors else None
+
+
+def line_counts(rows: list[tuple[str, str, dict, dict]]) -> dict[str, int]:
+    """Issue 31's time cells of `rows`: how many there are, how many the simulated run has within the
+    line of the compared measured run, how many every other measured run of the same pair has within
+    it (the cells the measurement itself reproduces; only pairs measured more than once count), and
+    how many the simulated run misses where a measured repeat misses too."""
+    out = {"cells": 0, "simulated": 0, "repeated cells": 0, "repeats": 0, "both off": 0}
+    for _, _, m, s in rows:
+        for key in LINE:
+            sim = within_line(key, m.get(key), s.get(key))
+            if sim is None:
+                continue
+            out["cells"] += 1
+            out["simulated"] += sim
+            rep = repeat_error(m, key)
+            if rep is not None:
+                out["repeated cells"] += 1
+                out["repeats"] += abs(rep) <= LINE[key]
+                out["both off"] += (not sim) and abs(rep) > LINE[key]
+    return out
+
+
+def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> dict[str, int]:
+    """The model's table (measured / simulated (error %)), the measured runs' own spread where a pair
+    was measured more than once, and the line's counts (returned)."""
     keys = [k for k in metrics({"summary": {}, "engine": {}}) if k != "duration s"]
     keys += ["send lag ms", "core share", "tok/s x share"]
     keys = [k for k in keys if any(m.get(k) is not None or s.get(k) is not None for _, _, m, s in rows)]
@@ -265,7 +305,24 @@ def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> None:
     print("|---|---|" + "---|" * len(keys))
     for engine, wl, m, s in rows:
         print(f"| {engine} | {wl} | " + " | ".join(cell(m, s, k) for k in keys) + " |")
+    repeated = [r for r in rows if r[2].get("repeats")]
+    if repeated:
+        print(f"\n### {model}: the same runs measured again: each other measured run against the compared one, "
+              "the largest error (%; * outside the line)\n")
+        print("| engine | workload | runs | " + " | ".join(LINE) + " |")
+        print("|---|---|---|" + "---|" * len(LINE))
+        for engine, wl, m, _ in repeated:
+            errs = [repeat_error(m, k) for k in LINE]
+            print(f"| {engine} | {wl} | {1 + len(m['repeats'])} | " + " | ".join(
+                "-" if e is None else f"{e:+.0f}%" + ("*" if abs(e) > LINE[k] else "") for k, e in zip(LINE, errs))
+                  + " |")
+    n = line_counts(rows)
+    print(f"\n{model}: time cells within the line (tok/s and p50 15%, p99 25%): simulated {n['simulated']} of "
+          f"{n['cells']}" + (f"; the other measured runs, each against the compared one, {n['repeats']} of "
+                             f"{n['repeated cells']}; simulated off where a measured repeat is off too: {n['both off']}"
+                             if n["repeated cells"] else ""))
     sys.stdout.flush()
+    return n
 
 
 def cell(m: dict, s: dict, key: str) -> str:
@@ -405,7 +462,8 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
         if runs[0][5]:
             print(runs[0][5])
         # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
-        folder_m, measured, _, share, trace, _, _ = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
+        chosen = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
+        folder_m, measured, _, share, trace, _, _ = chosen
         t1 = time.perf_counter()
         folder_s, simulated = simulate_replay(common, options, target, trace, str(tmp / f"{tag}-simulated"))
         t2 = time.perf_counter()
@@ -414,6 +472,7 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
               flush=True)
         return None
     m, s = metrics(measured), metrics(simulated)
+    m["repeats"] = [metrics(r[1]) for r in runs if r is not chosen]  # the measurement's own spread
     m["send lag ms"], s["send lag ms"] = send_lag_ms(Path(folder_m)), send_lag_ms(Path(folder_s))
     m["core share"] = share  # of one core, while the measured run stepped
     if share and s["output tok/s"] and not cpu_clock:  # the simulated rate on the core share measured
@@ -647,6 +706,7 @@ def main() -> None:
               f"step overhead {p.step_overhead_s * 1e3:.2f} ms, op overhead {p.op_overhead_s * 1e6:.1f} us "
               f"({p.origin})")
     start = time.perf_counter()
+    totals: dict[str, int] = {}
     with tempfile.TemporaryDirectory(prefix="pwbench-bench-sim-") as tmp_name:
         tmp = Path(tmp_name)
         if args.keep:
@@ -688,7 +748,12 @@ def main() -> None:
                         rows.append(row)
                         print(summary(tag, row[2], row[3]), flush=True)
             if rows:
-                print_table(arch, rows)
+                n = print_table(arch, rows)
+                totals = {k: totals.get(k, 0) + v for k, v in n.items()}
+    if totals:
+        print(f"\nall models: time cells within the line: simulated {totals['simulated']} of {totals['cells']}"
+              + (f"; the other measured runs {totals['repeats']} of {totals['repeated cells']}; both off "
+                 f"{totals['both off']}" if totals["repeated cells"] else ""))
     print(f"\nwall time {time.perf_counter() - start:.0f} s; peak RSS: this process {peak_rss_gb():.2f} GB, "
           f"the largest run's process {peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB")
 

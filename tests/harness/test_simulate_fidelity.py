@@ -160,6 +160,29 @@ def test_bench_step_residuals_compare_the_same_batches(tmp_path):
     assert step_residuals(m, tmp_path / "absent") is None
 
 
+def test_bench_counts_the_line_for_simulated_and_repeated_runs():
+    """The benchmark's count of issue 31's time cells (tok/s and p50s within 15%, p99s within 25%):
+    the simulated run against the compared measured run, and the pair's other measured runs against
+    it (the measurement's own spread), by hand."""
+    from harness.bench.simulate import line_counts, repeat_error
+
+    m = {"output tok/s": 100.0, "TTFT p50 ms": 10.0, "TTFT p99 ms": 20.0, "TPOT p50 ms": 2.0, "TPOT p99 ms": 4.0,
+         "repeats": [{"output tok/s": 90.0, "TTFT p50 ms": 12.0, "TTFT p99 ms": 26.0, "TPOT p50 ms": 2.0,
+                      "TPOT p99 ms": 4.0},
+                     {"output tok/s": 110.0, "TTFT p50 ms": 10.5, "TTFT p99 ms": 20.0, "TPOT p50 ms": 2.2,
+                      "TPOT p99 ms": 5.2}]}
+    # simulated: tok/s +14% in, TTFT p50 -16% out, TTFT p99 +24% in, TPOT p50 -14% in, TPOT p99 -26% out
+    s = {"output tok/s": 114.0, "TTFT p50 ms": 8.4, "TTFT p99 ms": 24.8, "TPOT p50 ms": 1.72, "TPOT p99 ms": 2.96}
+    # the repeats' largest errors: tok/s -10 / +10 (the first), TTFT p50 +20% out, TTFT p99 +30% out,
+    # TPOT p50 +10% in, TPOT p99 +30% out
+    assert round(repeat_error(m, "TTFT p50 ms"), 6) == 20.0 and round(repeat_error(m, "TPOT p99 ms"), 6) == 30.0
+    assert line_counts([("moe", "offline", m, s)]) == {"cells": 5, "simulated": 3, "repeated cells": 5,
+                                                       "repeats": 2, "both off": 2}
+    once = {k: v for k, v in m.items() if k != "repeats"}
+    assert line_counts([("moe", "offline", once, s), ("moe", "rag_long", once, {})]) == {
+        "cells": 5, "simulated": 3, "repeated cells": 0, "repeats": 0, "both off": 0}
+
+
 def test_bench_reprices_kept_runs_with_their_batches(tmp_path):
     """`harness.bench.simulate --keep DIR` then `--reprice DIR` (how a GPU machine's runs are priced
     again here): the repriced run replays the kept measured run's routing and takes its batches
