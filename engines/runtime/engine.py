@@ -28,7 +28,7 @@ from engines.runtime.copies import CopyEngine, CopyStats
 from engines.runtime.executor import Executor, StepResult
 from engines.runtime.experts import ExpertBackend
 from engines.runtime.kv_cache import PagedKVCache
-from engines.runtime.memory import KVSizing, kv_cache_blocks
+from engines.runtime.memory import KVSizing, keep_freed_host_memory, kv_cache_blocks
 from engines.runtime.model import MoEModel
 from engines.runtime.sampling import make_generator
 from engines.runtime.scheduler import Schedule, Scheduler, Sequence
@@ -265,6 +265,8 @@ class RuntimeEngine(Engine):
         self.device, self.dtype, self.ledger = loaded.device, loaded.dtype, loaded.ledger
         if self.device.type == "cuda":
             no_per_shape_attention_plans()
+        elif self.device.type == "cpu":
+            keep_freed_host_memory()
         self._dense_bytes = loaded.dense_bytes
         self.parts = parts = self.build(cfg, loaded)
         self.config = cfg = parts.config or cfg

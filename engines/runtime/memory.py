@@ -9,6 +9,9 @@ raised between steps (BlockAllocator.set_capacity) when another tenant needs the
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +19,39 @@ import torch
 from engines.base import EngineError
 
 CPU_KV_BYTES = 1 << 30
+
+# glibc's malloc for a CPU engine's host memory (`keep_freed_host_memory`): mallopt parameters
+# (malloc.h) and the values set. By default glibc maps every block above a threshold (128 KiB at
+# first) with mmap and unmaps it on free, raising the threshold to the largest block freed so far,
+# and gives the heap's free top back to the kernel above twice that: until a process has seen its
+# largest activations, each step maps fresh pages and faults every one of them in again. On the
+# bundled model a prefill step of six new prompts after a warm-up took 578-2,583 page faults
+# (2-3 ms of a 12-15 ms step) with the defaults, 262-668 with these (the probe in
+# docs/simulation-validation.md, "Eleventh run").
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+HOST_MALLOC = {_M_MMAP_THRESHOLD: 32 << 20,  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit): blocks below come
+               _M_TRIM_THRESHOLD: 1 << 30,   # from the heap, and up to 1 GiB of its free top is kept for reuse;
+               _M_TOP_PAD: 64 << 20}         # the heap grows 64 MiB beyond a request at a time
+_HOST_MALLOC_SET: bool | None = None
+
+
+def keep_freed_host_memory() -> bool:
+    """Set glibc's malloc (HOST_MALLOC) so that freed host memory is reused rather than returned to
+    the kernel and faulted in again: process-wide, once; the memory a step needed stays with the
+    process, as a GPU caching allocator keeps device memory. A measured CPU engine calls it at start.
+    False (nothing changed) where the C library is not glibc, or the user chose the allocator's
+    settings (MALLOC_* variables, glibc.malloc tunables, or LD_PRELOAD of another allocator: jemalloc, tcmalloc)."""
+    global _HOST_MALLOC_SET
+    if _HOST_MALLOC_SET is None:
+        chosen = (any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
+                  or os.environ.get("LD_PRELOAD"))
+        name = None if chosen else ctypes.util.find_library("c")
+        try:
+            mallopt = ctypes.CDLL(name).mallopt if name else None
+        except (OSError, AttributeError):
+            mallopt = None
+        _HOST_MALLOC_SET = bool(mallopt) and all(mallopt(k, v) == 1 for k, v in HOST_MALLOC.items())
+    return _HOST_MALLOC_SET
 
 
 @dataclass(frozen=True)
