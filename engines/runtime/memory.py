@@ -24,10 +24,12 @@ CPU_KV_BYTES = 1 << 30
 # (malloc.h) and the values set. By default glibc maps every block above a threshold (128 KiB at
 # first) with mmap and unmaps it on free, raising the threshold to the largest block freed so far,
 # and gives the heap's free top back to the kernel above twice that: until a process has seen its
-# largest activations, each step maps fresh pages and faults every one of them in again. On the
-# bundled model a prefill step of six new prompts after a warm-up took 578-2,583 page faults
-# (2-3 ms of a 12-15 ms step) with the defaults, 262-668 with these (the probe in
-# docs/simulation-validation.md, "Eleventh run").
+# largest activations, a step can map fresh pages and fault every one of them in again. Growing
+# tensors of 1-30 MiB: 119,115 page faults with the defaults, ~16,000-17,000 with these
+# (tests/unit/test_host_memory.py). On the bundled model's prefill the effect is smaller and
+# irregular: `python -m harness.bench.cpu_ops --host-malloc` saw 781-1,532 faults over nine
+# batches with these against 1,125-8,171 with the defaults, and per-token prefill times within
+# the host's noise except where the defaults faulted most (docs/moe.md).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 HOST_MALLOC = {_M_MMAP_THRESHOLD: 32 << 20,  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit): blocks below come
                _M_TRIM_THRESHOLD: 1 << 30,   # from the heap, and up to 1 GiB of its free top is kept for reuse;
@@ -40,11 +42,12 @@ def keep_freed_host_memory() -> bool:
     the kernel and faulted in again: process-wide, once; the memory a step needed stays with the
     process, as a GPU caching allocator keeps device memory. A measured CPU engine calls it at start.
     False (nothing changed) where the C library is not glibc, or the user chose the allocator's
-    settings (MALLOC_* variables, glibc.malloc tunables, or LD_PRELOAD of another allocator: jemalloc, tcmalloc)."""
+    settings (MALLOC_* variables, glibc.malloc tunables, or LD_PRELOAD of another allocator: jemalloc, tcmalloc),
+    or asked for glibc's defaults (PWBENCH_HOST_MALLOC=glibc)."""
     global _HOST_MALLOC_SET
     if _HOST_MALLOC_SET is None:
         chosen = (any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
-                  or os.environ.get("LD_PRELOAD"))
+                  or os.environ.get("LD_PRELOAD") or os.environ.get("PWBENCH_HOST_MALLOC") == "glibc")
         name = None if chosen else ctypes.util.find_library("c")
         try:
             mallopt = ctypes.CDLL(name).mallopt if name else None

@@ -3,6 +3,7 @@ gather along the pool's block dim against the flattened-rows gather (kv_cache.ga
 and decode attention as gather + SDPA against the in-place C kernel (runtime/cpu_attention.py).
 
     python -m harness.bench.cpu_ops [--rounds 5]
+    python -m harness.bench.cpu_ops --host-malloc [--seeds 4]
 
 Shapes are the Mixtral-shaped benchmark model's decode step at 256 sequences (hidden 512,
 expert intermediate 768, vocab 32000, 2 KV heads of 64, 16-token blocks, ~110 keys each):
@@ -11,6 +12,12 @@ rotate through copies larger than the L3 cache, as in a step, where each weight 
 Each round times the ways back to back (this machine's speed drifts within seconds), and
 the table prints the median over rounds of each and of their per-round ratio. The packed
 outputs are checked equal to F.linear's to the bit.
+
+`--host-malloc`: the bundled model on engine moe, ten batches of six new prompts (64-256 tokens,
+8 output tokens each) in one process, once with the engines' host-memory setting
+(engines/runtime/memory.py `keep_freed_host_memory`) and once with glibc's defaults
+(PWBENCH_HOST_MALLOC=glibc), a fresh process each, paired by seed: the minor page faults of
+batches 2-10 and their prefill time per token and decode step (medians; this thread's CPU time).
 
 `model_gemm_seconds` / `model_gemm_entry`: one model's own GEMM shapes at 1-1024 rows, for
 `pwbench hw calibrate --model DIR` (the cost model's shape-keyed curves, engines/sim/calibrate.py).
@@ -258,12 +265,72 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
                               "seconds": seconds}
 
 
+MALLOC_PROBE = """
+import random, resource, statistics, sys, time
+from engines.base import EngineRequest
+from engines.registry import create_engine
+rng = random.Random(int(sys.argv[1]))
+engine = create_engine("moe", {"model": "engines/demo_model", "device": "cpu"})
+engine.start()
+faults, prefill, decode = [], [], []
+def step():
+    f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.thread_time()
+    engine.step()
+    return time.thread_time() - t, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
+for k in range(10):
+    lengths = [rng.randint(64, 256) for _ in range(6)]
+    for i, n in enumerate(lengths):
+        engine.add_request(EngineRequest(f"p{k}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), 8,
+                                         ignore_eos=True))
+    took, f = step()
+    prefill.append(1e6 * took / sum(lengths))
+    while engine.has_unfinished():
+        d, g = step()
+        decode.append(1e3 * d)
+        f += g
+    faults.append(f)
+engine.stop()
+print(sum(faults[1:]), statistics.median(prefill[1:]), statistics.median(decode))
+"""
+
+
+def host_malloc_rows(seeds: int) -> list[tuple[int, str, int, float, float]]:
+    """(seed, setting, page faults, prefill us per token, decode ms) of MALLOC_PROBE per seed, the
+    engines' setting ("kept") and glibc's defaults ("glibc") back to back, each in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    rows = []
+    for seed in range(1, seeds + 1):
+        for setting in ("kept", "glibc"):
+            env = {k: v for k, v in os.environ.items() if k != "PWBENCH_HOST_MALLOC"} | {"OMP_NUM_THREADS": "1"}
+            if setting == "glibc":
+                env["PWBENCH_HOST_MALLOC"] = "glibc"
+            out = subprocess.run([sys.executable, "-c", MALLOC_PROBE, str(seed)], capture_output=True, text=True,
+                                 cwd=root, env=env, check=True)
+            faults, prefill, decode = out.stdout.split()
+            rows.append((seed, setting, int(faults), float(prefill), float(decode)))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.bench.cpu_ops", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="back-to-back timings of both ways (default 5)")
+    p.add_argument("--host-malloc", action="store_true",
+                   help="instead: the engines' host-memory setting against glibc's defaults on the bundled model "
+                        "(page faults, prefill and decode times), a fresh process each")
+    p.add_argument("--seeds", type=int, default=4, help="--host-malloc: prompt seeds, each run both ways (default 4)")
     args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error("--rounds must be at least 1")
+    if args.rounds < 1 or args.seeds < 1:
+        p.error("--rounds and --seeds must be at least 1")
+    if args.host_malloc:
+        print(f"{'seed':>4} {'setting':<7} {'faults, batches 2-10':>21} {'prefill us/token':>17} {'decode ms':>10}")
+        for seed, setting, faults, prefill, decode in host_malloc_rows(args.seeds):
+            print(f"{seed:>4} {setting:<7} {faults:>21,} {prefill:>17.2f} {decode:>10.3f}")
+        return 0
     if not gemm.can_pack(torch.zeros(2, 2)):
         print("harness.bench.cpu_ops: this torch has no MKL; there is nothing to pack")
         return 2

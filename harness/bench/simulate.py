@@ -6,11 +6,18 @@
                                      [--repeats N] [--no-calibration] [--workloads offline,rag_long]
     python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
+    python -m harness.bench.simulate --decode-grid [--models demo]
 
 Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
-one fresh process, measured and simulated: a first pass above the rest is one-time cost (which
-the offline runs' warm-up, a batch of the same shape, takes out), a gap in every pass is the
-cost model's.
+one fresh process, measured (with the page faults of each pass) and simulated: a first pass above
+the rest is one-time cost (which the offline runs' warm-up, a batch of the same shape, takes out),
+a gap in every pass is the cost model's. `--decode-grid` prints engine moe's decode step by
+sequences and context, measured and simulated, and runs nothing else.
+
+Each pair is measured `--repeats` times; after each model's table the benchmark prints how far
+the other measured runs land from the compared one (the measurement's own spread) and counts the
+time cells within issue 31's line (tok/s and p50s 15%, p99s 25%) for the simulated run and for
+those repeats.
 
 With `--device cuda` the measured runs run on the GPU in bf16 (wall clock) and the simulated
 ones price that GPU's profile with eager PyTorch's host time per call fitted there first; model
@@ -492,13 +499,15 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     return engine, wl, m, s
 
 
-def prefill_probe(model: str, arch: str, requests: int, device: str, target: str, passes: int = 4) -> list[float]:
+def prefill_probe(model: str, arch: str, requests: int, device: str, target: str,
+                  passes: int = 4) -> tuple[list[float], list[int]]:
     """One engine moe, the offline workload's prefill step (`requests` prompts of its lengths,
     distinct random tokens: no prefix hits) `passes` times over, each pass new requests of one
     token: each pass's prefill step in ms, measured on `device` (this thread's CPU time on the
     CPU, the synchronized wall clock on a GPU) or, with `target` set, simulated on it. A first
     pass far above the others is first-call cost (pages, lazily loaded kernels), not per-token
-    cost; run in a fresh interpreter (`main`)."""
+    cost; run in a fresh interpreter (`main`). Returns (ms per pass, the process's minor page faults
+    during each pass's prefill step: host pages faulted in, e.g. by the allocator's fresh mappings)."""
     import random
 
     from engines.base import EngineRequest
@@ -512,20 +521,62 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     engine = create_engine("moe", options)
     engine.start()
     clock = engine.virtual_clock.now if target else step_clock(device)
-    took = []
+    took, faults = [], []
     try:
         for k in range(passes):
             for i, n in enumerate(lengths):
                 engine.add_request(EngineRequest(f"p{k}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), 1,
                                                  ignore_eos=True))
-            t = clock()
+            f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, clock()
             engine.step()  # the whole batch's prefill (it fits one step) samples each request's one token
             took.append(1e3 * (clock() - t))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
             while engine.has_unfinished():
                 engine.step()
     finally:
         engine.stop()
-    return took
+    return took, faults
+
+
+# `--decode-grid`: decode steps by sequences in the batch and context per sequence.
+GRID_SEQUENCES, GRID_CONTEXTS, GRID_OUTPUT = (1, 2, 6, 12), (32, 128, 512, 1500), 12
+
+
+def decode_grid(model: str, device: str, target: str) -> dict[tuple[int, int], float]:
+    """Engine moe's decode step (the median over a batch's decode steps, its first two left out) for
+    each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS, in one engine, measured on `device`
+    (this thread's CPU time on the CPU) or, with `target` set, simulated on it (uniform routing):
+    {(sequences, context): ms}. Where the cost model's per-sequence and per-step prices part, the
+    errors move with the sequences; run in a fresh interpreter (`main`)."""
+    import random
+    import statistics
+
+    from engines.base import EngineRequest
+    from engines.registry import create_engine
+    from harness.cli.hw import step_clock
+
+    rng = random.Random(1)
+    engine = create_engine("moe", {"model": model, **({"simulate": target, "routing": "uniform"} if target
+                                                      else {"device": device})})
+    engine.start()
+    clock = engine.virtual_clock.now if target else step_clock(device)
+    out = {}
+    try:
+        for n, ctx in [(6, 128)] + [(n, c) for n in GRID_SEQUENCES for c in GRID_CONTEXTS]:  # the first warms up
+            for i in range(n):
+                engine.add_request(EngineRequest(f"g{len(out)}-{n}-{ctx}-{i}",
+                                                 tuple(rng.randrange(3, 1000) for _ in range(ctx)), GRID_OUTPUT,
+                                                 ignore_eos=True))
+            engine.step()  # the batch's prefill
+            took = []
+            while engine.has_unfinished():
+                t = clock()
+                engine.step()
+                took.append(1e3 * (clock() - t))
+            out[(n, ctx)] = statistics.median(took[2:])
+    finally:
+        engine.stop()
+    return out
 
 
 def reprice(keep: Path, target: str) -> None:
@@ -666,6 +717,10 @@ def main() -> None:
     parser.add_argument("--slow", action="store_true",
                         help="also run static-rtn on the random models (minutes each: it quantizes at start, and "
                              "its CPU dequantization costs ~1 s per decode step there)")
+    parser.add_argument("--decode-grid", action="store_true",
+                        help="measure nothing else: engine moe's decode step by sequences (1-12) and context "
+                             "(32-1,500 tokens), measured and simulated, for each of --models (after calibrating, "
+                             "unless --no-calibration)")
     args = parser.parse_args()
     if args.reprice:
         if not Path(args.reprice).is_dir():
@@ -722,11 +777,22 @@ def main() -> None:
                     build_model(Path(model), arch)
             if args.calibration and args.device == "cpu":
                 calibrate(model)
-            measured_pf = _fresh(prefill_probe, model, arch, args.requests, args.device, "")
-            simulated_pf = _fresh(prefill_probe, model, arch, args.requests, args.device, target)
+            if args.decode_grid:
+                measured = _fresh(decode_grid, model, args.device, "")
+                simulated = _fresh(decode_grid, model, args.device, target)
+                print(f"\n## {arch}: engine moe's decode step, ms measured / simulated (error %)\n")
+                print("| sequences | " + " | ".join(f"context {c}" for c in GRID_CONTEXTS) + " |")
+                print("|---|" + "---|" * len(GRID_CONTEXTS))
+                for n in GRID_SEQUENCES:
+                    print(f"| {n} | " + " | ".join(cell({"ms": measured[(n, c)]}, {"ms": simulated[(n, c)]}, "ms")
+                                                   for c in GRID_CONTEXTS) + " |", flush=True)
+                continue
+            measured_pf, faults = _fresh(prefill_probe, model, arch, args.requests, args.device, "")
+            simulated_pf, _ = _fresh(prefill_probe, model, arch, args.requests, args.device, target)
             print(f"{arch}: prefill probe (engine moe, the offline batch's prefill step {len(measured_pf)} times "
-                  f"in one engine), ms measured: {', '.join(f'{v:.1f}' for v in measured_pf)}; simulated: "
-                  f"{', '.join(f'{v:.1f}' for v in simulated_pf)}", flush=True)
+                  f"in one engine), ms measured: {', '.join(f'{v:.1f}' for v in measured_pf)} (page faults "
+                  f"{', '.join(map(str, faults))}); simulated: {', '.join(f'{v:.1f}' for v in simulated_pf)}",
+                  flush=True)
             sizes = model_sizes(model, target)
             rows = []
             for engine in engines:
