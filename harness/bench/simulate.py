@@ -7,6 +7,7 @@
     python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
     python -m harness.bench.simulate --decode-grid [--models demo]
+    python -m harness.bench.simulate --recount DIR
 
 Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
 one fresh process, measured (with the page faults of each pass) and simulated: a first pass above
@@ -52,6 +53,7 @@ import argparse
 import json
 import math
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -283,9 +285,10 @@ def repeat_error(m: dict, key: str) -> float | None:
 def line_counts(rows: list[tuple[str, str, dict, dict]]) -> dict[str, int]:
     """Issue 31's time cells of `rows`: how many there are, how many the simulated run has within the
     line of the compared measured run, how many every other measured run of the same pair has within
-    it (the cells the measurement itself reproduces; only pairs measured more than once count), and
-    how many the simulated run misses where a measured repeat misses too."""
-    out = {"cells": 0, "simulated": 0, "repeated cells": 0, "repeats": 0, "both off": 0}
+    it (the cells the measurement itself reproduces; only pairs measured more than once count), how
+    many the simulated run misses where a measured repeat misses too, and how many of those pairs'
+    cells the simulated run has within the line of the median over all their measured runs."""
+    out = {"cells": 0, "simulated": 0, "repeated cells": 0, "repeats": 0, "both off": 0, "vs median": 0}
     for _, _, m, s in rows:
         for key in LINE:
             sim = within_line(key, m.get(key), s.get(key))
@@ -298,6 +301,8 @@ def line_counts(rows: list[tuple[str, str, dict, dict]]) -> dict[str, int]:
                 out["repeated cells"] += 1
                 out["repeats"] += abs(rep) <= LINE[key]
                 out["both off"] += (not sim) and abs(rep) > LINE[key]
+                values = [v for r in [m, *m["repeats"]] if (v := r.get(key)) is not None]
+                out["vs median"] += bool(within_line(key, statistics.median(values), s.get(key)))
     return out
 
 
@@ -326,8 +331,10 @@ def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> dict[str
     n = line_counts(rows)
     print(f"\n{model}: time cells within the line (tok/s and p50 15%, p99 25%): simulated {n['simulated']} of "
           f"{n['cells']}" + (f"; the other measured runs, each against the compared one, {n['repeats']} of "
-                             f"{n['repeated cells']}; simulated off where a measured repeat is off too: {n['both off']}"
-                             if n["repeated cells"] else ""))
+                             f"{n['repeated cells']}; simulated off where a measured repeat is off too: "
+                             f"{n['both off']}; simulated against each cell's median over the measured runs "
+                             f"{n['vs median']} of "
+                             f"{n['repeated cells']}" if n["repeated cells"] else ""))
     sys.stdout.flush()
     return n
 
@@ -343,6 +350,43 @@ def summary(tag: str, m: dict, s: dict, extra: str | None = None) -> str:
     return (f"{tag}: " + "; ".join(f"{k} {cell(m, s, k)}" for k in ("output tok/s", "TTFT p50 ms", "TPOT p50 ms",
                                                                      "TPOT p99 ms"))
             + (f"; {extra}" if extra else ""))
+
+
+def add_counts(totals: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+    return {k: totals.get(k, 0) + v for k, v in counts.items()}
+
+
+def print_totals(totals: dict[str, int]) -> None:
+    """The line's counts over every model printed (`line_counts` summed)."""
+    if totals:
+        print(f"\nall models: time cells within the line: simulated {totals['simulated']} of {totals['cells']}"
+              + (f"; the other measured runs {totals['repeats']} of {totals['repeated cells']}; both off "
+                 f"{totals['both off']}; simulated against the cells' medians {totals['vs median']}"
+                 if totals["repeated cells"] else ""), flush=True)
+
+
+def recount(keep: Path) -> None:
+    """The tables and the line's counts of a `--keep` folder's runs as they are, nothing run again:
+    each pair's simulated run against its first measured run, the others as its repeats. The
+    benchmark compared the median run (by step CPU time), so the `simulated` count may differ from
+    what it printed; the count against each cell's median over all measured runs does not depend
+    on that choice."""
+    rows: dict[str, list] = {}
+    for sim in sorted(keep.glob("*-simulated")):
+        tag = sim.name[: -len("-simulated")]
+        measured = [f for f in sorted(keep.glob(f"{tag}-measured*")) if (f / "run.json").is_file()]
+        if not measured or not (sim / "run.json").is_file():
+            continue
+        runs = [metrics(json.loads((f / "run.json").read_text())) for f in measured]
+        m, s = {**runs[0], "repeats": runs[1:]}, metrics(json.loads((sim / "run.json").read_text()))
+        m["send lag ms"], s["send lag ms"] = send_lag_ms(measured[0]), send_lag_ms(sim)  # the core share is not kept
+        arch, rest = tag.split("-", 1)
+        engine, wl = rest.rsplit("-", 1)
+        rows.setdefault(arch, []).append((engine, wl, m, s))
+    totals: dict[str, int] = {}
+    for arch, found in rows.items():
+        totals = add_counts(totals, print_table(arch, found))
+    print_totals(totals)
 
 
 def calibrate(model: str) -> None:
@@ -721,7 +765,14 @@ def main() -> None:
                         help="measure nothing else: engine moe's decode step by sequences (1-12) and context "
                              "(32-1,500 tokens), measured and simulated, for each of --models (after calibrating, "
                              "unless --no-calibration)")
+    parser.add_argument("--recount", default=None, metavar="DIR",
+                        help="run nothing: the tables and the line's counts of the runs a --keep DIR holds")
     args = parser.parse_args()
+    if args.recount:
+        if not Path(args.recount).is_dir():
+            raise SystemExit(f"--recount {args.recount}: not a folder; give a --keep folder of an earlier run")
+        recount(Path(args.recount))
+        return
     if args.reprice:
         if not Path(args.reprice).is_dir():
             raise SystemExit(f"--reprice {args.reprice}: not a folder; give a --keep folder of an earlier run")
@@ -814,12 +865,8 @@ def main() -> None:
                         rows.append(row)
                         print(summary(tag, row[2], row[3]), flush=True)
             if rows:
-                n = print_table(arch, rows)
-                totals = {k: totals.get(k, 0) + v for k, v in n.items()}
-    if totals:
-        print(f"\nall models: time cells within the line: simulated {totals['simulated']} of {totals['cells']}"
-              + (f"; the other measured runs {totals['repeats']} of {totals['repeated cells']}; both off "
-                 f"{totals['both off']}" if totals["repeated cells"] else ""))
+                totals = add_counts(totals, print_table(arch, rows))
+    print_totals(totals)
     print(f"\nwall time {time.perf_counter() - start:.0f} s; peak RSS: this process {peak_rss_gb():.2f} GB, "
           f"the largest run's process {peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB")
 

@@ -176,11 +176,13 @@ def test_bench_counts_the_line_for_simulated_and_repeated_runs():
     # the repeats' largest errors: tok/s -10 / +10 (the first), TTFT p50 +20% out, TTFT p99 +30% out,
     # TPOT p50 +10% in, TPOT p99 +30% out
     assert round(repeat_error(m, "TTFT p50 ms"), 6) == 20.0 and round(repeat_error(m, "TPOT p99 ms"), 6) == 30.0
+    # against each cell's median over the three measured runs (100, 10.5, 20, 2.0, 4.0): +14% in, -20% out,
+    # +24% in, -14% in, -26% out
     assert line_counts([("moe", "offline", m, s)]) == {"cells": 5, "simulated": 3, "repeated cells": 5,
-                                                       "repeats": 2, "both off": 2}
+                                                       "repeats": 2, "both off": 2, "vs median": 3}
     once = {k: v for k, v in m.items() if k != "repeats"}
     assert line_counts([("moe", "offline", once, s), ("moe", "rag_long", once, {})]) == {
-        "cells": 5, "simulated": 3, "repeated cells": 0, "repeats": 0, "both off": 0}
+        "cells": 5, "simulated": 3, "repeated cells": 0, "repeats": 0, "both off": 0, "vs median": 0}
 
 
 def test_bench_reprices_kept_runs_with_their_batches(tmp_path):
@@ -198,6 +200,15 @@ def test_bench_reprices_kept_runs_with_their_batches(tmp_path):
                             "--requests", "2", "--repeats", "1", "--no-calibration", "--keep", str(keep)],
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert first.returncode == 0, first.stderr[-2000:]
+    # --recount reads the kept folders back: the same cells (time, control plane, send lag; the core
+    # share is not kept) and the same count as the run printed
+    counted = subprocess.run([*bench, "--recount", str(keep)], capture_output=True, text=True, cwd=ROOT, env=env,
+                             timeout=120)
+    assert counted.returncode == 0, counted.stderr[-2000:]
+    for prefix, cells in (("| offload | offline |", slice(0, 11)), ("demo: time cells within the line", slice(None))):
+        rows = [[line.rstrip(" |").split(" | ")[cells] for line in out.stdout.splitlines() if line.startswith(prefix)]
+                for out in (first, counted)]
+        assert len(rows[0]) == 1 and rows[0] == rows[1], rows
     again = subprocess.run([*bench, "--reprice", str(keep), "--profile", "cpu"], capture_output=True, text=True,
                            cwd=ROOT, env=env, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
