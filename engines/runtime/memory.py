@@ -10,7 +10,6 @@ raised between steps (BlockAllocator.set_capacity) when another tenant needs the
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from dataclasses import dataclass
 
@@ -48,10 +47,9 @@ def keep_freed_host_memory() -> bool:
     if _HOST_MALLOC_SET is None:
         chosen = (any(k.startswith("MALLOC_") for k in os.environ) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
                   or os.environ.get("LD_PRELOAD") or os.environ.get("PWBENCH_HOST_MALLOC") == "glibc")
-        name = None if chosen else ctypes.util.find_library("c")
-        try:
-            mallopt = ctypes.CDLL(name).mallopt if name else None
-        except (OSError, AttributeError):
+        try:  # the process's own symbols (dlopen(NULL)): libc's where it is loaded, with no ldconfig run
+            mallopt = None if chosen else ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):  # not glibc (macOS's libc has no mallopt)
             mallopt = None
         _HOST_MALLOC_SET = bool(mallopt) and all(mallopt(k, v) == 1 for k, v in HOST_MALLOC.items())
     return _HOST_MALLOC_SET
