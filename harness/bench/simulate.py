@@ -365,6 +365,13 @@ def print_totals(totals: dict[str, int]) -> None:
                  if totals["repeated cells"] else ""), flush=True)
 
 
+def pair_of(tag: str) -> tuple[str, str, str]:
+    """(model, engine, workload) of a kept run's tag, "{arch}-{engine}-{wl}" (engine names hold dashes)."""
+    arch, rest = tag.split("-", 1)
+    engine, wl = rest.rsplit("-", 1)
+    return arch, engine, wl
+
+
 def recount(keep: Path) -> None:
     """The tables and the line's counts of a `--keep` folder's runs as they are, nothing run again:
     each pair's simulated run against its first measured run, the others as its repeats. The
@@ -380,8 +387,7 @@ def recount(keep: Path) -> None:
         runs = [metrics(json.loads((f / "run.json").read_text())) for f in measured]
         m, s = {**runs[0], "repeats": runs[1:]}, metrics(json.loads((sim / "run.json").read_text()))
         m["send lag ms"], s["send lag ms"] = send_lag_ms(measured[0]), send_lag_ms(sim)  # the core share is not kept
-        arch, rest = tag.split("-", 1)
-        engine, wl = rest.rsplit("-", 1)
+        arch, engine, wl = pair_of(tag)
         rows.setdefault(arch, []).append((engine, wl, m, s))
     totals: dict[str, int] = {}
     for arch, found in rows.items():
@@ -543,6 +549,19 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     return engine, wl, m, s
 
 
+def probe_engine(model: str, device: str, target: str) -> tuple[Any, Any]:
+    """A started engine moe for the probes and its clock: measured on `device` (this thread's CPU
+    time on the CPU, the synchronized wall clock on a GPU) or, with `target` set, simulated on it
+    with uniform routing (its virtual clock)."""
+    from engines.registry import create_engine
+    from harness.cli.hw import step_clock
+
+    options = {"model": model, **({"simulate": target, "routing": "uniform"} if target else {"device": device})}
+    engine = create_engine("moe", options)
+    engine.start()
+    return engine, engine.virtual_clock.now if target else step_clock(device)
+
+
 def prefill_probe(model: str, arch: str, requests: int, device: str, target: str,
                   passes: int = 4) -> tuple[list[float], list[int]]:
     """One engine moe, the offline workload's prefill step (`requests` prompts of its lengths,
@@ -555,16 +574,11 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     import random
 
     from engines.base import EngineRequest
-    from engines.registry import create_engine
-    from harness.cli.hw import step_clock
 
     lo, hi = SIZES[arch]["input_range"]
     rng = random.Random(0)
     lengths = [rng.randint(lo, hi) for _ in range(requests)]
-    options = {"model": model, **({"simulate": target, "routing": "uniform"} if target else {"device": device})}
-    engine = create_engine("moe", options)
-    engine.start()
-    clock = engine.virtual_clock.now if target else step_clock(device)
+    engine, clock = probe_engine(model, device, target)
     took, faults = [], []
     try:
         for k in range(passes):
@@ -593,17 +607,11 @@ def decode_grid(model: str, device: str, target: str) -> dict[tuple[int, int], f
     {(sequences, context): ms}. Where the cost model's per-sequence and per-step prices part, the
     errors move with the sequences; run in a fresh interpreter (`main`)."""
     import random
-    import statistics
 
     from engines.base import EngineRequest
-    from engines.registry import create_engine
-    from harness.cli.hw import step_clock
 
     rng = random.Random(1)
-    engine = create_engine("moe", {"model": model, **({"simulate": target, "routing": "uniform"} if target
-                                                      else {"device": device})})
-    engine.start()
-    clock = engine.virtual_clock.now if target else step_clock(device)
+    engine, clock = probe_engine(model, device, target)
     out = {}
     try:
         for n, ctx in [(6, 128)] + [(n, c) for n in GRID_SEQUENCES for c in GRID_CONTEXTS]:  # the first warms up
@@ -636,8 +644,7 @@ def reprice(keep: Path, target: str) -> None:
                 continue
             run = json.loads((measured / "run.json").read_text())
             cfg, tag = run["config"], measured.name.split("-measured")[0]
-            arch, rest = tag.split("-", 1)
-            engine, wl = rest.rsplit("-", 1)
+            arch, engine, wl = pair_of(tag)
             trace = keep / (f"{arch}-moe-{wl}.routing.parquet" if measured.name.endswith("-moe-routing")
                             else f"{tag}.routing.parquet")
             model = DEMO if arch == "demo" else keep / f"{arch}-shaped"
@@ -768,14 +775,13 @@ def main() -> None:
     parser.add_argument("--recount", default=None, metavar="DIR",
                         help="run nothing: the tables and the line's counts of the runs a --keep DIR holds")
     args = parser.parse_args()
+    for flag, folder in (("--recount", args.recount), ("--reprice", args.reprice)):
+        if folder and not Path(folder).is_dir():
+            raise SystemExit(f"{flag} {folder}: not a folder; give a --keep folder of an earlier run")
     if args.recount:
-        if not Path(args.recount).is_dir():
-            raise SystemExit(f"--recount {args.recount}: not a folder; give a --keep folder of an earlier run")
         recount(Path(args.recount))
         return
     if args.reprice:
-        if not Path(args.reprice).is_dir():
-            raise SystemExit(f"--reprice {args.reprice}: not a folder; give a --keep folder of an earlier run")
         reprice(Path(args.reprice), args.profile or "cpu")
         return
     models = [m for m in (args.models or DEFAULT_MODELS[args.device]).split(",") if m]
