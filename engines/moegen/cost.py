@@ -49,14 +49,17 @@ import math
 from dataclasses import dataclass, replace
 
 from engines.runtime.shape import ModelShape
-from engines.sim.cost import OPS_PER_EXPERT, OPS_PER_LAYER, gemm_s
+from engines.sim.cost import OPS_PER_EXPERT, gemm_s
 
 PLACEMENTS = ("device", "host", "stream", "split")
 STREAMED = ("stream", "split")  # KV in the host tier, copied to the device per micro-batch
 KV_READS = 3  # decode attention: gather copy (read + write) and the attention's own read
 # Python-level torch calls per layer of a decode step (by attention kind) and per expert that
-# runs: the simulator's counts (engines/sim/cost.py OPS_PER_LAYER; on moegen's decode steps of the
-# Mixtral-shaped bench model, 1-256 sequences: ~182 per layer + ~7.5 per expert).
+# runs, counted on moegen's decode steps of the Mixtral-shaped bench model, 1-256 sequences: ~182
+# per layer + ~7.5 per expert (MLA: the simulator's earlier count, 300). The simulator's flat cost
+# model counts decode attention groups apart (engines/sim/cost.py OPS_PER_DECODE_GROUP); this
+# model's count is a mean over its steps' groups.
+OPS_PER_LAYER = {"gqa": 180, "mla": 300}
 # Activations read and written by the elementwise kernels of a layer (norms, RoPE, residual
 # adds; per expert assignment: gathering its row, the activation and product over the gate and
 # up halves, weighting and scattering its output), in elements, counted from model.py and

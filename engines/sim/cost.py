@@ -91,17 +91,23 @@ from typing import Any, ClassVar
 from engines.runtime.shape import ModelShape
 
 # Python-level torch calls (views, slices and attribute reads included) per layer of a step, by
-# attention kind (ModelShape.attention), plus 2 per attention call group (decode, prefill), and
-# per expert that runs (8); counted with a TorchFunctionMode over engine moe's decode steps (one
-# model step, all its layers; the remainder after 8 per expert run). "gqa": ~182 per layer on the
-# Mixtral-shaped bench model (moegen's count, 1-256 sequences). "mla": MLA's low-rank query, latent
-# and rope key, absorbed query and kv_b expansion of the output make more calls: on the
-# DeepSeek-V3-shaped bench model (8 layers, 7 MoE, shared expert) a decode step of 1 / 2 / 4 / 6 /
-# 12 / 16 sequences made 1,989 / 2,265 / 2,674 / 3,497 / 4,599 / 4,817 calls (28-194 expert runs):
-# 219-406 a layer, mean 301, where the Mixtral-shaped one made 139-225, mean 177 (1,252-2,312).
-# tests/integration/test_sim_op_counts.py counts a real decode step of each kind against `torch_calls`.
-OPS_PER_LAYER = {"gqa": 180, "mla": 300}
-OPS_PER_ATTENTION_GROUP = 2
+# attention kind (ModelShape.attention), counted with a TorchFunctionMode over engine moe's decode
+# steps (all layers; 8 per expert that runs taken off): a base per layer, plus per decode attention
+# group (engines/runtime/attention.py: the decode sequences batched by similar KV block counts, each
+# group its own calls: the CPU kernel's or a gather and SDPA) and 2 per prefill call group.
+# Counted on the bundled model (GQA, 2 layers) and the Mixtral- and DeepSeek-V3-shaped bench models
+# (8 layers; MLA, a dense first layer and a shared expert), 1-12 sequences:
+# - one group (equal contexts): GQA 156-165 per layer (bundled), 140-158 (Mixtral-shaped), MLA 221-275;
+# - each group more: GQA +33-36 per layer, MLA +62 (6 sequences of contexts 21-641 tokens: 6 groups,
+#   2 x 341 + 8 x 7 calls on the bundled model against 2 x 162 + 8 x 6 in one group).
+# The base is what one group leaves: GQA ~122 (bundled 128, Mixtral-shaped 121 at 6 sequences),
+# MLA ~194. Before (cost model 6) every decode batch was one group at 180 (MLA 300) per layer: the
+# bundled model's offline batch (6 prompts of 79-253 tokens: 5 groups) made ~270 calls more than
+# counted. tests/integration/test_sim_op_counts.py counts real decode steps of each kind, in one
+# group and in several, against `torch_calls`.
+OPS_PER_LAYER = {"gqa": 122, "mla": 194}
+OPS_PER_DECODE_GROUP = {"gqa": 34, "mla": 62}
+OPS_PER_ATTENTION_GROUP = 2  # a prefill call group
 OPS_PER_EXPERT = 8
 # On a shared processor (the cpu profile) a quantized expert runs this runtime's torch reference
 # (engines/quant/ops.py): it dequantizes both weights to the model dtype each call (written and
@@ -153,11 +159,13 @@ def module_curves(efficiency: Mapping[str, Any], shape: ModelShape) -> tuple[dic
     return chosen, shaped
 
 
-def torch_calls(shape: ModelShape, groups: int, expert_runs: int) -> int:
-    """The torch calls this runtime makes in a step of `shape` with `groups` attention call groups
-    (decode, prefill: 0-2) and `expert_runs` experts run (full width), by the counts above."""
-    per_layer = OPS_PER_LAYER.get(shape.attention, OPS_PER_LAYER["gqa"])
-    return (per_layer + OPS_PER_ATTENTION_GROUP * groups) * shape.layers + OPS_PER_EXPERT * expert_runs
+def torch_calls(shape: ModelShape, decode_groups: int, prefill: bool, expert_runs: int) -> int:
+    """The torch calls this runtime makes in a step of `shape` with `decode_groups` decode attention
+    groups, prefill segments or not, and `expert_runs` experts run (full width), by the counts above."""
+    kind = shape.attention if shape.attention in OPS_PER_LAYER else "gqa"
+    per_layer = (OPS_PER_LAYER[kind] + OPS_PER_DECODE_GROUP[kind] * decode_groups
+                 + (OPS_PER_ATTENTION_GROUP if prefill else 0))
+    return per_layer * shape.layers + OPS_PER_EXPERT * expert_runs
 
 
 def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: int) -> float:
@@ -222,6 +230,9 @@ class StepWork:
     copies_overlap: bool = False  # copies run beside compute (prefetch/streaming) or are waited for
     kv_bytes_per_token: int = 0  # all layers
     logit_rows: int = 0
+    # decode attention groups the runtime forms (engines/runtime/attention.py group_by_length over the
+    # sequences' KV blocks); None: one where the step decodes
+    decode_groups: int | None = None
 
 
 @dataclass(slots=True)
@@ -290,7 +301,9 @@ class CostModel:
     # 5: torch calls per layer by attention kind (MLA 300, was 180 like every other); a quantized expert's
     # CPU dequantization by the experts of its width a layer dequantizes at once (dequant_group_* curves);
     # 6: the profile's per-layer prefill overheads per token and per segment (`prefill_overhead_s`)
-    VERSION: ClassVar[str] = "6"
+    # 7: torch calls per decode attention group the runtime forms (StepWork.decode_groups: 34 a GQA
+    # layer, 62 MLA), the base per layer counted again without them (122 / 194, were 180 / 300)
+    VERSION: ClassVar[str] = "7"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -444,8 +457,8 @@ class CostModel:
             ew = bw * c["elementwise"].at(T)
             activations = (T * self.act_per_token + assignments * self.act_per_assignment) / ew
             if self.op_overhead_s:
-                groups = (1 if decode else 0) + (1 if prefill_tokens else 0)
-                dispatch = self.op_overhead_s * (torch_calls(s, groups, n_runs)
+                decode_groups = (1 if decode else 0) if work.decode_groups is None else work.decode_groups
+                dispatch = self.op_overhead_s * (torch_calls(s, decode_groups, bool(prefill_tokens), n_runs)
                                                  + (quantized_ops if self.shared else 0))
         else:
             read = 0.0  # no token computed: nothing read
@@ -525,10 +538,12 @@ class CostModel:
             f"none: the profile has no curve measured on this model's shapes (`pwbench hw calibrate --model` fits "
             f"them, keyed @{self.shape_key}); the generic ones are used",
             "counts": {"ops_per_layer": OPS_PER_LAYER.get(self.shape.attention, OPS_PER_LAYER["gqa"]),
-                       "attention": self.shape.attention, "ops_per_attention_group": OPS_PER_ATTENTION_GROUP,
+                       "ops_per_decode_group": OPS_PER_DECODE_GROUP.get(self.shape.attention,
+                                                                        OPS_PER_DECODE_GROUP["gqa"]),
+                       "attention": self.shape.attention, "ops_per_prefill_group": OPS_PER_ATTENTION_GROUP,
                        "ops_per_expert": OPS_PER_EXPERT,
                        "source": "torch calls counted over this runtime's decode steps (engines/sim/cost.py "
-                                 "OPS_PER_LAYER, by attention kind)",
+                                 "OPS_PER_LAYER and OPS_PER_DECODE_GROUP, by attention kind)",
                        "activation_elements_per_token": "14 hidden + 6 (q + kv) + q per layer",
                        "activation_elements_per_assignment": "6 hidden + 5 intermediate",
                        "activation_source": "engines/runtime/model.py and experts.py, counted"},
@@ -544,8 +559,8 @@ class CostModel:
                            "x memory_bytes_per_s",
                 "activations": "elements counted per token and per assignment x dtype bytes at elementwise(T) "
                                "x memory_bytes_per_s",
-                "dispatch": "op_overhead_s x (180, MLA 300, + 2 per attention group) per layer + 8 per expert "
-                            "that ran; "
+                "dispatch": "op_overhead_s x (122, MLA 194, + 34, MLA 62, per decode attention group + 2 with "
+                            "prefill) per layer + 8 per expert that ran; "
                             "added on a shared processor, else only what exceeds the device's compute",
                 "decode_attention": "context x kv_bytes_per_token at attention_decode(context); 4 x heads x "
                                     "head_dim x context x layers FLOPs at gemm(query heads per KV head)",

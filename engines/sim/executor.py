@@ -230,6 +230,7 @@ class SimExecutor(Executor):
             h2d_bytes=moved.h2d_bytes, d2h_bytes=moved.d2h_bytes, h2d_transfers=moved.h2d_transfers,
             d2h_transfers=moved.d2h_transfers, copies_overlap=self.copies_overlap,
             kv_bytes_per_token=self.kv_bytes_per_token, logit_rows=len(batch.sampled),
+            decode_groups=len(batch.attn.decodes),
         )
         return self.finish(batch, self.cost.step(work), counts, int(np.count_nonzero(matrix)))
 

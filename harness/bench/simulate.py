@@ -7,13 +7,15 @@
     python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
     python -m harness.bench.simulate --decode-grid [--models demo]
+    python -m harness.bench.simulate --prefill-grid [--models demo]
     python -m harness.bench.simulate --recount DIR
 
 Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
 one fresh process, measured (with the page faults of each pass) and simulated: a first pass above
 the rest is one-time cost (which the offline runs' warm-up, a batch of the same shape, takes out),
 a gap in every pass is the cost model's. `--decode-grid` prints engine moe's decode step by
-sequences and context, measured and simulated, and runs nothing else.
+sequences and context, measured and simulated, and runs nothing else; `--prefill-grid` its
+prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps.
 
 Each pair is measured `--repeats` times; after each model's table the benchmark prints how far
 the other measured runs land from the compared one (the measurement's own spread) and counts the
@@ -631,6 +633,49 @@ def decode_grid(model: str, device: str, target: str) -> dict[tuple[int, int], f
     return out
 
 
+# `--prefill-grid`: prefill steps by the batch's prompt lengths (equal, and the uneven six of a demo
+# offline batch), each batch then decoding 1 or GRID_OUTPUT + 4 tokens (prefill-only steps, or decode
+# steps between the prefills, as in a run).
+PREFILL_GRID = ((32,), (128,), (384,), (880,), (1500,), (64,) * 4, (32,) * 8, (64,) * 12, (32,) * 24, (128,) * 6,
+                (253, 79, 119, 141, 108, 180), (440,) * 2)
+PREFILL_GRID_OUTPUTS, PREFILL_GRID_REPEATS = (1, GRID_OUTPUT + 4), 3
+
+
+def prefill_grid(model: str, device: str, target: str, output: int) -> dict[tuple[int, ...], float]:
+    """Engine moe's prefill step for each batch of PREFILL_GRID (distinct random prompts of those
+    lengths, each decoding `output` tokens after it, untimed), PREFILL_GRID_REPEATS times with the
+    batches in turn, in one engine, measured on `device` (this thread's CPU time on the CPU) or,
+    with `target` set, simulated on it (uniform routing): {prompt lengths: the median ms}. Run in a
+    fresh interpreter (`main`)."""
+    import random
+
+    from engines.base import EngineRequest
+
+    rng = random.Random(2)
+    engine, clock = probe_engine(model, device, target)
+    took: dict[tuple[int, ...], list[float]] = {}
+    try:
+        for r in range(PREFILL_GRID_REPEATS + 1):  # the first round warms up
+            for lengths in PREFILL_GRID:
+                for i, n in enumerate(lengths):
+                    engine.add_request(EngineRequest(f"p{r}-{len(took)}-{i}-{n}",
+                                                     tuple(rng.randrange(3, 1000) for _ in range(n)), output,
+                                                     ignore_eos=True))
+                t = clock()
+                engine.step()  # the batch's prefill
+                if r:
+                    took.setdefault(lengths, []).append(1e3 * (clock() - t))
+                while engine.has_unfinished():
+                    engine.step()
+    finally:
+        engine.stop()
+    return {k: statistics.median(v) for k, v in took.items()}
+
+
+def _lengths(lengths: tuple[int, ...]) -> str:
+    return f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else ", ".join(map(str, lengths))
+
+
 def reprice(keep: Path, target: str) -> None:
     """Simulate again, on `target` (a profile name or TOML file), every measured run a `--keep` folder
     holds, with its own workload, options, warm-up and recorded routing, and print the tables: a
@@ -772,6 +817,10 @@ def main() -> None:
                         help="measure nothing else: engine moe's decode step by sequences (1-12) and context "
                              "(32-1,500 tokens), measured and simulated, for each of --models (after calibrating, "
                              "unless --no-calibration)")
+    parser.add_argument("--prefill-grid", action="store_true",
+                        help="measure nothing else: engine moe's prefill step by the batch's prompt lengths, each "
+                             "batch then decoding 1 or 16 tokens, measured and simulated, for each of --models "
+                             "(after calibrating, unless --no-calibration)")
     parser.add_argument("--recount", default=None, metavar="DIR",
                         help="run nothing: the tables and the line's counts of the runs a --keep DIR holds")
     args = parser.parse_args()
@@ -843,6 +892,19 @@ def main() -> None:
                 for n in GRID_SEQUENCES:
                     print(f"| {n} | " + " | ".join(cell({"ms": measured[(n, c)]}, {"ms": simulated[(n, c)]}, "ms")
                                                    for c in GRID_CONTEXTS) + " |", flush=True)
+                continue
+            if args.prefill_grid:
+                grids = {n: (_fresh(prefill_grid, model, args.device, "", n),
+                             _fresh(prefill_grid, model, args.device, target, n)) for n in PREFILL_GRID_OUTPUTS}
+                print(f"\n## {arch}: engine moe's prefill step, ms measured / simulated (error %), by the tokens "
+                      "each prompt then decodes\n")
+                print("| prompts | " + " | ".join(f"{n} output token{'s' if n > 1 else ''}"
+                                                  for n in PREFILL_GRID_OUTPUTS) + " |")
+                print("|---|" + "---|" * len(PREFILL_GRID_OUTPUTS))
+                for lengths in PREFILL_GRID:
+                    print(f"| {_lengths(lengths)} | " + " | ".join(
+                        cell({"ms": mg[lengths]}, {"ms": sg[lengths]}, "ms") for mg, sg in grids.values()) + " |",
+                        flush=True)
                 continue
             measured_pf, faults = _fresh(prefill_probe, model, arch, args.requests, args.device, "")
             simulated_pf, _ = _fresh(prefill_probe, model, arch, args.requests, args.device, target)

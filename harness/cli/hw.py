@@ -259,11 +259,15 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, s
     return seconds, source
 
 
-# `hw calibrate`'s prefill probe: batches of distinct random prompts (no prefix sharing), one output
-# token each, so each batch is one prefill-only step: (segments, prompt tokens) varied so that the
-# per-token and per-segment costs can be told apart; each batch measured PREFILL_REPEATS times.
+# `hw calibrate`'s prefill probe: batches of distinct random prompts (no prefix sharing), each prefilled
+# in one step: (segments, prompt tokens) varied so that the per-token and per-segment costs can be told
+# apart; each batch measured PREFILL_REPEATS times, the shapes in turn (a run's prefills differ one from
+# the next). Each prompt then decodes PREFILL_DECODE tokens, untimed: a run's prefill follows decode
+# steps, and after them the bundled model's prefill took 5-8% longer than after prefill-only steps
+# (its six-prompt 880-token batch 10.8 ms against 10.1; `python -m harness.bench.simulate --prefill-grid`).
 PREFILL_PROBE = ((1, 32), (1, 128), (1, 384), (4, 64), (8, 32), (12, 64), (24, 32), (6, 128))
 PREFILL_REPEATS = 5
+PREFILL_DECODE = 8
 
 
 def measure_prefill_overhead() -> tuple[float, float, str]:
@@ -281,20 +285,22 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
     from engines.sim.hardware import cpu_profile
 
     rng = random.Random(0)
-    batches = [[EngineRequest(f"p{k}-{r}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), 1, ignore_eos=True)
-                for i in range(segments)] for k, (segments, n) in enumerate(PREFILL_PROBE)
-               for r in range(PREFILL_REPEATS)]
-    warm = [EngineRequest(f"warm{i}", tuple(rng.randrange(3, 1000) for _ in range(64)), 1, ignore_eos=True)
-            for i in range(4)]
+    order = [(k, r) for r in range(PREFILL_REPEATS) for k in range(len(PREFILL_PROBE))]  # the shapes in turn
+    batches = [[EngineRequest(f"p{k}-{r}-{i}", tuple(rng.randrange(3, 1000) for _ in range(PREFILL_PROBE[k][1])),
+                              PREFILL_DECODE, ignore_eos=True) for i in range(PREFILL_PROBE[k][0])] for k, r in order]
+    warm = [EngineRequest(f"warm{i}", tuple(rng.randrange(3, 1000) for _ in range(64)), PREFILL_DECODE,
+                          ignore_eos=True) for i in range(4)]
 
     def steps(engine: Any, clock: Any) -> list[float]:
+        """Each batch's prefill step, by (shape, repeat) in PREFILL_PROBE's order."""
         _timed_steps(engine, warm, clock)
-        out = []
-        for batch in batches:
+        out = [0.0] * len(order)
+        for (k, r), batch in zip(order, batches):
             timed = _timed_steps(engine, batch, clock)
-            if len(timed) != 1:
-                raise RuntimeError(f"prefill probe: a batch of {len(batch)} prompts took {len(timed)} steps, not 1")
-            out.append(timed[0])
+            if len(timed) != PREFILL_DECODE:  # one prefill step, then PREFILL_DECODE - 1 decode steps
+                raise RuntimeError(f"prefill probe: a batch of {len(batch)} prompts took {len(timed)} steps, "
+                                   f"not {PREFILL_DECODE} (its prefill in one)")
+            out[k * PREFILL_REPEATS + r] = timed[0]
         return out
 
     def measure(engine: Any) -> tuple[int, int, list[float]]:
@@ -313,8 +319,9 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
     per_element, per_segment, d = fit_prefill_overhead(rows, layers, hidden)
     probe = ", ".join(f"{g} x {n}" for g, n in PREFILL_PROBE)
     source = (f"`pwbench hw calibrate`: least squares over {d['steps']} prefill steps of the bundled model on engine "
-              f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {probe}; median of "
-              f"{PREFILL_REPEATS} repeats each, one torch thread, this thread's CPU time) of measured minus simulated "
+              f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {probe}, each batch "
+              f"then decoding {PREFILL_DECODE} tokens untimed; median of {PREFILL_REPEATS} repeats each, the shapes "
+              "in turn, one torch thread, this thread's CPU time) of measured minus simulated "
               f"(the cost model without these) = layers x ({per_element * 1e9:.2f} ns x tokens x hidden ({hidden}) + "
               f"{per_segment * 1e6:.1f} us x segments); rms error {d['rms_s'] * 1e3:.2f} ms: the model code's time "
               "per prefill activation element and segment beyond the priced modules")
