@@ -79,6 +79,9 @@ class Hardware:
     # None: the memory bandwidth.
     weight_bytes_per_s: float | None = None
     op_overhead_s: float = 0.0
+    # time per decode sequence and layer beyond the counted calls (a simulated run's profile; the
+    # simulator's flat model prices it the same way: engines/sim/cost.py); 0 for measured runs' plans
+    decode_sequence_overhead_s: float = 0.0
     source: str = "given"
     # Host and device are one processor (a CPU run): split's host and device parts add up.
     shared_processor: bool = False
@@ -292,7 +295,8 @@ def step_cost(shape: ModelShape, hw: Hardware, plan: BatchPlan, decode_seqs: int
     expert_link = copied * s.expert_bytes / link
     act_link = (act_h2d + act_d2h) / link
     per_layer_ops = OPS_PER_LAYER.get(s.attention, OPS_PER_LAYER["gqa"])
-    overhead = hw.op_overhead_s * (per_layer_ops + 2 * micro + staged_ops + OPS_PER_EXPERT * active) + act_t
+    overhead = (hw.op_overhead_s * (per_layer_ops + 2 * micro + staged_ops + OPS_PER_EXPERT * active) + act_t
+                + hw.decode_sequence_overhead_s * decode_seqs)
     layer_total = 0.0
     compute = host = link_busy = 0.0
     for layer in range(s.layers):

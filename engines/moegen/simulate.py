@@ -95,6 +95,7 @@ def sim_hardware(profile: Any, dtype: str, shape: ModelShape, shared_processor: 
         host_bytes_per_s=float(profile.host_memory_bytes_per_s), host_flops_per_s=float(profile.host_flops_per_s),
         link_bytes_per_s=float(profile.link_pinned_bytes_per_s) * eff("copy", max(1, shape.expert_bytes // 2)),
         weight_bytes_per_s=bw * eff("gemm", 1), op_overhead_s=float(getattr(profile, "op_overhead_s", 0.0) or 0.0),
+        decode_sequence_overhead_s=float(getattr(profile, "decode_sequence_overhead_s", 0.0) or 0.0),
         source=f"simulated: hardware profile {profile.name}", shared_processor=shared_processor,
         flops_at_rows=tuple((r, peak * eff("gemm", r)) for r in _ROWS),
         sample_bytes_per_s=bw * sample.at(256) if sample is not None else None,

@@ -193,6 +193,45 @@ def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: i
     return max(0.0, median), details
 
 
+def fit_call_and_sequence_overhead(rows: list[tuple[int, int, float]],
+                                   layers: int) -> tuple[float, float, dict[str, Any]]:
+    """The runtime's time per counted torch call and per decode sequence and layer beyond the priced
+    modules, from decode steps of several batch sizes: `rows` are (sequences, counted calls, measured
+    minus predicted seconds) per step. For each batch size the medians of its steps' calls and
+    residuals, then least squares over those medians of residual = a x calls + b x layers x
+    sequences, with a, b >= 0 (a coefficient the fit makes negative is 0 and the other refitted
+    alone). A call alone prices small batches too high and large ones too low: the small kernels
+    around the priced modules take longer as their rows grow. Returns (a, b, details: batch sizes,
+    their medians, rms of the fit's error). ValueError (one line) for fewer than two batch sizes."""
+    by_size: dict[int, list[tuple[int, float]]] = {}
+    for seqs, calls, residual in rows:
+        if seqs > 0 and calls > 0:
+            by_size.setdefault(seqs, []).append((calls, residual))
+    if len(by_size) < 2 or layers < 1:
+        raise ValueError(f"call and sequence overhead: decode steps of {len(by_size)} batch size(s); "
+                         "need at least two (e.g. 1 and 6 sequences)")
+
+    def median(xs: list[float]) -> float:
+        xs, mid = sorted(xs), len(xs) // 2
+        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+    points = [(n, median([c for c, _ in v]), median([r for _, r in v])) for n, v in sorted(by_size.items())]
+    x = [(c, layers * n) for n, c, _ in points]
+    y = [r for *_, r in points]
+    scc, scs, sss = sum(c * c for c, _ in x), sum(c * q for c, q in x), sum(q * q for _, q in x)
+    scy, ssy = sum(c * r for (c, _), r in zip(x, y)), sum(q * r for (_, q), r in zip(x, y))
+    det = scc * sss - scs * scs
+    a, b = ((scy * sss - ssy * scs) / det, (ssy * scc - scy * scs) / det) if det > 1e-12 * scc * sss else (-1.0, -1.0)
+    if a < 0 or b < 0:  # one term alone
+        alone_a, alone_b = max(0.0, scy / scc), max(0.0, ssy / sss)
+        err_a = sum((r - alone_a * c) ** 2 for (c, _), r in zip(x, y))
+        err_b = sum((r - alone_b * q) ** 2 for (_, q), r in zip(x, y))
+        a, b = (alone_a, 0.0) if err_a <= err_b else (0.0, alone_b)
+    rms = math.sqrt(sum((r - a * c - b * q) ** 2 for (c, q), r in zip(x, y)) / len(y))
+    return a, b, {"sizes": [n for n, *_ in points], "median_calls": [c for _, c, _ in points],
+                  "median_residual_s": y, "rms_s": rms}
+
+
 def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
                          hidden: int = 1) -> tuple[float, float, dict[str, Any]]:
     """The model code's prefill time beyond what the cost model prices, per layer: `rows` are

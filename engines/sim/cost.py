@@ -36,11 +36,14 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   the context's KV and writing the chunk's.
 - This runtime's kernels as counts (facts about engines/runtime, shared with moegen's model):
   activations through the elementwise kernels ("elementwise" over the step's tokens) and a
-  dispatch overhead per torch call (`profile.op_overhead_s`, part "dispatch"), added to compute:
+  dispatch overhead per torch call (`profile.op_overhead_s`, part "dispatch"; the calls counted
+  per layer, per decode attention group the runtime forms and per expert run: `torch_calls`) and
+  per decode sequence and layer (`profile.decode_sequence_overhead_s`: the small kernels around
+  the priced modules take longer as their rows grow), added to compute:
   on the cpu profile the same cores dispatch and compute, and on a device every MoE layer of this
   runtime waits for its routing counts on the host, so launches cannot run ahead of the device
   (measured on an H200: docs/simulation-validation.md). A profile of CUDA-graph serving has
-  op_overhead_s 0.
+  both 0.
   "elementwise" (optional) is a fraction of memory_bytes_per_s over the step's tokens.
 - Copies: h2d and d2h bytes at link_pinned_bytes_per_s x "copy" over bytes per transfer; the two
   directions run at once (PCIe is full duplex). With `copies_overlap` the copies run beside
@@ -303,7 +306,8 @@ class CostModel:
     # 6: the profile's per-layer prefill overheads per token and per segment (`prefill_overhead_s`)
     # 7: torch calls per decode attention group the runtime forms (StepWork.decode_groups: 34 a GQA
     # layer, 62 MLA), the base per layer counted again without them (122 / 194, were 180 / 300)
-    VERSION: ClassVar[str] = "7"
+    # 8: the profile's time per decode sequence and layer (`decode_sequence_overhead_s`), part "dispatch"
+    VERSION: ClassVar[str] = "8"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -314,6 +318,7 @@ class CostModel:
         self.peak = float(profile.flops_per_s[dtype])
         self.link = float(profile.link_pinned_bytes_per_s)
         self.op_overhead_s = float(getattr(profile, "op_overhead_s", 0.0) or 0.0)
+        self.decode_sequence_s = float(getattr(profile, "decode_sequence_overhead_s", 0.0) or 0.0)
         self.shared = profile.shared
         eff = profile.efficiency
         # This model's shape-measured curves, where the profile has them, in place of the generic ones.
@@ -460,6 +465,7 @@ class CostModel:
                 decode_groups = (1 if decode else 0) if work.decode_groups is None else work.decode_groups
                 dispatch = self.op_overhead_s * (torch_calls(s, decode_groups, bool(prefill_tokens), n_runs)
                                                  + (quantized_ops if self.shared else 0))
+            dispatch += self.decode_sequence_s * s.layers * decode
         else:
             read = 0.0  # no token computed: nothing read
         compute = dense + head + experts + attention + activations
@@ -523,6 +529,7 @@ class CostModel:
             "prefill_element_overhead_s": float(getattr(p, "prefill_element_overhead_s", 0.0) or 0.0),
             "prefill_segment_overhead_s": float(getattr(p, "prefill_segment_overhead_s", 0.0) or 0.0),
             "op_overhead_s": self.op_overhead_s,
+            "decode_sequence_overhead_s": self.decode_sequence_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
             else "profile has no op_overhead_s: per-call dispatch not counted (launches in step_overhead_s)",
             "quantized_experts": self._quantized_note() if self.shared
@@ -560,7 +567,8 @@ class CostModel:
                 "activations": "elements counted per token and per assignment x dtype bytes at elementwise(T) "
                                "x memory_bytes_per_s",
                 "dispatch": "op_overhead_s x (122, MLA 194, + 34, MLA 62, per decode attention group + 2 with "
-                            "prefill) per layer + 8 per expert that ran; "
+                            "prefill) per layer + 8 per expert that ran, + decode_sequence_overhead_s x layers x "
+                            "decode sequences; "
                             "added on a shared processor, else only what exceeds the device's compute",
                 "decode_attention": "context x kv_bytes_per_token at attention_decode(context); 4 x heads x "
                                     "head_dim x context x layers FLOPs at gemm(query heads per KV head)",

@@ -84,8 +84,8 @@ def curve_base(key: str) -> str:
     return base if at and suffix and base in SHAPED_CURVES else key
 REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
-           "host_flops_per_s", "step_overhead_s", "op_overhead_s", "prefill_element_overhead_s",
-           "prefill_segment_overhead_s")
+           "host_flops_per_s", "step_overhead_s", "op_overhead_s", "decode_sequence_overhead_s",
+           "prefill_element_overhead_s", "prefill_segment_overhead_s")
 _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
 _BOOLS = ("shared_processor",)
@@ -94,9 +94,10 @@ _BOOLS = ("shared_processor",)
 _OVERHEAD_TABLES = ("executor_overhead_s", "executor_token_overhead_s")
 _TABLES = ("flops_per_s", "efficiency", "sources", *_OVERHEAD_TABLES)
 _FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
-_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "prefill_element_overhead_s", "prefill_segment_overhead_s",
-                    *_OVERHEAD_TABLES)
-_ZERO_OK = ("op_overhead_s", "step_overhead_s", "prefill_element_overhead_s", "prefill_segment_overhead_s")
+_OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "decode_sequence_overhead_s", "prefill_element_overhead_s",
+                    "prefill_segment_overhead_s", *_OVERHEAD_TABLES)
+_ZERO_OK = ("op_overhead_s", "step_overhead_s", "decode_sequence_overhead_s", "prefill_element_overhead_s",
+            "prefill_segment_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class HardwareProfile:
     sources: dict[str, str]  # field -> source
     default_dtype: str  # "bfloat16" on GPUs, "float32" for cpu
     op_overhead_s: float = 0.0  # per kernel/op dispatch (added to the design's fields)
+    # The runtime's time per decode sequence and layer beyond its counted calls (the small kernels around
+    # the priced modules grow with their rows), added: `pwbench hw calibrate` fits it with op_overhead_s.
+    decode_sequence_overhead_s: float = 0.0
     # The model code's time per prefill activation element (token x hidden) and per prefill segment (one
     # sequence's chunk), per layer, beyond the priced modules (added): `pwbench hw calibrate` fits both.
     prefill_element_overhead_s: float = 0.0
@@ -485,6 +489,9 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
     elif "op_overhead_s" in rates:
         table["op_overhead_s"] = rates["op_overhead_s"]
         sources["op_overhead_s"] = f"{src}: op_overhead_s (1000 tiny torch calls)"
+    if m.get("decode_sequence_overhead_s") is not None:  # `pwbench hw calibrate`, fitted with the per-call time
+        table["decode_sequence_overhead_s"] = float(m["decode_sequence_overhead_s"])
+        sources["decode_sequence_overhead_s"] = f"{src}: {m.get('runtime_op_overhead_source', 'runtime_op_overhead_s')}"
     if m.get("step_overhead_s") is not None:  # `pwbench hw calibrate`: the runtime's per-step time outside the model
         table["step_overhead_s"] = float(m["step_overhead_s"])
         sources["step_overhead_s"] = f"{src}: {m.get('step_overhead_source', 'step_overhead_s')}"

@@ -409,7 +409,8 @@ def calibrate(model: str) -> None:
     calibrate_cpu([model])
     p = cpu_profile()
     print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {p.memory_bytes_per_s / 1e9:.1f} GB/s, "
-          f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call, prefill "
+          f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call and "
+          f"{p.decode_sequence_overhead_s * 1e6:.2f} us per decode sequence and layer, prefill "
           f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
           f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment per layer; the engines' parts per layer: "
           + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
@@ -750,15 +751,16 @@ def eager_profile(p: Any, tmp: Path) -> str:
     from harness.cli.hw import measure_op_overhead
 
     t = time.perf_counter()
-    per_call, source = _fresh(measure_op_overhead, "cuda", p)
-    eager = dataclasses.replace(p, op_overhead_s=per_call, step_overhead_s=0.0,
-                                sources={**p.sources, "op_overhead_s": source,
+    per_call, per_seq, source = _fresh(measure_op_overhead, "cuda", p)
+    eager = dataclasses.replace(p, op_overhead_s=per_call, decode_sequence_overhead_s=per_seq, step_overhead_s=0.0,
+                                sources={**p.sources, "op_overhead_s": source, "decode_sequence_overhead_s": source,
                                          "step_overhead_s": "folded into op_overhead_s (fitted per counted call)"})
     path = tmp / f"{p.name}-eager.toml"
     path.write_text(profile_toml(eager, name=f"{p.name}-eager",
                                  header=f"{p.description} with eager PyTorch's time per call fitted on this GPU"))
     print(f"{p.name}: eager dispatch fitted ({time.perf_counter() - t:.0f} s): {per_call * 1e6:.2f} us per counted "
-          f"torch call ({source}); the simulated runs price {path.name}", flush=True)
+          f"torch call and {per_seq * 1e6:.2f} us per decode sequence and layer ({source}); the simulated runs price "
+          f"{path.name}", flush=True)
     return str(path)
 
 

@@ -101,7 +101,7 @@ def hw_show(
 
 SCALARS = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s",
            "host_memory_bytes", "host_memory_bytes_per_s", "host_flops_per_s", "step_overhead_s", "op_overhead_s",
-           "prefill_element_overhead_s", "prefill_segment_overhead_s")
+           "decode_sequence_overhead_s", "prefill_element_overhead_s", "prefill_segment_overhead_s")
 
 
 def _profile_json(p: Any) -> dict[str, Any]:
@@ -129,10 +129,12 @@ def _print_profile(p: Any) -> None:
         typer.echo(f"      {curve.source}")
 
 
-# `hw calibrate`'s step-overhead probe: an offline batch of the bundled model on engine moe
-# (decode-heavy, prompts of distinct tokens: no prefix sharing), measured, then simulated on
-# the cpu profile without step overhead, replaying the measured routing.
-PROBE_REQUESTS, PROBE_PROMPT, PROBE_OUTPUT, PROBE_PASSES = 6, 48, 40, 3
+# `hw calibrate`'s step-overhead probe: offline batches of the bundled model on engine moe of 6, 2 and 1
+# requests (decode-heavy, prompts of distinct tokens: no prefix sharing), measured, then simulated on
+# the cpu profile without step overhead, replaying the measured routing; PROBE_REQUESTS per round in the
+# engine probe.
+PROBE_SIZES, PROBE_PROMPT, PROBE_OUTPUT, PROBE_PASSES = (6, 2, 1), 48, 40, 3
+PROBE_REQUESTS = 6
 
 
 def _timed_steps(engine: Any, requests: list[Any], clock: Any, costs: list[Any] | None = None) -> list[float]:
@@ -199,64 +201,83 @@ def step_clock(device: str) -> Any:
     return clock
 
 
-def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, str]:
+def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, float, str]:
     """The runtime's time per torch call the cost model counts (engines/sim/cost.py
-    `torch_calls`): the calls' Python and the small kernels around the priced modules, fitted
-    on the bundled model (median over decode-heavy steps of measured minus simulated, the
-    simulated step priced without dispatch or step overhead, per counted call). Steps are timed in
-    this thread's CPU time with one torch thread: on a shared machine the time a neighbour holds
-    the core is not the runtime's (wall time here ran ~2x the CPU time). A tiny call alone
+    `torch_calls`) and per decode sequence and layer: the calls' Python and the small kernels
+    around the priced modules, fitted on the bundled model's decode steps of PROBE_SIZES sequences
+    (engines/sim/calibrate.py `fit_call_and_sequence_overhead`: measured minus simulated, the
+    simulated step priced without either, against its counted calls and its sequences). Steps are
+    timed in this thread's CPU time with one torch thread: on a shared machine the time a neighbour
+    holds the core is not the runtime's (wall time here ran ~2x the CPU time). A tiny call alone
     (`pwbench hw`'s op_overhead_s, ~1.4 us here) is a third or less of what a call of the runtime
-    takes (4-8 us measured on the bundled and the benchmark models' decode steps).
+    takes (4-8 us measured on the bundled and the benchmark models' decode steps). One price per
+    call alone (cost model 7) priced the bundled model's one-sequence decode steps 25-32% high and
+    its twelve-sequence ones 6-9% high (`python -m harness.bench.simulate --decode-grid`).
 
     On a GPU (`device` cuda, `base` its profile) the same fit gives eager PyTorch's host time per
     call: steps timed on the wall clock, synchronized; the bundled model's kernels are so small that
     the host's launches are the step (the cost model adds them to the device's work: this runtime's
-    MoE layers wait for their routing counts on the host)."""
+    MoE layers wait for their routing counts on the host). Returns (seconds per call, seconds per
+    decode sequence and layer, source)."""
     import dataclasses
 
     from engines.base import EngineRequest
-    from engines.sim.calibrate import fit_step_overhead
+    from engines.sim.calibrate import fit_call_and_sequence_overhead
     from engines.sim.hardware import cpu_profile
 
-    def batch(prefix: str) -> list[Any]:
+    def batch(prefix: str, n: int) -> list[Any]:
         return [EngineRequest(f"{prefix}{i}", tuple(3 + (37 * i + 11 * j) % 1000 for j in range(PROBE_PROMPT)),
-                              PROBE_OUTPUT, ignore_eos=True) for i in range(PROBE_REQUESTS)]
+                              PROBE_OUTPUT, ignore_eos=True) for i in range(n)]
 
     base = base or cpu_profile()
     marker = base.op_overhead_s or 1e-6  # prices each counted call at this, so that dispatch / marker counts them
     clock = step_clock(device)
 
-    def measure(engine: Any) -> list[float]:
-        _timed_steps(engine, batch("warm"), clock)  # the first calls fault pages in
+    def run(engine: Any, prefix: str, clock: Any, costs: list[Any] | None = None) -> list[float]:
+        """One batch of each of PROBE_SIZES in turn; each one prefill step, then PROBE_OUTPUT - 1 decode steps."""
+        out = []
+        for n in PROBE_SIZES:
+            steps = _timed_steps(engine, batch(f"{prefix}-{n}-", n), clock, costs)
+            if len(steps) != PROBE_OUTPUT:
+                raise RuntimeError(f"op overhead probe: {n} requests took {len(steps)} steps, not {PROBE_OUTPUT}")
+            out += steps
+        return out
+
+    def measure(engine: Any) -> tuple[int, list[float]]:
+        run(engine, "warm", clock)  # the first calls fault pages in
         # each step the median of PROBE_PASSES passes (the same batches): a run's typical step, as a
         # run's latency medians see it, with one neighbour's burst in one pass left out
-        passes = [_timed_steps(engine, batch(f"probe{k}"), clock) for k in range(PROBE_PASSES)]
-        return [sorted(step)[len(step) // 2] for step in zip(*passes)]
+        passes = [run(engine, f"probe{k}", clock) for k in range(PROBE_PASSES)]
+        return engine.checkpoint.config.num_layers, [sorted(step)[len(step) // 2] for step in zip(*passes)]
 
     def simulate(engine: Any) -> list[Any]:
         costs: list[Any] = []
-        _timed_steps(engine, batch("warm"), engine.virtual_clock.now)
-        _timed_steps(engine, batch("probe0"), engine.virtual_clock.now, costs)
+        run(engine, "warm", engine.virtual_clock.now)
+        run(engine, "probe0", engine.virtual_clock.now, costs)
         return costs
 
-    wall, costs = _measured_then_simulated(
-        dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker, prefill_element_overhead_s=0.0,
-                            prefill_segment_overhead_s=0.0), measure, simulate, device)
-    calls = [max(1, round(c.parts["dispatch"] / marker)) for c in costs]
-    predicted = [c.seconds - c.parts["dispatch"] for c in costs]
-    seconds, d = fit_step_overhead(wall, predicted, calls=calls)
+    (layers, wall), costs = _measured_then_simulated(
+        dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker, decode_sequence_overhead_s=0.0,
+                            prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0),
+        measure, simulate, device)
+    # each batch's decode steps after its first (the prefill and the first decode step left out: warm-up)
+    seqs = [n if i >= 2 else 0 for n in PROBE_SIZES for i in range(PROBE_OUTPUT)]
+    rows = [(n, max(1, round(c.parts["dispatch"] / marker)), m - (c.seconds - c.parts["dispatch"]))
+            for n, m, c in zip(seqs, wall, costs) if n]
+    per_call, per_seq, d = fit_call_and_sequence_overhead(rows, layers)
     where = "one torch thread" if device == "cpu" else f"{device}, eager PyTorch, wall clock synchronized"
-    source = (f"`pwbench hw calibrate`: median over {d['steps']} steps of the bundled model on engine moe "
-              f"({PROBE_REQUESTS} requests of {PROBE_PROMPT} + {PROBE_OUTPUT} tokens, {where}) of the "
-              f"measured time per step (the median of {PROBE_PASSES} passes; "
-              f"{d['median_measured_s'] * 1e3:.2f} ms) minus the same step simulated "
-              f"without dispatch or step overhead ({d['median_predicted_s'] * 1e3:.2f} ms: the cost model's compute, "
-              "its GEMMs by the bundled model's own shape curves where measured, plus the control code's measured "
-              f"CPU time), per torch call the cost model counts in the step (~{d['median_calls']}): the runtime's "
-              "time per call (its Python, views and small kernels) beyond the priced modules"
-              + (" (negative: clipped to 0)" if d["clipped"] else ""))
-    return seconds, source
+    medians = "; ".join(f"{n} sequences: {c:.0f} calls, {r * 1e3:.3f} ms" for n, c, r in
+                        zip(d["sizes"], d["median_calls"], d["median_residual_s"]))
+    source = (f"`pwbench hw calibrate`: least squares over the bundled model's decode steps on engine moe "
+              f"({layers} layers; batches of {', '.join(map(str, PROBE_SIZES))} requests of {PROBE_PROMPT} + "
+              f"{PROBE_OUTPUT} tokens, each step the median of {PROBE_PASSES} passes, {where}) of the measured time "
+              "minus the same step simulated without dispatch or step overhead (the cost model's compute, its "
+              "GEMMs by the bundled model's own shape curves where measured, plus the control code's measured CPU "
+              f"time), medians per batch size ({medians}) = {per_call * 1e6:.2f} us x the torch calls the cost model "
+              f"counts + {per_seq * 1e6:.2f} us x layers x sequences (rms error {d['rms_s'] * 1e6:.1f} us): the "
+              "runtime's time per call (its Python, views and small kernels) and per decode sequence beyond the "
+              "priced modules")
+    return per_call, per_seq, source
 
 
 # `hw calibrate`'s prefill probe: batches of distinct random prompts (no prefix sharing), each prefilled
@@ -461,7 +482,8 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
     save_cached(result)
     if overheads:
         # kept beside `pwbench hw`'s op_overhead_s (a tiny call), which moegen's planner reads for measured runs
-        result["runtime_op_overhead_s"], result["runtime_op_overhead_source"] = measure_op_overhead()
+        (result["runtime_op_overhead_s"], result["decode_sequence_overhead_s"],
+         result["runtime_op_overhead_source"]) = measure_op_overhead()
         result["step_overhead_s"] = 0.0
         result["step_overhead_source"] = "folded into op_overhead_s (fitted per counted torch call)"
         save_cached(result)

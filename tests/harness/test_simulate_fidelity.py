@@ -242,7 +242,8 @@ def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_
     done = CliRunner().invoke(app, ["hw", "calibrate", "--json"])
     assert done.exit_code == 0, done.output
     p = load_profile("cpu")
-    assert p.step_overhead_s == 0 and p.op_overhead_s > 0 and "per torch call" in p.sources["op_overhead_s"]
+    assert p.step_overhead_s == 0 and p.op_overhead_s > 0 and "per call" in p.sources["op_overhead_s"]
+    assert p.decode_sequence_overhead_s >= 0 and "decode sequence" in p.sources["decode_sequence_overhead_s"]
     assert p.prefill_element_overhead_s >= 0 and p.prefill_segment_overhead_s >= 0
     assert "prefill steps of the bundled model" in p.sources["prefill_segment_overhead_s"]
     # each engine's parts, stepped beside engine moe: one key each, full priced by two of them (not fitted)

@@ -72,6 +72,12 @@ def test_tiny_step_by_hand():
     cpu = CostModel(profile("cpu"), TINY, "bfloat16").step(TINY_WORK)
     assert cpu.parts["dispatch"] == pytest.approx(164e-6) and cpu.seconds == pytest.approx(TINY_COMPUTE + 5e-6)
     assert cost.roofline_s == pytest.approx((288 + 192 + 160) / 1e9)
+    # the runtime's time per decode sequence and layer (cost model 8): 3 us x 1 layer x 1 sequence
+    per_seq = CostModel(replace(profile("cpu"), decode_sequence_overhead_s=3e-6), TINY, "bfloat16").step(TINY_WORK)
+    assert per_seq.parts["dispatch"] == pytest.approx(167e-6) and per_seq.seconds == pytest.approx(cpu.seconds + 3e-6)
+    two = CostModel(replace(profile("cpu"), decode_sequence_overhead_s=3e-6), TINY, "bfloat16").step(
+        replace(TINY_WORK, decode_contexts=(10, 10), decode_groups=1))
+    assert two.parts["dispatch"] == pytest.approx(170e-6)  # the same calls (one group), two sequences
     assert sum(v for k, v in cost.parts.items() if k != "link_busy") == pytest.approx(cost.seconds)
 
 

@@ -267,6 +267,26 @@ def test_fit_step_overhead_per_call_is_the_median_residual_per_call():
         fit_step_overhead([0.1, 0.2, 0.3], [0.1, 0.2, 0.3], calls=[1, 2])
 
 
+def test_fit_call_and_sequence_overhead_recovers_hand_made_rates():
+    from engines.sim.calibrate import fit_call_and_sequence_overhead
+
+    # 2 layers; 2 us per call and 10 us per sequence and layer: 1 sequence 300 calls -> 620 us,
+    # 6 sequences 400 calls -> 920 us, 2 sequences 320 calls -> 680 us; one outlier step per size
+    # that the medians leave out
+    rows = [(1, 300, 620e-6), (1, 300, 620e-6), (1, 302, 9e-3),
+            (6, 400, 920e-6), (6, 400, 920e-6), (6, 390, 1e-6),
+            (2, 320, 680e-6), (2, 320, 680e-6), (2, 320, 680e-6), (0, 999, 5.0)]  # (0: a prefill step, ignored)
+    per_call, per_seq, d = fit_call_and_sequence_overhead(rows, layers=2)
+    assert per_call == pytest.approx(2e-6) and per_seq == pytest.approx(10e-6)
+    assert d["sizes"] == [1, 2, 6] and d["rms_s"] == pytest.approx(0, abs=1e-12)
+    # residuals that fall with the batch: the sequence term would be negative, so the calls alone
+    # (least squares through the origin: 1 ms over 500 calls, 0.5 ms over 250 -> 2 us)
+    per_call, per_seq, _ = fit_call_and_sequence_overhead([(1, 500, 1e-3), (6, 250, 0.5e-3)], layers=2)
+    assert per_seq == 0.0 and per_call == pytest.approx(2e-6)
+    with pytest.raises(ValueError, match="two"):
+        fit_call_and_sequence_overhead([(6, 400, 1e-3), (6, 401, 1e-3)], layers=2)
+
+
 def test_fit_prefill_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_prefill_overhead
 
