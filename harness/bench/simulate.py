@@ -59,10 +59,10 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
+
+from harness.bench import fresh_process as _fresh  # each run in its own interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "engines" / "demo_model"
@@ -491,14 +491,6 @@ def simulate_replay(common: dict[str, Any], options: dict[str, Any], target: str
     if takes_option(common["engine"], "sim_sensitivity") and (table := sensitivity_table(common["model"], options)):
         sim_options["sim_sensitivity"] = str(table)
     return _fresh(_simulate_one, common, sim_options, output)
-
-
-def _fresh(fn: Any, *args: Any) -> Any:
-    """`fn(*args)` in a fresh interpreter: what a run leaves in a process (engines not yet collected,
-    allocator and torch caches) slows the next run there (the bundled model's repeats in one process
-    took 0.27 -> 0.36 s, 0.57 -> 0.95 s of step CPU time one after another) and adds to its memory."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
