@@ -593,14 +593,19 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
 
 # `--decode-grid`: decode steps by sequences in the batch and context per sequence.
 GRID_SEQUENCES, GRID_CONTEXTS, GRID_OUTPUT = (1, 2, 6, 12), (32, 128, 512, 1500), 12
+# and a row of 6 sequences whose prompts spread around the context (these multiples of it): the runtime
+# attends them in several groups (engines/runtime/attention.py group_by_length), where equal ones are one
+GRID_SPREAD = (0.5, 0.65, 0.8, 1.0, 1.15, 1.3)  # (the bundled model holds 2,048 positions)
 
 
-def decode_grid(model: str, device: str, target: str) -> dict[tuple[int, int], float]:
+def decode_grid(model: str, device: str, target: str) -> dict[tuple[Any, int], float]:
     """Engine moe's decode step (the median over a batch's decode steps, its first two left out) for
-    each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS, in one engine, measured on `device`
-    (this thread's CPU time on the CPU) or, with `target` set, simulated on it (uniform routing):
-    {(sequences, context): ms}. Where the cost model's per-sequence and per-step prices part, the
-    errors move with the sequences; run in a fresh interpreter (`main`)."""
+    each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS and ("spread", context): six prompts of
+    GRID_SPREAD x the context, in one engine, measured on `device` (this thread's CPU time on the CPU)
+    or, with `target` set, simulated on it (uniform routing): {(sequences, context): ms}. Where the
+    cost model's per-sequence and per-step prices part, the errors move with the sequences; where its
+    price of a decode attention group is off, the spread row parts from the 6-sequence one; run in a
+    fresh interpreter (`main`)."""
     import random
 
     from engines.base import EngineRequest
@@ -609,10 +614,12 @@ def decode_grid(model: str, device: str, target: str) -> dict[tuple[int, int], f
     engine, clock = probe_engine(model, device, target)
     out = {}
     try:
-        for n, ctx in [(6, 128)] + [(n, c) for n in GRID_SEQUENCES for c in GRID_CONTEXTS]:  # the first warms up
-            for i in range(n):
+        keys = [(n, c) for n in (*GRID_SEQUENCES, "spread") for c in GRID_CONTEXTS]
+        for n, ctx in [(6, 128), *keys]:  # the first warms up
+            lengths = [max(1, round(f * ctx)) for f in GRID_SPREAD] if n == "spread" else [ctx] * n
+            for i, length in enumerate(lengths):
                 engine.add_request(EngineRequest(f"g{len(out)}-{n}-{ctx}-{i}",
-                                                 tuple(rng.randrange(3, 1000) for _ in range(ctx)), GRID_OUTPUT,
+                                                 tuple(rng.randrange(3, 1000) for _ in range(length)), GRID_OUTPUT,
                                                  ignore_eos=True))
             engine.step()  # the batch's prefill
             took = []
@@ -883,9 +890,10 @@ def main() -> None:
                 print(f"\n## {arch}: engine moe's decode step, ms measured / simulated (error %)\n")
                 print("| sequences | " + " | ".join(f"context {c}" for c in GRID_CONTEXTS) + " |")
                 print("|---|" + "---|" * len(GRID_CONTEXTS))
-                for n in GRID_SEQUENCES:
-                    print(f"| {n} | " + " | ".join(cell({"ms": measured[(n, c)]}, {"ms": simulated[(n, c)]}, "ms")
-                                                   for c in GRID_CONTEXTS) + " |", flush=True)
+                for n in (*GRID_SEQUENCES, "spread"):
+                    label = f"6, prompts {GRID_SPREAD[0]}-{GRID_SPREAD[-1]} x the context" if n == "spread" else n
+                    print(f"| {label} | " + " | ".join(cell({"ms": measured[(n, c)]}, {"ms": simulated[(n, c)]}, "ms")
+                                                       for c in GRID_CONTEXTS) + " |", flush=True)
                 continue
             if args.prefill_grid:
                 grids = {n: (_fresh(prefill_grid, model, args.device, "", n),
