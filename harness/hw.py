@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from typing import Any
 
 # Where measurements are cached and how they are read live beside the engines' cost model,
@@ -338,6 +340,15 @@ def measure_cpu_group_dequant(expert: tuple[Any, Any, Any] | None = None) -> dic
                               repeats=5, min_s=0.05, warmup=1)
             out[str(bits)][str(g * full)] = g * full / seconds
     return {"bitplanes": out}
+
+
+def fresh_process(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` in a fresh interpreter (spawned: nothing inherited but the environment and the CPU
+    affinity): what a run leaves in a process (engines not yet collected, allocator and torch caches)
+    slows the next run there (the bundled model's repeats in one process took 0.27 -> 0.36 s, 0.57 ->
+    0.95 s of step CPU time one after another), and one process's timings differ from the next's."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def save_cached(entry: dict[str, Any]) -> None:

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.bench import fresh_process as _fresh  # each run in its own interpreter
+from harness.hw import fresh_process as _fresh  # each run in its own interpreter
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "engines" / "demo_model"

@@ -471,7 +471,7 @@ REFERENCE_PREFILL = (2 * 880 * 128, 2 * 6)
 def median_fit(measure: Any, price: Any, what: str) -> tuple[Any, ...]:
     """`measure()` (returning (coefficients..., source)) in CALIBRATION_PROCESSES fresh interpreters:
     the fit whose `price(fit)` (seconds) is the median, its source saying so and giving each fit's."""
-    from harness.bench import fresh_process
+    from harness.hw import fresh_process
 
     fits = sorted((fresh_process(measure) for _ in range(CALIBRATION_PROCESSES)), key=price)
     chosen = fits[len(fits) // 2]
