@@ -528,9 +528,10 @@ def hw_calibrate(
     output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
                                                "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
     step_overhead: Annotated[bool, typer.Option(help="Also fit, on the bundled model, the runtime's time per torch "
-                                                "call and per prefill token and segment, and each engine's parts' "
-                                                "time beyond engine moe's path (stepped beside moe) (~20 s; its "
-                                                "GEMM shapes are measured first, as --model does).")] = True,
+                                                "call and per decode sequence, and per prefill token and segment "
+                                                "(each the median of three fresh processes' fits), and each engine's "
+                                                "parts' time beyond engine moe's path (stepped beside moe) (~30 s; "
+                                                "its GEMM shapes are measured first, as --model does).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
         "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, and causal SDPA over its heads "
