@@ -266,7 +266,7 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, f
             for n, m, c in zip(seqs, wall, costs) if n]
     per_call, per_seq, d = fit_call_and_sequence_overhead(rows, layers)
     where = "one torch thread" if device == "cpu" else f"{device}, eager PyTorch, wall clock synchronized"
-    medians = "; ".join(f"{n} sequences: {c:.0f} calls, {r * 1e3:.3f} ms" for n, c, r in
+    medians = "; ".join(f"{n} sequence{'s' if n != 1 else ''}: {c:.0f} calls, {r * 1e3:.3f} ms" for n, c, r in
                         zip(d["sizes"], d["median_calls"], d["median_residual_s"]))
     source = (f"`pwbench hw calibrate`: least squares over the bundled model's decode steps on engine moe "
               f"({layers} layers; batches of {', '.join(map(str, PROBE_SIZES))} requests of {PROBE_PROMPT} + "
