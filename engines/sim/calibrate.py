@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from statistics import median
 from typing import Any
 
 # Sizes harness/hw.py's measure() uses for the single-size measurements.
@@ -169,28 +170,31 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     return out
 
 
-def fit_step_overhead(measured_s: list[float], predicted_s: list[float], skip: int = 2,
-                      calls: list[int] | None = None) -> tuple[float, dict[str, Any]]:
-    """The runtime's time outside what the cost model prices: the median over aligned steps of
-    measured time minus the cost model's time for the same step (priced without the overhead
-    fitted), the first `skip` steps left out (warm-up); with `calls` (the torch calls the cost model
-    counts in each step), the median of that residual per call (the runtime's time per counted
-    call: its Python and the small kernels around the priced modules). Negative medians are
-    clipped to 0. Returns (seconds, details). ValueError (one line) when the lists do not align
-    or leave no step."""
-    if len(measured_s) != len(predicted_s) or (calls is not None and len(calls) != len(measured_s)):
-        raise ValueError(f"step overhead: {len(measured_s)} measured steps against {len(predicted_s)} simulated; "
-                         "the simulated run must replay the measured one's routing")
-    rows = list(zip(measured_s, predicted_s, calls or [1] * len(measured_s)))[skip:]
-    if not rows or any(n <= 0 for *_, n in rows):
-        raise ValueError(f"step overhead: no step after the first {skip} (or a step without calls); run more steps")
-    residual = sorted((m - p) / n for m, p, n in rows)
-    mid = len(residual) // 2
-    median = residual[mid] if len(residual) % 2 else (residual[mid - 1] + residual[mid]) / 2
-    details = {"steps": len(rows), "median_measured_s": sorted(m for m, _, _ in rows)[mid],
-               "median_predicted_s": sorted(p for _, p, _ in rows)[mid], "median_residual_s": median,
-               "median_calls": sorted(n for *_, n in rows)[mid], "clipped": median < 0}
-    return max(0.0, median), details
+def _two_term_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, float] | None:
+    """Least squares y = a x0 + b x1 with a, b >= 0: where the joint fit makes a coefficient negative,
+    the better of the two terms alone (its coefficient clipped to 0). None where x0 and x1 are
+    proportional (the joint fit cannot tell them apart)."""
+    s00, s01, s11 = sum(u * u for u, _ in x), sum(u * v for u, v in x), sum(v * v for _, v in x)
+    s0y, s1y = sum(u * r for (u, _), r in zip(x, y)), sum(v * r for (_, v), r in zip(x, y))
+    det = s00 * s11 - s01 * s01
+    if det <= 1e-12 * s00 * s11:
+        return None
+    a, b = (s0y * s11 - s1y * s01) / det, (s1y * s00 - s0y * s01) / det
+    if a < 0 or b < 0:
+        a, b = _one_term_fit(x, y)
+    return a, b
+
+
+def _one_term_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, float]:
+    """The better of y = a x0 and y = b x1 by squared error, each coefficient clipped to >= 0."""
+    s00, s11 = sum(u * u for u, _ in x), sum(v * v for _, v in x)
+    s0y, s1y = sum(u * r for (u, _), r in zip(x, y)), sum(v * r for (_, v), r in zip(x, y))
+    alone = [(max(0.0, s0y / s00) if s00 else 0.0, 0.0), (0.0, max(0.0, s1y / s11) if s11 else 0.0)]
+    return min(alone, key=lambda ab: _squared_error(x, y, *ab))
+
+
+def _squared_error(x: list[tuple[float, float]], y: list[float], a: float, b: float) -> float:
+    return sum((r - a * u - b * v) ** 2 for (u, v), r in zip(x, y))
 
 
 def fit_call_and_sequence_overhead(rows: list[tuple[int, int, float]],
@@ -210,26 +214,12 @@ def fit_call_and_sequence_overhead(rows: list[tuple[int, int, float]],
     if len(by_size) < 2 or layers < 1:
         raise ValueError(f"call and sequence overhead: decode steps of {len(by_size)} batch size(s); "
                          "need at least two (e.g. 1 and 6 sequences)")
-
-    def median(xs: list[float]) -> float:
-        xs, mid = sorted(xs), len(xs) // 2
-        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-    points = [(n, median([c for c, _ in v]), median([r for _, r in v])) for n, v in sorted(by_size.items())]
+    points = [(n, median(c for c, _ in v), median(r for _, r in v)) for n, v in sorted(by_size.items())]
     x = [(c, layers * n) for n, c, _ in points]
     y = [r for *_, r in points]
-    scc, scs, sss = sum(c * c for c, _ in x), sum(c * q for c, q in x), sum(q * q for _, q in x)
-    scy, ssy = sum(c * r for (c, _), r in zip(x, y)), sum(q * r for (_, q), r in zip(x, y))
-    det = scc * sss - scs * scs
-    a, b = ((scy * sss - ssy * scs) / det, (ssy * scc - scy * scs) / det) if det > 1e-12 * scc * sss else (-1.0, -1.0)
-    if a < 0 or b < 0:  # one term alone
-        alone_a, alone_b = max(0.0, scy / scc), max(0.0, ssy / sss)
-        err_a = sum((r - alone_a * c) ** 2 for (c, _), r in zip(x, y))
-        err_b = sum((r - alone_b * q) ** 2 for (_, q), r in zip(x, y))
-        a, b = (alone_a, 0.0) if err_a <= err_b else (0.0, alone_b)
-    rms = math.sqrt(sum((r - a * c - b * q) ** 2 for (c, q), r in zip(x, y)) / len(y))
+    a, b = _two_term_fit(x, y) or _one_term_fit(x, y)
     return a, b, {"sizes": [n for n, *_ in points], "median_calls": [c for _, c, _ in points],
-                  "median_residual_s": y, "rms_s": rms}
+                  "median_residual_s": y, "rms_s": math.sqrt(_squared_error(x, y, a, b) / len(y))}
 
 
 def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
@@ -244,17 +234,11 @@ def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
         raise ValueError(f"prefill overhead: {len(rows)} steps of {layers} layers; need at least 2 steps")
     x = [(layers * t * hidden, layers * g) for t, g, _ in rows]
     y = [r for *_, r in rows]
-    stt, stg, sgg = (sum(a * a for a, _ in x), sum(a * b for a, b in x), sum(b * b for _, b in x))
-    sty, sgy = sum(a * r for (a, _), r in zip(x, y)), sum(b * r for (_, b), r in zip(x, y))
-    det = stt * sgg - stg * stg
-    if det <= 1e-12 * stt * sgg:
+    fit = _two_term_fit(x, y)
+    if fit is None:
         raise ValueError("prefill overhead: the steps' token and segment counts are proportional; vary them")
-    a, b = (sty * sgg - sgy * stg) / det, (sgy * stt - sty * stg) / det
-    if a < 0 or b < 0:  # one term alone, the better of the two that are not negative
-        alone = [(max(0.0, sty / stt), 0.0), (0.0, max(0.0, sgy / sgg))]
-        a, b = min(alone, key=lambda ab: sum((r - ab[0] * t - ab[1] * g) ** 2 for (t, g), r in zip(x, y)))
-    err = [r - a * t - b * g for (t, g), r in zip(x, y)]
-    return a, b, {"steps": len(rows), "rms_s": math.sqrt(sum(e * e for e in err) / len(err))}
+    a, b = fit
+    return a, b, {"steps": len(rows), "rms_s": math.sqrt(_squared_error(x, y, a, b) / len(y))}
 
 
 # A model shape measurement's parts -> the curve each fits (engines/sim/cost.py SHAPED).

@@ -557,6 +557,16 @@ def probe_engine(model: str, device: str, target: str) -> tuple[Any, Any]:
     return engine, engine.virtual_clock.now if target else step_clock(device)
 
 
+def add_prompts(engine: Any, rng: Any, prefix: str, lengths: Any, output: int) -> None:
+    """One request per length in `lengths`, of distinct random tokens drawn from `rng` (no prefix
+    hits), each generating `output` tokens: ids `prefix`-0, `prefix`-1, ..."""
+    from engines.base import EngineRequest
+
+    for i, n in enumerate(lengths):
+        engine.add_request(EngineRequest(f"{prefix}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), output,
+                                         ignore_eos=True))
+
+
 def prefill_probe(model: str, arch: str, requests: int, device: str, target: str,
                   passes: int = 4) -> tuple[list[float], list[int]]:
     """One engine moe, the offline workload's prefill step (`requests` prompts of its lengths,
@@ -568,8 +578,6 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     during each pass's prefill step: host pages faulted in, e.g. by the allocator's fresh mappings)."""
     import random
 
-    from engines.base import EngineRequest
-
     lo, hi = SIZES[arch]["input_range"]
     rng = random.Random(0)
     lengths = [rng.randint(lo, hi) for _ in range(requests)]
@@ -577,9 +585,7 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     took, faults = [], []
     try:
         for k in range(passes):
-            for i, n in enumerate(lengths):
-                engine.add_request(EngineRequest(f"p{k}-{i}", tuple(rng.randrange(3, 1000) for _ in range(n)), 1,
-                                                 ignore_eos=True))
+            add_prompts(engine, rng, f"p{k}", lengths, 1)
             f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, clock()
             engine.step()  # the whole batch's prefill (it fits one step) samples each request's one token
             took.append(1e3 * (clock() - t))
@@ -608,8 +614,6 @@ def decode_grid(model: str, device: str, target: str) -> dict[tuple[Any, int], f
     fresh interpreter (`main`)."""
     import random
 
-    from engines.base import EngineRequest
-
     rng = random.Random(1)
     engine, clock = probe_engine(model, device, target)
     out = {}
@@ -617,10 +621,7 @@ def decode_grid(model: str, device: str, target: str) -> dict[tuple[Any, int], f
         keys = [(n, c) for n in (*GRID_SEQUENCES, "spread") for c in GRID_CONTEXTS]
         for n, ctx in [(6, 128), *keys]:  # the first warms up
             lengths = [max(1, round(f * ctx)) for f in GRID_SPREAD] if n == "spread" else [ctx] * n
-            for i, length in enumerate(lengths):
-                engine.add_request(EngineRequest(f"g{len(out)}-{n}-{ctx}-{i}",
-                                                 tuple(rng.randrange(3, 1000) for _ in range(length)), GRID_OUTPUT,
-                                                 ignore_eos=True))
+            add_prompts(engine, rng, f"g{len(out)}-{n}-{ctx}", lengths, GRID_OUTPUT)
             engine.step()  # the batch's prefill
             took = []
             while engine.has_unfinished():
@@ -649,18 +650,13 @@ def prefill_grid(model: str, device: str, target: str, output: int) -> dict[tupl
     fresh interpreter (`main`)."""
     import random
 
-    from engines.base import EngineRequest
-
     rng = random.Random(2)
     engine, clock = probe_engine(model, device, target)
     took: dict[tuple[int, ...], list[float]] = {}
     try:
         for r in range(PREFILL_GRID_REPEATS + 1):  # the first round warms up
-            for lengths in PREFILL_GRID:
-                for i, n in enumerate(lengths):
-                    engine.add_request(EngineRequest(f"p{r}-{len(took)}-{i}-{n}",
-                                                     tuple(rng.randrange(3, 1000) for _ in range(n)), output,
-                                                     ignore_eos=True))
+            for k, lengths in enumerate(PREFILL_GRID):
+                add_prompts(engine, rng, f"p{r}-{k}", lengths, output)
                 t = clock()
                 engine.step()  # the batch's prefill
                 if r:

@@ -245,28 +245,6 @@ def test_executor_overhead_tables_read_override_round_trip_and_reject_bad_values
     assert "\n" not in str(err.value) and "'executor_overhead_s.pagedweight'" in str(err.value)
 
 
-def test_fit_step_overhead_is_the_median_residual():
-    from engines.sim.calibrate import fit_step_overhead
-
-    # steps 0-1 are warm-up; residuals of the rest: 1, 2, 3, 4 ms -> median 2.5 ms
-    seconds, d = fit_step_overhead([0.5, 0.4, 0.011, 0.022, 0.013, 0.034], [0.1, 0.1, 0.010, 0.020, 0.010, 0.030])
-    assert seconds == pytest.approx(0.0025) and d["steps"] == 4 and not d["clipped"]
-    assert fit_step_overhead([0, 0, 0.01], [0, 0, 0.02])[0] == 0.0  # a negative residual is clipped
-    with pytest.raises(ValueError, match="replay"):
-        fit_step_overhead([0.1, 0.2], [0.1])
-
-
-def test_fit_step_overhead_per_call_is_the_median_residual_per_call():
-    from engines.sim.calibrate import fit_step_overhead
-
-    # after 2 warm-up steps, residuals 1, 2, 4 ms over 100, 100, 200 calls: 10, 20, 20 us per call -> 20 us
-    measured, predicted = [9, 9, 0.011, 0.012, 0.014], [0, 0, 0.010, 0.010, 0.010]
-    seconds, d = fit_step_overhead(measured, predicted, calls=[1, 1, 100, 100, 200])
-    assert seconds == pytest.approx(20e-6) and d["steps"] == 3 and d["median_calls"] == 100
-    with pytest.raises(ValueError, match="replay"):
-        fit_step_overhead([0.1, 0.2, 0.3], [0.1, 0.2, 0.3], calls=[1, 2])
-
-
 def test_fit_call_and_sequence_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_call_and_sequence_overhead
 
