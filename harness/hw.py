@@ -273,6 +273,11 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         out["d2h_bytes_per_s"] = host.numel() * 4 / _timeit(d2h)
     else:
         out["device_name"] = cpu_model()
+        # With the engines' host allocator setting, as a CPU engine runs: with glibc's defaults each
+        # dequantization's temporaries are faulted in again (0.7 against 1.2 GB/s at 4 bits here).
+        from engines.runtime.memory import keep_freed_host_memory  # noqa: PLC0415
+
+        keep_freed_host_memory()
         expert = reference_expert()  # built once (quantized at every width) for both measurements
         out["dequant_full_bytes_per_s_by_bits"] = measure_cpu_dequant(expert)
         out["dequant_group_bytes_per_s"] = measure_cpu_group_dequant(expert)

@@ -34,6 +34,9 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
     attention_prefill@K the same entry's causal SDPA over one chunk of n tokens with the model's
                         heads, KV heads and head_dim (not for MLA), at each n: the cost model's
                         FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
+    dequant_cpu_packed@K the same entry's dequantization of one expert (both matrices, RTN records
+                        of the static engines' group size for its widths) at each bit width, as
+                        the torch reference runs it: full-width bytes / seconds / bandwidth
 
 The FLOP peak is the best float32 GEMM rate measured in the session (`best_flops`): the 1024^3
 matmul, the square curve's row counts and the model shapes' (one core's rate moves 10-30% between
@@ -262,6 +265,15 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float)
         out[f"{curve}@{key}"] = _curve(pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at "
                                             f"{entry.get('measured_at', '?')}: {part} ({shapes}) timed at each row "
                                             "count as the runtime calls it, against its roofline bound")
+    dequant = seconds.get("dequant_packed") or {}
+    if dequant and params.get("expert"):
+        full = width * float(params["expert"])
+        shapes = " + ".join(f"[{a}, {b}]" for a, b in (entry.get("matrices") or {}).get("expert", ()))
+        out[f"dequant_cpu_packed@{key}"] = _curve(
+            [(float(b), full / _rate(dequant, b) / bw) for b in dequant],
+            f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: one "
+            f"expert ({shapes}) dequantized from RTN records of group {entry.get('dequant_group_size', '?')} by "
+            "the torch reference, full-width bytes per second by bit width / memory_bandwidth_bytes_per_s")
     att, per_chunk = entry.get("attention") or {}, seconds.get("attention") or {}
     if att and per_chunk:
         per_key = 4 * int(att["heads"]) * int(att["head_dim"])

@@ -20,7 +20,7 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
     sample            rows sampled                     fraction of memory_bytes_per_s (optional, as above)
     head              rows of the LM head's GEMM       as gemm (optional: the cost model reads gemm without it)
 
-`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_prefill@K` (optional): the same curves measured
+`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_prefill@K`, `dequant_cpu_packed@K` (optional): the same curves measured
 on one model's shapes (K: engines/sim/cost.py `shape_key`, e.g. "d512-h8-q512-kv128-i768-v32000-b4";
 `pwbench hw calibrate --model DIR` fits them); the cost model reads them for a model of that shape
 instead of the generic ones. A profile may carry them for several models.
@@ -75,7 +75,7 @@ OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "deq
                              *(k for k in EFFICIENCY_KEYS if k.startswith("dequant_group_"))})
 # A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
 # only these names take one.
-SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill")
+SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill", "dequant_cpu_packed")
 
 
 def curve_base(key: str) -> str:

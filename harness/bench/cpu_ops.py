@@ -208,6 +208,41 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
     return out
 
 
+# Experts of each matrix stacked for the dequantization timing (`model_dequant_seconds`), cycled
+# through as a step's expert runs go through a layer's experts.
+DEQUANT_EXPERTS = 8
+
+
+def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, float]:
+    """Seconds the CPU torch reference takes to dequantize one routed expert of `shape` (gate_up
+    [2I, D] and down [D, I], RTN records of `group_size` at each width of harness/hw.py DEQUANT_BITS)
+    as the static engines' CPU path does it (engines/quant/ops.py `QuantizedExperts`:
+    `dequantize(stack.expert(e), float32)` per matrix), with the engines' host allocator setting
+    (engines/runtime/memory.py `keep_freed_host_memory`: with glibc's defaults each call's
+    temporaries are faulted in again, 0.7 against 1.2 GB/s of full-width bytes measured on a
+    [1536, 512] matrix here). The median over `rounds` timings of DEQUANT_EXPERTS experts, per
+    expert. {bits: seconds}."""
+    from engines.quant.qweight import dequantize, quantize_rtn
+    from engines.runtime.memory import keep_freed_host_memory
+    from harness.hw import DEQUANT_BITS
+
+    keep_freed_host_memory()
+    gen = torch.Generator().manual_seed(0)
+    d, i, n = shape.hidden, shape.intermediate, DEQUANT_EXPERTS
+    out = {}
+    for bits in DEQUANT_BITS:
+        gate_up = quantize_rtn(torch.randn(n, 2 * i, d, generator=gen), bits, group_size)
+        down = quantize_rtn(torch.randn(n, d, i, generator=gen), bits, group_size)
+
+        def run(gate_up=gate_up, down=down) -> None:
+            for e in range(n):
+                dequantize(gate_up.expert(e), torch.float32)
+                dequantize(down.expert(e), torch.float32)
+
+        out[str(bits)] = _timeit(run, repeats=rounds, min_s=0.2, warmup=1) / n
+    return out
+
+
 def attention_heads(shape) -> tuple[int, int, int] | None:
     """(query heads, KV heads, head_dim) of the model's prefill SDPA; None for MLA (its shape's
     kv_size is half a latent, not whole heads) or a shape without heads."""
@@ -251,14 +286,18 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     from engines.runtime.checkpoint import open_checkpoint
     from engines.runtime.shape import model_shape
     from engines.sim.cost import shape_key
+    from engines.static_quant import StaticQuantConfig, fit_group_size
 
     config = open_checkpoint(model, config_only=True).config
     shape = model_shape(config, 4)  # the CPU runs float32
     mats = model_matrices(shape, config.mla)
     seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
+    # The static engines' group size for these experts (their default, fitted to the widths).
+    group = fit_group_size(StaticQuantConfig.group_size, (shape.hidden, shape.intermediate))[0]
+    seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
     heads = attention_heads(shape)
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                              "dtype_bytes": 4, "threads": torch.get_num_threads(),
+                              "dtype_bytes": 4, "threads": torch.get_num_threads(), "dequant_group_size": group,
                               "attention": dict(zip(("heads", "kv_heads", "head_dim"), heads)) if heads else None,
                               "matrices": {k: [list(m) for m in v] for k, v in mats.items()},
                               "params": {k: sum(n * k_ for n, k_ in v) for k, v in mats.items()},

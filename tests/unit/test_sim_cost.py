@@ -13,13 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines.runtime.config import parse_config
 from engines.runtime.shape import ModelShape, model_shape
 from engines.sim.calibrate import cpu_rates, fit_cpu_curves
-from engines.sim.cost import CostModel, ExpertRun, StepWork, _Interp
+from engines.sim.cost import CostModel, ExpertRun, StepWork, _Interp, shape_key
 from engines.sim.hardware import Curve, HardwareProfile
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,6 +193,52 @@ def test_cpu_dequantization_is_priced_at_its_measured_rate_per_scheme():
     # a scheme not measured: the older count, 2 x the full-width bytes at the elementwise rate (0.5)
     assert experts("mxfp4") == pytest.approx(2 * 192 / (1e9 * 0.5) + gemm)
     assert "dequant_cpu_{bitplanes, packed}" in model.assumptions()["quantized_experts"]
+
+
+def test_a_measured_dequantization_is_not_priced_again_per_call():
+    """The dequant_cpu_packed timing includes the dispatch of `dequantize`'s own calls (counted
+    here, the oracle for DEQUANTIZE_CALLS); the cost model prices only the rest of a packed
+    expert's 82 calls per call, and all 82 where no measured curve prices the dequantization."""
+    from torch.overrides import TorchFunctionMode
+
+    from engines.quant.qweight import dequantize, quantize_rtn
+    from engines.sim.cost import DEQUANTIZE_CALLS, OPS_PER_QUANTIZED_EXPERT_CPU
+
+    class Count(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    stack = quantize_rtn(torch.randn(2, 16, 64), 4, 32)  # as the static engines' CPU path indexes a stack
+    gate_up, down = stack.expert(0), stack.expert(1)
+    with Count():
+        dequantize(gate_up, torch.float32)
+        dequantize(down, torch.float32)
+    assert Count.calls == DEQUANTIZE_CALLS["packed"]
+
+    work = replace(TINY_WORK, experts=(ExpertRun(0, 1, 60, 4.0, 3, "packed"),))
+    measured = CostModel(profile("cpu", dequant_cpu_packed=flat(0.02)), TINY, "bfloat16")
+    counted = CostModel(profile("cpu"), TINY, "bfloat16")
+    full = CostModel(profile("cpu"), TINY, "bfloat16").step(replace(work, experts=(ExpertRun(0, 1, 192, 16.0, 3),)))
+    # 1 us a call: 3 runs x (82 - 64) = 54 calls more than at full width; 3 x 82 = 246 without the curve
+    assert measured.step(work).parts["dispatch"] - full.parts["dispatch"] == pytest.approx(54e-6)
+    assert counted.step(work).parts["dispatch"] - full.parts["dispatch"] == pytest.approx(
+        3 * OPS_PER_QUANTIZED_EXPERT_CPU["packed"] * 1e-6)
+    assert "packed 18" in measured.assumptions()["quantized_experts"]
+
+
+def test_the_models_own_dequantization_curve_replaces_the_generic_one():
+    key = shape_key(TINY)
+    cpu = profile("cpu", dequant_cpu_packed=flat(0.02), **{f"dequant_cpu_packed@{key}": flat(0.04),
+                                                            "dequant_cpu_packed@d9-other": flat(0.5)})
+    model = CostModel(cpu, TINY, "bfloat16")
+    run = replace(TINY_WORK, experts=(ExpertRun(0, 1, 60, 4.0, 1, "packed"),))
+    # 192 full-width bytes at 1e9 x 0.04, then the dense GEMM (768 ns)
+    assert model.step(run).parts["experts"] == pytest.approx(192 / (1e9 * 0.04) + 768e-9)
+    assert "measured on this model's experts" in model.assumptions()["quantized_experts"]
+    assert model.assumptions()["shaped_curves"] == {"dequant_cpu_packed": f"dequant_cpu_packed@{key}"}
 
 
 def test_grouped_cpu_dequantization_is_priced_by_the_groups_bytes():
@@ -374,8 +421,6 @@ def test_curves_measured_on_the_models_shapes_replace_the_generic_ones():
     """A profile's gemm@K / grouped_gemm@K / head@K (K: this shape's key) price that model's dense
     layers, experts and LM head; another shape's keyed curves are not read; without a head curve
     the LM head reads gemm."""
-    from engines.sim.cost import shape_key
-
     key = shape_key(TINY)
     assert key == "d4-h1-q4-kv4-i8-v10-b2"
     shaped = profile(**{f"gemm@{key}": flat(0.25), f"grouped_gemm@{key}": flat(0.125), f"head@{key}": flat(1.0),
@@ -423,3 +468,8 @@ def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
     att = {**entry, "attention": {"heads": 2, "kv_heads": 1, "head_dim": 4}, "seconds": {"attention": {"10": 1e-6}}}
     assert fit_model_curves("K", att, bw, peak)["attention_prefill@K"]["points"] == [[10.0, pytest.approx(0.16)]]
     assert fit["gemm"]["points"][0][1] <= 1
+    # one expert's dequantization (96 params, 384 full-width bytes) in 2 us at 4 bits, 1 us at 8
+    dq = {**entry, "dequant_group_size": 4, "seconds": {"dequant_packed": {"4": 2e-6, "8": 1e-6}}}
+    curve = fit_model_curves("K", dq, bw, peak)["dequant_cpu_packed@K"]
+    assert curve["points"] == [[4.0, pytest.approx(0.192)], [8.0, pytest.approx(0.384)]]
+    assert "group 4" in curve["source"] and "[16, 4] + [4, 8]" in curve["source"]
