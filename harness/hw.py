@@ -273,8 +273,8 @@ def measure(device: str = "cpu") -> dict[str, Any]:
         out["d2h_bytes_per_s"] = host.numel() * 4 / _timeit(d2h)
     else:
         out["device_name"] = cpu_model()
-        # With the engines' host allocator setting, as a CPU engine runs: with glibc's defaults each
-        # dequantization's temporaries are faulted in again (0.7 against 1.2 GB/s at 4 bits here).
+        # With the engines' host allocator setting, as a CPU engine runs (its dequantizations' temporaries
+        # reused, not returned to the kernel and faulted in again).
         from engines.runtime.memory import keep_freed_host_memory  # noqa: PLC0415
 
         keep_freed_host_memory()

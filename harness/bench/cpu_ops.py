@@ -4,6 +4,7 @@ and decode attention as gather + SDPA against the in-place C kernel (runtime/cpu
 
     python -m harness.bench.cpu_ops [--rounds 5]
     python -m harness.bench.cpu_ops --host-malloc [--seeds 4]
+    python -m harness.bench.cpu_ops --dequant [--models DIR,...] [--rounds 5]
 
 Shapes are the Mixtral-shaped benchmark model's decode step at 256 sequences (hidden 512,
 expert intermediate 768, vocab 32000, 2 KV heads of 64, 16-token blocks, ~110 keys each):
@@ -18,6 +19,9 @@ outputs are checked equal to F.linear's to the bit.
 (engines/runtime/memory.py `keep_freed_host_memory`) and once with glibc's defaults
 (PWBENCH_HOST_MALLOC=glibc), a fresh process each, paired by seed: the minor page faults of
 batches 2-10 and their prefill time per token and decode step (medians; this thread's CPU time).
+
+`--dequant`: `model_dequant_seconds` (below) of the bundled model and the benchmark models (or
+`--models`), with the engines' host-memory setting and with glibc's defaults, a fresh process each.
 
 `model_gemm_seconds` / `model_gemm_entry`: one model's own GEMM shapes at 1-1024 rows, for
 `pwbench hw calibrate --model DIR` (the cost model's shape-keyed curves, engines/sim/calibrate.py).
@@ -218,9 +222,8 @@ def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, 
     [2I, D] and down [D, I], RTN records of `group_size` at each width of harness/hw.py DEQUANT_BITS)
     as the static engines' CPU path does it (engines/quant/ops.py `QuantizedExperts`:
     `dequantize(stack.expert(e), float32)` per matrix), with the engines' host allocator setting
-    (engines/runtime/memory.py `keep_freed_host_memory`: with glibc's defaults each call's
-    temporaries are faulted in again, 0.7 against 1.2 GB/s of full-width bytes measured on a
-    [1536, 512] matrix here). The median over `rounds` timings of DEQUANT_EXPERTS experts, per
+    (engines/runtime/memory.py `keep_freed_host_memory`), as a CPU engine runs (`--dequant` prints
+    it against glibc's defaults). The median over `rounds` timings of DEQUANT_EXPERTS experts, per
     expert. {bits: seconds}."""
     from engines.quant.qweight import dequantize, quantize_rtn
     from engines.runtime.memory import keep_freed_host_memory
@@ -355,6 +358,48 @@ def host_malloc_rows(seeds: int) -> list[tuple[int, str, int, float, float]]:
     return rows
 
 
+DEQUANT_PROBE = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from engines.runtime.checkpoint import open_checkpoint
+from engines.runtime.memory import keep_freed_host_memory
+from engines.runtime.shape import model_shape
+from engines.static_quant import StaticQuantConfig, fit_group_size
+from harness.bench.cpu_ops import model_dequant_seconds
+kept = keep_freed_host_memory()
+for folder in sys.argv[1:]:
+    shape = model_shape(open_checkpoint(folder, config_only=True).config, 4)
+    group = fit_group_size(StaticQuantConfig.group_size, (shape.hidden, shape.intermediate))[0]
+    print(json.dumps([folder, kept, group, shape.expert_bytes, model_dequant_seconds(shape, group)]))
+"""
+
+
+def dequant_rows(folders: list[str], rounds: int) -> list[tuple[str, str, int, int, dict[str, float]]]:
+    """(model, setting, group size, full-width expert bytes, {bits: seconds}) of `model_dequant_seconds`
+    per model folder, `rounds` times in turn with the engines' host-memory setting ("kept") and
+    glibc's defaults ("glibc"), a fresh process (one torch thread) each."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    rows = []
+    for _ in range(rounds):
+        for setting in ("kept", "glibc"):
+            env = {k: v for k, v in os.environ.items() if k != "PWBENCH_HOST_MALLOC"} | {"OMP_NUM_THREADS": "1"}
+            if setting == "glibc":
+                env["PWBENCH_HOST_MALLOC"] = "glibc"
+            out = subprocess.run([sys.executable, "-c", DEQUANT_PROBE, *folders], capture_output=True, text=True,
+                                 cwd=root, env=env, check=True)
+            for line in out.stdout.splitlines():
+                folder, kept, group, nbytes, seconds = json.loads(line)
+                rows.append((Path(folder).name, "kept" if kept else "glibc", group, nbytes, seconds))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.bench.cpu_ops", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="back-to-back timings of both ways (default 5)")
@@ -362,9 +407,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: the engines' host-memory setting against glibc's defaults on the bundled model "
                         "(page faults, prefill and decode times), a fresh process each")
     p.add_argument("--seeds", type=int, default=4, help="--host-malloc: prompt seeds, each run both ways (default 4)")
+    p.add_argument("--dequant", action="store_true",
+                   help="instead: the CPU reference's RTN dequantization of one expert of each model (as `pwbench hw "
+                        "calibrate --model` times it), with the engines' host-memory setting and with glibc's "
+                        "defaults, a fresh process each, --rounds times")
+    p.add_argument("--models", default=None, metavar="DIR,...",
+                   help="--dequant: model folders (config.json is enough; default: the bundled model and the "
+                        "Mixtral- and DeepSeek-V3-shaped benchmark models' configs)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.seeds < 1:
         p.error("--rounds and --seeds must be at least 1")
+    if args.dequant:
+        return dequant_table(args.models, args.rounds)
     if args.host_malloc:
         print(f"{'seed':>4} {'setting':<7} {'faults, batches 2-10':>21} {'prefill us/token':>17} {'decode ms':>10}")
         for seed, setting, faults, prefill, decode in host_malloc_rows(args.seeds):
@@ -386,6 +440,36 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"decode attention of one layer (256 sequences, ~100 keys, 2 KV x 4 query heads of 64): gather + SDPA "
               f"{att[0]:.2f} ms, in-place C kernel {att[1]:.2f} ms ({att[2]:.2f}x)")
+    return 0
+
+
+def dequant_table(models: str | None, rounds: int) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from engines.common.demo import demo_model_path
+    from harness.bench.engines import build_model
+
+    with tempfile.TemporaryDirectory(prefix="pwbench-dequant-") as tmp:
+        if models:
+            folders = [m for m in models.split(",") if m]
+            missing = [m for m in folders if not (Path(m) / "config.json").is_file()]
+            if missing:
+                print(f"harness.bench.cpu_ops: --models {missing[0]}: no config.json there; give a model folder")
+                return 2
+        else:
+            folders = [str(demo_model_path())]
+            for arch in ("mixtral", "deepseek_v3"):
+                folders.append(str(Path(tmp) / f"{arch}-shaped"))
+                build_model(Path(folders[-1]), arch, config_only=True)
+        rows = dequant_rows(folders, rounds)
+    bits = sorted({b for *_, sec in rows for b in sec}, key=int)
+    print(f"one expert dequantized (both matrices, float32), ms and GB/s of full-width bytes; {rounds} round(s), "
+          "one fresh process per setting and round")
+    print(f"{'model':<20} {'setting':<7} {'group':>5} {'MB':>6} " + " ".join(f"{b + ' bits':>17}" for b in bits))
+    for name, setting, group, nbytes, sec in sorted(rows, key=lambda r: (r[0], r[1])):
+        cells = " ".join(f"{sec[b] * 1e3:>7.3f} ({nbytes / sec[b] / 1e9:>4.2f}) " for b in bits)
+        print(f"{name:<20} {setting:<7} {group:>5} {nbytes / 1e6:>6.2f} {cells}")
     return 0
 
 
