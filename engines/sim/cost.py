@@ -26,9 +26,11 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   to it, "grouped_gemm" over its rows; quantized (bits below the model dtype's) its bytes at
   "dequant_gemm_{b}" (nearest b) of the bandwidth instead: dequant kernels are bandwidth-bound
   at decode. On a shared processor the torch reference dequantizes to full width first, at
-  "dequant_cpu_{scheme}" by bits, or, where measured, "dequant_group_{scheme}_{b}" by the full-width
-  bytes of the experts of that width a layer dequantizes in one stacked call (pagedweight's planes;
-  the step's runs of the width over its MoE layers), then a dense GEMM.
+  "dequant_cpu_{scheme}" by bits (for RTN records "dequant_cpu_packed@K", measured on the model's
+  own experts, where the profile has it), or, where measured, "dequant_group_{scheme}_{b}" by the
+  full-width bytes of the experts of that width a layer dequantizes in one stacked call
+  (pagedweight's planes; the step's runs of the width over its MoE layers), then a dense GEMM;
+  the calls a measured dequantization times are not priced again (`DEQUANTIZE_CALLS`).
 - Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
   "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
   "gemm" over the query heads sharing a KV read); prefill, causal, chunk x (context + chunk / 2)

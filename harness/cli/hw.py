@@ -2,7 +2,8 @@
 `pwbench hw list` / `pwbench hw show NAME_OR_TOML`: the hardware profiles `--simulate` runs on;
 `pwbench hw calibrate [--output FILE.toml] [--model DIR ...]`: measure this CPU, fit the `cpu`
 profile's curves and its per-step overhead, print them with their sources, and write them as a
-profile TOML; with --model, also the GEMM curves of that model's own shapes (keyed by its shape)."""
+profile TOML; with --model, also the GEMM and dequantization curves of that model's own shapes
+(keyed by its shape)."""
 
 from __future__ import annotations
 
@@ -535,16 +536,19 @@ def hw_calibrate(
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
         "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, and causal SDPA over its heads "
-        "at 16-1024-token chunks. The fitted curves are kept under the model's shape key (gemm@KEY, "
-        "grouped_gemm@KEY, head@KEY, attention_prefill@KEY) beside those of models calibrated "
-        "before, and `--simulate cpu` prices a model of that shape by them instead of the generic curves "
-        "(measured on one square matrix). Repeat for several models.")] = None,
+        "at 16-1024-token chunks, and the torch reference's dequantization of one expert at 2, 3, 4 and 8 bits "
+        "(RTN records of the static engines' group size). The fitted curves are kept under the model's shape key "
+        "(gemm@KEY, grouped_gemm@KEY, head@KEY, attention_prefill@KEY, dequant_cpu_packed@KEY) beside those of "
+        "models calibrated before, and `--simulate cpu` prices a model of that shape by them instead of the "
+        "generic curves (measured on one square matrix, one [1536, 512] expert matrix). Repeat for several "
+        "models.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
     curves and overheads (per torch call, per prefill token and segment, per engine part), print
     the profile with every source, and optionally write it.
-    With --model, also measure that model's own GEMM shapes (curves keyed by its shape)."""
+    With --model, also measure that model's own GEMM shapes and expert dequantization (curves keyed
+    by its shape)."""
     from pathlib import Path
 
     from engines.base import ModelLoadError
