@@ -213,8 +213,11 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
 
 
 # Experts of each matrix stacked for the dequantization timing (`model_dequant_seconds`), cycled
-# through as a step's expert runs go through a layer's experts.
-DEQUANT_EXPERTS = 8
+# through as a step's expert runs go through a layer's experts: at most DEQUANT_EXPERTS, and no more
+# than DEQUANT_BYTES of full-width weights. A larger expert (Mixtral-8x7B's: 705 MB in float32, and
+# quantized at four widths) is timed on a slice of its rows of that size, its time scaled by its
+# elements: an approximation (a whole matrix's temporaries are larger and may fault in at another rate).
+DEQUANT_EXPERTS, DEQUANT_BYTES = 8, 64 << 20
 
 
 def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, float]:
@@ -223,26 +226,32 @@ def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, 
     as the static engines' CPU path does it (engines/quant/ops.py `QuantizedExperts`:
     `dequantize(stack.expert(e), float32)` per matrix), with the engines' host allocator setting
     (engines/runtime/memory.py `keep_freed_host_memory`), as a CPU engine runs (`--dequant` prints
-    it against glibc's defaults). The median over `rounds` timings of DEQUANT_EXPERTS experts, per
-    expert. {bits: seconds}."""
+    it against glibc's defaults). The median over `rounds` timings of DEQUANT_EXPERTS experts (fewer
+    where they would pass DEQUANT_BYTES; an expert larger than that: a slice of both matrices' rows,
+    its time scaled by the elements), per expert. {bits: seconds}."""
     from engines.quant.qweight import dequantize, quantize_rtn
     from engines.runtime.memory import keep_freed_host_memory
     from harness.hw import DEQUANT_BITS
 
     keep_freed_host_memory()
     gen = torch.Generator().manual_seed(0)
-    d, i, n = shape.hidden, shape.intermediate, DEQUANT_EXPERTS
+    d, i = shape.hidden, shape.intermediate
+    full = 3 * d * i * 4  # one expert's float32 bytes
+    n = max(1, min(DEQUANT_EXPERTS, DEQUANT_BYTES // max(1, full)))
+    share = min(1.0, DEQUANT_BYTES / full)  # of each matrix's rows timed
+    rows_gu, rows_dn = max(1, round(2 * i * share)), max(1, round(d * share))
+    scale = 3 * d * i / (rows_gu * d + rows_dn * i)
     out = {}
     for bits in DEQUANT_BITS:
-        gate_up = quantize_rtn(torch.randn(n, 2 * i, d, generator=gen), bits, group_size)
-        down = quantize_rtn(torch.randn(n, d, i, generator=gen), bits, group_size)
+        gate_up = quantize_rtn(torch.randn(n, rows_gu, d, generator=gen), bits, group_size)
+        down = quantize_rtn(torch.randn(n, rows_dn, i, generator=gen), bits, group_size)
 
         def run(gate_up=gate_up, down=down) -> None:
             for e in range(n):
                 dequantize(gate_up.expert(e), torch.float32)
                 dequantize(down.expert(e), torch.float32)
 
-        out[str(bits)] = _timeit(run, repeats=rounds, min_s=0.2, warmup=1) / n
+        out[str(bits)] = _timeit(run, repeats=rounds, min_s=0.2, warmup=1) / n * scale
     return out
 
 

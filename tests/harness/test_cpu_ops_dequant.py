@@ -24,3 +24,22 @@ def test_dequant_table_refuses_a_folder_without_a_config(tmp_path, capsys):
     assert main(["--dequant", "--models", str(tmp_path)]) == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and str(tmp_path) in out[0] and "config.json" in out[0]
+
+
+def test_an_expert_larger_than_the_cap_is_timed_on_a_slice_and_scaled(monkeypatch):
+    """The bundled model's expert (gate_up [128, 128] + down [128, 64], 98,304 float32 bytes) with the
+    cap at a quarter of it: one expert, a quarter of each matrix's rows ([32, 128] and [32, 64]), and
+    the time scaled by 3 x 128 x 64 / (32 x 128 + 32 x 64) = 4."""
+    import harness.bench.cpu_ops as cpu_ops
+    from engines.quant import qweight
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+
+    shape = model_shape(open_checkpoint(str(demo_model_path()), config_only=True).config, 4)
+    monkeypatch.setattr(cpu_ops, "DEQUANT_BYTES", 98_304 // 4)
+    quantized, real = [], qweight.quantize_rtn
+    monkeypatch.setattr(qweight, "quantize_rtn", lambda w, *a: quantized.append(tuple(w.shape)) or real(w, *a))
+    monkeypatch.setattr(cpu_ops, "_timeit", lambda fn, **kw: fn() or 1.0)  # one pass, "1 s"
+    seconds = cpu_ops.model_dequant_seconds(shape, 64)
+    assert set(quantized) == {(1, 32, 128), (1, 32, 64)}
+    assert seconds == {str(b): 4.0 for b in DEQUANT_BITS}
