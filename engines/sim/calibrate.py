@@ -167,7 +167,7 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
         out["sample"] = _curve([(ARGMAX_ROWS, _rate(m, "argmax_bytes_per_s") / bw)],
                                f"{src}: argmax_bytes_per_s / memory_bandwidth_bytes_per_s ({ARGMAX_ROWS} rows)")
     for key, entry in sorted((m.get("model_gemm") or {}).items()):
-        out.update(fit_model_curves(key, entry, bw, peak))
+        out.update(fit_model_curves(key, entry, bw, peak, float(m.get("op_overhead_s") or 0.0)))
     out["copy"] = {"points": [[1.0, 1.0]], "source": "one processor: a copy is a memcpy at "
                    "link_pinned_bytes_per_s = memory_bandwidth_bytes_per_s / 2 (read + write)"}
     return out
@@ -248,11 +248,25 @@ def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
 MODEL_PARTS = {"dense": "gemm", "expert": "grouped_gemm", "head": "head"}
 
 
-def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float) -> dict[str, dict[str, Any]]:
+# engines/quant's `dequantize` makes this many torch calls per RTN matrix (counted in
+# tests/unit/test_sim_cost.py). Timed in a tight loop, a dequantization dispatches them at the tight
+# loop's price (`pwbench hw`'s op_overhead_s, ~0.8 us here); inside a step the runtime pays its own
+# per call (~1.6 us), which the cost model prices with the rest of a quantized expert's calls
+# (OPS_PER_QUANTIZED_EXPERT_CPU). A model's dequant_cpu_packed@KEY curve keeps the data's time: the
+# expert's timing less its two matrices' calls at the tight price, at least DEQUANT_DATA_FLOOR of it.
+# It matters for small experts: the bundled model's takes ~0.13 ms, ~0.05 of it those calls.
+DEQUANTIZE_CALLS_PER_MATRIX = 32
+DEQUANT_DATA_FLOOR = 0.1
+
+
+def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
+                     call_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """One model's shape measurement (measurements["model_gemm"][key]: `params` and `seconds`
     by part and row count, `matrices`, `model`, `measured_at`) -> {"gemm@key", "grouped_gemm@key",
     "head@key": curve}: at each row count r, the roofline bound of the part's matrices (4-byte
-    weights: max(4 x params / bw, 2 x r x params / peak)) over the seconds measured."""
+    weights: max(4 x params / bw, 2 x r x params / peak)) over the seconds measured; and
+    "dequant_cpu_packed@key" from one expert's dequantization by bits, less its calls at `call_s`
+    each (the tight loop's time per torch call)."""
     out: dict[str, dict[str, Any]] = {}
     params, seconds = entry.get("params") or {}, entry.get("seconds") or {}
     width = float(entry.get("dtype_bytes", 4))
@@ -269,11 +283,19 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float)
     if dequant and params.get("expert"):
         full = width * float(params["expert"])
         shapes = " + ".join(f"[{a}, {b}]" for a, b in (entry.get("matrices") or {}).get("expert", ()))
+        calls = 2 * DEQUANTIZE_CALLS_PER_MATRIX
+
+        def data_s(b: str) -> float:
+            t = _rate(dequant, b)
+            return max(t - calls * call_s, DEQUANT_DATA_FLOOR * t)
+
         out[f"dequant_cpu_packed@{key}"] = _curve(
-            [(float(b), full / _rate(dequant, b) / bw) for b in dequant],
+            [(float(b), full / data_s(b) / bw) for b in dequant],
             f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: one "
             f"expert ({shapes}) dequantized from RTN records of group {entry.get('dequant_group_size', '?')} by "
-            "the torch reference, full-width bytes per second by bit width / memory_bandwidth_bytes_per_s")
+            f"the torch reference, less its {calls} torch calls at {call_s * 1e6:.2f} us (the tight loop's "
+            "op_overhead_s; the cost model prices a quantized expert's calls itself): full-width bytes per "
+            "second by bit width / memory_bandwidth_bytes_per_s")
     att, per_chunk = entry.get("attention") or {}, seconds.get("attention") or {}
     if att and per_chunk:
         per_key = 4 * int(att["heads"]) * int(att["head_dim"])

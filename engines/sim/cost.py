@@ -29,8 +29,8 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   "dequant_cpu_{scheme}" by bits (for RTN records "dequant_cpu_packed@K", measured on the model's
   own experts, where the profile has it), or, where measured, "dequant_group_{scheme}_{b}" by the
   full-width bytes of the experts of that width a layer dequantizes in one stacked call
-  (pagedweight's planes; the step's runs of the width over its MoE layers), then a dense GEMM;
-  the calls a measured dequantization times are not priced again (`DEQUANTIZE_CALLS`).
+  (pagedweight's planes; the step's runs of the width over its MoE layers), then a dense GEMM,
+  plus the quantized expert's torch calls (OPS_PER_QUANTIZED_EXPERT_CPU) at the per-call price.
 - Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
   "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
   "gemm" over the query heads sharing a KV read); prefill, causal, chunk x (context + chunk / 2)
@@ -126,11 +126,7 @@ OPS_PER_EXPERT = 8
 # controller's calls are in the difference). On a GPU the fused Triton kernel runs instead (the
 # profile's dequant_gemm curves).
 OPS_PER_QUANTIZED_EXPERT_CPU = {"packed": 82, "bitplanes": 29}
-# Of those, the calls a measured dequantization already times: `pwbench hw` and `hw calibrate
-# --model` time engines/quant's `dequantize` of each of an expert's two RTN records (32 calls each,
-# counted in tests/unit/test_sim_cost.py), dispatch included; the cost model prices the rest
-# (82 - 64) per call where a dequant_cpu_packed curve prices the dequantization.
-DEQUANTIZE_CALLS = {"packed": 64}
+_QUANTIZED_OPS = OPS_PER_QUANTIZED_EXPERT_CPU
 # Activation elements the elementwise kernels read and write per layer, counted from
 # engines/runtime/model.py and experts.py (duplicated from engines/moegen/cost.py ACT_*): per
 # token 14 x hidden + 6 x (q + kv) + q; per expert assignment 6 x hidden + 5 x intermediate.
@@ -314,7 +310,7 @@ class CostModel:
     # layer, 62 MLA), the base per layer counted again without them (122 / 194, were 180 / 300)
     # 8: the profile's time per decode sequence and layer (`decode_sequence_overhead_s`), part "dispatch"
     # 9: the CPU reference's RTN dequantization measured on the model's own experts where the profile
-    # has it (`dequant_cpu_packed@key`); the calls a measured dequantization times are not priced again
+    # has it (`dequant_cpu_packed@key`: the data's time, its calls priced with the expert's own)
     VERSION: ClassVar[str] = "9"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
@@ -343,10 +339,6 @@ class CostModel:
         if mine in eff:
             self.cpu_dequant["packed"] = _Interp(eff[mine].points)
             self.shaped["dequant_cpu_packed"] = mine
-        # A quantized expert's CPU torch calls priced per call: those its measured dequantization
-        # does not already time.
-        self.quantized_calls = {k: n - (DEQUANTIZE_CALLS.get(k, 0) if k in self.cpu_dequant else 0)
-                                for k, n in OPS_PER_QUANTIZED_EXPERT_CPU.items()}
         # ... and by the full-width bytes of the experts of one width a layer dequantizes in one stacked
         # call (pagedweight's bit planes: slower per byte as the group's temporaries leave the caches).
         self.group_dequant: dict[str, dict[int, _Interp]] = {}
@@ -407,7 +399,7 @@ class CostModel:
             if r.bits < self.dtype_bits:
                 group = groups.get((r.scheme, r.nbytes), 1.0)
                 seconds += self._cpu_dequant_s(r.tokens, r.bits, r.scheme, group) * r.count
-                calls += self.quantized_calls.get(r.scheme, self.quantized_calls["packed"]) * r.count
+                calls += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * r.count
         return seconds, calls
 
     def _decode_s(self, context: int, kv_bytes_per_token: int) -> float:
@@ -460,7 +452,7 @@ class CostModel:
                 read += r.nbytes * n
                 n_runs += n
                 if r.bits < self.dtype_bits:
-                    quantized_ops += self.quantized_calls.get(r.scheme, self.quantized_calls["packed"]) * n
+                    quantized_ops += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * n
             # Attention.
             dmemo = self._decode_memo
             if dmemo.kv_bytes_per_token != kvb or len(dmemo) > _MEMO_LIMIT:
@@ -525,10 +517,9 @@ class CostModel:
         grouped = (f"; {', '.join(sorted(self.group_dequant))}: by the experts of one width a layer dequantizes in "
                    f"one stacked call (dequant_group_* curves)") if self.group_dequant else ""
         own = " (packed: measured on this model's experts)" if "dequant_cpu_packed" in self.shaped else ""
-        priced = ", ".join(f"{k} {v}" for k, v in self.quantized_calls.items())
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
                 f"weights at the measured dequant_cpu_{{{', '.join(sorted(self.cpu_dequant))}}} efficiency by bit "
-                f"width{own}{grouped}, and the torch calls that timing leaves out per expert run ({priced}) "
+                f"width{own}{grouped}, and its torch calls per expert run ({calls}) "
                 f"(a scheme not measured: {old})")
 
     def assumptions(self) -> dict[str, Any]:

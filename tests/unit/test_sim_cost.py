@@ -195,14 +195,17 @@ def test_cpu_dequantization_is_priced_at_its_measured_rate_per_scheme():
     assert "dequant_cpu_{bitplanes, packed}" in model.assumptions()["quantized_experts"]
 
 
-def test_a_measured_dequantization_is_not_priced_again_per_call():
-    """The dequant_cpu_packed timing includes the dispatch of `dequantize`'s own calls (counted
-    here, the oracle for DEQUANTIZE_CALLS); the cost model prices only the rest of a packed
-    expert's 82 calls per call, and all 82 where no measured curve prices the dequantization."""
+def test_dequantize_makes_the_calls_the_calibration_takes_out():
+    """engines/sim/calibrate.py takes DEQUANTIZE_CALLS_PER_MATRIX calls per matrix at the tight
+    loop's price out of a model's dequantization timing (the cost model prices a quantized expert's
+    calls itself, at the runtime's price): the oracle is a TorchFunctionMode count of `dequantize`
+    on two matrices of a stack, as the static engines' CPU path indexes it. A packed expert run is
+    then priced its 82 calls, with or without a measured curve."""
     from torch.overrides import TorchFunctionMode
 
     from engines.quant.qweight import dequantize, quantize_rtn
-    from engines.sim.cost import DEQUANTIZE_CALLS, OPS_PER_QUANTIZED_EXPERT_CPU
+    from engines.sim.calibrate import DEQUANTIZE_CALLS_PER_MATRIX
+    from engines.sim.cost import OPS_PER_QUANTIZED_EXPERT_CPU
 
     class Count(TorchFunctionMode):
         calls = 0
@@ -211,22 +214,20 @@ def test_a_measured_dequantization_is_not_priced_again_per_call():
             Count.calls += 1
             return func(*args, **(kwargs or {}))
 
-    stack = quantize_rtn(torch.randn(2, 16, 64), 4, 32)  # as the static engines' CPU path indexes a stack
+    stack = quantize_rtn(torch.randn(2, 16, 64), 4, 32)
     gate_up, down = stack.expert(0), stack.expert(1)
     with Count():
         dequantize(gate_up, torch.float32)
         dequantize(down, torch.float32)
-    assert Count.calls == DEQUANTIZE_CALLS["packed"]
+    assert Count.calls == 2 * DEQUANTIZE_CALLS_PER_MATRIX
 
     work = replace(TINY_WORK, experts=(ExpertRun(0, 1, 60, 4.0, 3, "packed"),))
-    measured = CostModel(profile("cpu", dequant_cpu_packed=flat(0.02)), TINY, "bfloat16")
-    counted = CostModel(profile("cpu"), TINY, "bfloat16")
     full = CostModel(profile("cpu"), TINY, "bfloat16").step(replace(work, experts=(ExpertRun(0, 1, 192, 16.0, 3),)))
-    # 1 us a call: 3 runs x (82 - 64) = 54 calls more than at full width; 3 x 82 = 246 without the curve
-    assert measured.step(work).parts["dispatch"] - full.parts["dispatch"] == pytest.approx(54e-6)
-    assert counted.step(work).parts["dispatch"] - full.parts["dispatch"] == pytest.approx(
-        3 * OPS_PER_QUANTIZED_EXPERT_CPU["packed"] * 1e-6)
-    assert "packed 18" in measured.assumptions()["quantized_experts"]
+    for curves in ({}, {"dequant_cpu_packed": flat(0.02)}):
+        model = CostModel(profile("cpu", **curves), TINY, "bfloat16")
+        # 1 us a call: 3 runs x 82 calls more than at full width
+        assert model.step(work).parts["dispatch"] - full.parts["dispatch"] == pytest.approx(
+            3 * OPS_PER_QUANTIZED_EXPERT_CPU["packed"] * 1e-6)
 
 
 def test_the_models_own_dequantization_curve_replaces_the_generic_one():
@@ -238,6 +239,7 @@ def test_the_models_own_dequantization_curve_replaces_the_generic_one():
     # 192 full-width bytes at 1e9 x 0.04, then the dense GEMM (768 ns)
     assert model.step(run).parts["experts"] == pytest.approx(192 / (1e9 * 0.04) + 768e-9)
     assert "measured on this model's experts" in model.assumptions()["quantized_experts"]
+    assert "packed 82" in model.assumptions()["quantized_experts"]
     assert model.assumptions()["shaped_curves"] == {"dequant_cpu_packed": f"dequant_cpu_packed@{key}"}
 
 
@@ -473,3 +475,11 @@ def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
     curve = fit_model_curves("K", dq, bw, peak)["dequant_cpu_packed@K"]
     assert curve["points"] == [[4.0, pytest.approx(0.192)], [8.0, pytest.approx(0.384)]]
     assert "group 4" in curve["source"] and "[16, 4] + [4, 8]" in curve["source"]
+    # less its 64 calls at 5 ns: 2 us - 0.32 us = 1.68 us at 4 bits; at 8 bits 1 - 0.32 = 0.68 us
+    calls = fit_model_curves("K", dq, bw, peak, call_s=5e-9)["dequant_cpu_packed@K"]
+    assert calls["points"] == [[4.0, pytest.approx(384 / 1.68e-6 / bw)], [8.0, pytest.approx(384 / 0.68e-6 / bw)]]
+    assert "64 torch calls at 0.01 us" in calls["source"]
+    # never below a tenth of the timing: 20 us less 64 calls at 0.3 us (19.2 us) -> 2 us
+    slow = {**dq, "seconds": {"dequant_packed": {"4": 20e-6}}}
+    floor = fit_model_curves("K", slow, bw, peak, call_s=3e-7)["dequant_cpu_packed@K"]
+    assert floor["points"] == [[4.0, pytest.approx(384 / 2e-6 / bw)]]
