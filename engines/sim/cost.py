@@ -367,8 +367,9 @@ class CostModel:
         flops = self.shape.expert_flops_per_token * tokens
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
-            full = self.shape.expert_bytes
-            return self._cpu_dequant_s(tokens, bits, scheme, group) + gemm_s(full, flops, self.bw, self.peak, eff)
+            full = self.shape.expert_bytes  # (never below reading its stored bytes: the roofline)
+            return max(nbytes / self.bw,
+                       self._cpu_dequant_s(tokens, bits, scheme, group) + gemm_s(full, flops, self.bw, self.peak, eff))
         if bits < self.dtype_bits and self.dequant:
             bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
         else:
