@@ -137,8 +137,10 @@ CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elem
           "copy_overlap")
 # Curves a profile may carry for one model's shapes (`name@shape_key(shape)`, fitted by `pwbench hw
 # calibrate --model`): the model reads them in place of the generic curve of the same name; "head"
-# (the LM head's [vocab, hidden] GEMM, rows sampled) falls back to "gemm" where it has none.
-SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill")
+# (the LM head's [vocab, hidden] GEMM, rows sampled) falls back to "gemm" where it has none;
+# "dequant_cpu_packed" (the CPU reference's RTN dequantization of one expert) replaces the generic
+# one of `CostModel.cpu_dequant`.
+SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill", "dequant_cpu_packed")
 
 
 def shape_key(shape: ModelShape) -> str:
@@ -333,12 +335,9 @@ class CostModel:
         self.curves["head"] = _Interp(chosen["head"].points) if "head" in chosen else self.curves["gemm"]
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
-        self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(c.points) for k, c in eff.items()
-                            if k.startswith("dequant_cpu_") and "@" not in k}
-        mine = f"dequant_cpu_packed@{self.shape_key}"  # measured on this model's own experts
-        if mine in eff:
-            self.cpu_dequant["packed"] = _Interp(eff[mine].points)
-            self.shaped["dequant_cpu_packed"] = mine
+        # (the RTN one measured on this model's own experts where the profile has it: `module_curves`)
+        self.cpu_dequant = {k[len("dequant_cpu_"):]: _Interp(eff[self.shaped.get(k, k)].points)
+                            for k in {*eff, *self.shaped} if k.startswith("dequant_cpu_") and "@" not in k}
         # ... and by the full-width bytes of the experts of one width a layer dequantizes in one stacked
         # call (pagedweight's bit planes: slower per byte as the group's temporaries leave the caches).
         self.group_dequant: dict[str, dict[int, _Interp]] = {}

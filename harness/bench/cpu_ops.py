@@ -220,6 +220,14 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
 DEQUANT_EXPERTS, DEQUANT_BYTES = 8, 64 << 20
 
 
+def static_group_size(shape) -> int:
+    """The group size the static engines quantize experts of `shape` with: their default, fitted to
+    the expert widths (engines/static_quant.py `fit_group_size`)."""
+    from engines.static_quant import StaticQuantConfig, fit_group_size
+
+    return fit_group_size(StaticQuantConfig.group_size, (shape.hidden, shape.intermediate))[0]
+
+
 def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, float]:
     """Seconds the CPU torch reference takes to dequantize one routed expert of `shape` (gate_up
     [2I, D] and down [D, I], RTN records of `group_size` at each width of harness/hw.py DEQUANT_BITS)
@@ -298,14 +306,12 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     from engines.runtime.checkpoint import open_checkpoint
     from engines.runtime.shape import model_shape
     from engines.sim.cost import shape_key
-    from engines.static_quant import StaticQuantConfig, fit_group_size
 
     config = open_checkpoint(model, config_only=True).config
     shape = model_shape(config, 4)  # the CPU runs float32
     mats = model_matrices(shape, config.mla)
     seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
-    # The static engines' group size for these experts (their default, fitted to the widths).
-    group = fit_group_size(StaticQuantConfig.group_size, (shape.hidden, shape.intermediate))[0]
+    group = static_group_size(shape)
     seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
     heads = attention_heads(shape)
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -374,12 +380,11 @@ torch.set_num_threads(1)
 from engines.runtime.checkpoint import open_checkpoint
 from engines.runtime.memory import keep_freed_host_memory
 from engines.runtime.shape import model_shape
-from engines.static_quant import StaticQuantConfig, fit_group_size
-from harness.bench.cpu_ops import model_dequant_seconds
+from harness.bench.cpu_ops import model_dequant_seconds, static_group_size
 kept = keep_freed_host_memory()
 for folder in sys.argv[1:]:
     shape = model_shape(open_checkpoint(folder, config_only=True).config, 4)
-    group = fit_group_size(StaticQuantConfig.group_size, (shape.hidden, shape.intermediate))[0]
+    group = static_group_size(shape)
     print(json.dumps([folder, kept, group, shape.expert_bytes, model_dequant_seconds(shape, group)]))
 """
 
