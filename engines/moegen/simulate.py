@@ -41,7 +41,7 @@ from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.shape import ModelShape
 from engines.runtime.transfer import TransferLedger
-from engines.sim.cost import StepCost, module_curves, prefill_overhead_s
+from engines.sim.cost import StepCost, module_curves, prefill_attention_pairs, prefill_overhead_s
 from engines.sim.executor import SimExecutor
 from engines.sim.routing import routing_source
 
@@ -131,9 +131,10 @@ class _Pricing:
                 "hardware": dataclasses.asdict(self.hw),
                 "step_overhead_s": float(self.profile.step_overhead_s),
                 "prefill_overhead": "layers x (prefill_element_overhead_s x prefill tokens x hidden + "
-                                    "prefill_segment_overhead_s x prefill segments), as engines/sim/cost.py adds it: "
-                                    f"{float(getattr(self.profile, 'prefill_element_overhead_s', 0.0) or 0.0):.3g} s, "
-                                    f"{float(getattr(self.profile, 'prefill_segment_overhead_s', 0.0) or 0.0):.3g} s",
+                                    "prefill_segment_overhead_s x prefill segments + prefill_step_overhead_s), as "
+                                    "engines/sim/cost.py adds it: " + ", ".join(
+                                        f"{float(getattr(self.profile, f'prefill_{k}_overhead_s', 0.0) or 0.0):.3g} s"
+                                        for k in ("element", "segment", "step")),
                 "curves_applied": "projections, experts, LM head: the curves engines/sim/cost.py module_curves "
                                   "picks (gemm@K, grouped_gemm@K, head@K where measured for this model, else "
                                   "gemm, grouped_gemm, gemm), roofline bound / curve(rows); copy (at one expert "
@@ -272,7 +273,12 @@ class MoEGenSimExecutor(SimExecutor):
         decodes, prefills = batch.chunks[:nd], batch.chunks[nd:]
         decode_context = sum(c.start + 1 for c in decodes)
         prefill_tokens = sum(c.length for c in prefills)
-        prefill_context = sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in prefills)
+        # key-query pairs at the causal rate: a chunk after context computes its whole masked rectangle
+        # (engines/sim/cost.py `prefill_attention_pairs`), at attention_prefill_context's rate
+        chunk = prefill_tokens / len(prefills) if prefills else 1
+        after = self._eff("attention_prefill", chunk) / self._eff("attention_prefill_context", chunk)
+        prefill_context = sum(prefill_attention_pairs(c.length, c.start) * after if c.start
+                              else c.length * (c.length + 1) // 2 for c in prefills)
         n_moe = max(1, len(counts))
         active = sum(n > 0 for layer in counts.values() for n in layer) / n_moe
         shape, plan = self._priced(runs, copied_bytes)

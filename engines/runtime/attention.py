@@ -197,6 +197,19 @@ def no_per_shape_attention_plans() -> None:
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def context_mask(start: int, ctx: int, window: int | None, device: torch.device | str | None = None) -> Tensor:
+    """[ctx - start, ctx] bool: which keys each query of a prefill chunk at positions start..ctx-1
+    attends (those at or before it, and within `window` of it): a chunk after context, or under a
+    sliding window, is attended with this mask over the whole rectangle (SDPA's is_causal aligns
+    the diagonal to the top left corner, right only for a chunk from position 0)."""
+    q_pos = torch.arange(start, ctx, device=device)[:, None]
+    key_pos = torch.arange(ctx, device=device)[None, :]
+    mask = key_pos <= q_pos
+    if window is not None:
+        mask &= key_pos > q_pos - window
+    return mask
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None,
             sinks: Tensor | None) -> Tensor:
     """SDPA over [..., n, d] queries and [..., L, d] keys (key heads repeated to the query heads
@@ -260,11 +273,6 @@ def paged_attention(
             if expand is not None:
                 kc, vc = expand(kc, vc)
             ks, vs = kc[:, 0, :ctx][None], vc[:, 0, :ctx][None]
-            q_pos = torch.arange(seg.start_pos, ctx, device=q.device)[:, None]
-            key_pos = torch.arange(ctx, device=q.device)[None, :]
-            mask = key_pos <= q_pos
-            if window is not None:
-                mask &= key_pos > q_pos - window
-            o = _attend(qs, ks, vs, mask, False, scale, head_sinks)
+            o = _attend(qs, ks, vs, context_mask(seg.start_pos, ctx, window, q.device), False, scale, head_sinks)
         out[rows] = o[0].transpose(0, 1)
     return out

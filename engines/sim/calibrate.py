@@ -34,6 +34,8 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
     attention_prefill@K the same entry's causal SDPA over one chunk of n tokens with the model's
                         heads, KV heads and head_dim (not for MLA), at each n: the cost model's
                         FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
+    attention_prefill_context@K  the same after n tokens of context, with the runtime's mask over
+                        the [n, 2n] rectangle: 4 x heads x head_dim x n x 2n FLOPs / peak / seconds
     dequant_cpu_packed@K the same entry's dequantization of one expert (both matrices, RTN records
                         of the static engines' group size for its widths) at each bit width, as
                         the torch reference runs it: full-width bytes / seconds / bandwidth
@@ -173,21 +175,6 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
     return out
 
 
-def _two_term_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, float] | None:
-    """Least squares y = a x0 + b x1 with a, b >= 0: where the joint fit makes a coefficient negative,
-    the better of the two terms alone (its coefficient clipped to 0). None where x0 and x1 are
-    proportional (the joint fit cannot tell them apart)."""
-    s00, s01, s11 = sum(u * u for u, _ in x), sum(u * v for u, v in x), sum(v * v for _, v in x)
-    s0y, s1y = sum(u * r for (u, _), r in zip(x, y)), sum(v * r for (_, v), r in zip(x, y))
-    det = s00 * s11 - s01 * s01
-    if det <= 1e-12 * s00 * s11:
-        return None
-    a, b = (s0y * s11 - s1y * s01) / det, (s1y * s00 - s0y * s01) / det
-    if a < 0 or b < 0:
-        a, b = _one_term_fit(x, y)
-    return a, b
-
-
 def _one_term_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, float]:
     """The better of y = a x0 and y = b x1 by squared error, each coefficient clipped to >= 0."""
     s00, s11 = sum(u * u for u, _ in x), sum(v * v for _, v in x)
@@ -220,28 +207,73 @@ def fit_call_and_sequence_overhead(rows: list[tuple[int, int, float]],
     points = [(n, median(c for c, _ in v), median(r for _, r in v)) for n, v in sorted(by_size.items())]
     x = [(c, layers * n) for n, c, _ in points]
     y = [r for *_, r in points]
-    a, b = _two_term_fit(x, y) or _one_term_fit(x, y)
+    a, b = nonnegative_least_squares(x, y) or _one_term_fit(x, y)
     return a, b, {"sizes": [n for n, *_ in points], "median_calls": [c for _, c, _ in points],
                   "median_residual_s": y, "rms_s": math.sqrt(_squared_error(x, y, a, b) / len(y))}
 
 
 def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
-                         hidden: int = 1) -> tuple[float, float, dict[str, Any]]:
+                         hidden: int = 1) -> tuple[float, float, float, dict[str, Any]]:
     """The model code's prefill time beyond what the cost model prices, per layer: `rows` are
     (prefill tokens, prefill segments, measured minus predicted seconds) of prefill-only steps of
     one model with `layers` layers of `hidden` width; least squares residual = layers x (a x tokens
-    x hidden + b x segments) with a, b >= 0 (a coefficient the fit makes negative is 0 and the other refitted alone).
-    Returns (a, b, details: steps, rms of the fit's error). ValueError (one line) for fewer than
-    two rows or rows that cannot tell the two apart."""
-    if len(rows) < 2 or layers < 1:
-        raise ValueError(f"prefill overhead: {len(rows)} steps of {layers} layers; need at least 2 steps")
-    x = [(layers * t * hidden, layers * g) for t, g, _ in rows]
+    x hidden + b x segments + c) with a, b, c >= 0 (`nonnegative_least_squares`): c is the time every
+    prefill step takes whatever its size. Returns (a, b, c, details: steps, rms of the fit's error).
+    ValueError (one line) for fewer than three rows or rows that cannot tell the terms apart."""
+    if len(rows) < 3 or layers < 1:
+        raise ValueError(f"prefill overhead: {len(rows)} steps of {layers} layers; need at least 3 steps")
+    x = [(layers * t * hidden, layers * g, layers) for t, g, _ in rows]
     y = [r for *_, r in rows]
-    fit = _two_term_fit(x, y)
+    fit = nonnegative_least_squares(x, y)
     if fit is None:
         raise ValueError("prefill overhead: the steps' token and segment counts are proportional; vary them")
-    a, b = fit
-    return a, b, {"steps": len(rows), "rms_s": math.sqrt(_squared_error(x, y, a, b) / len(y))}
+    a, b, c = fit
+    err = sum((r - a * u - b * v - c * w) ** 2 for (u, v, w), r in zip(x, y))
+    return a, b, c, {"steps": len(rows), "rms_s": math.sqrt(err / len(y))}
+
+
+def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...] | None:
+    """Least squares y = sum(k_i x_i) with every k_i >= 0, for a few terms: the best by squared error
+    of the unconstrained fits over each subset of the terms (the others 0) whose coefficients are all
+    >= 0 (the active-set solution, found by trying every set). None where the full set's columns are
+    linearly dependent (the fit cannot tell the terms apart)."""
+    n = len(x[0])
+    cols = [[row[i] for row in x] for i in range(n)]
+    scale = [max(map(abs, c)) or 1.0 for c in cols]  # columns of seconds and of millions of elements
+
+    def solve(idx: tuple[int, ...]) -> list[float] | None:
+        a = [[sum(cols[i][r] * cols[j][r] / (scale[i] * scale[j]) for r in range(len(y))) for j in idx] for i in idx]
+        b = [sum(cols[i][r] * y[r] / scale[i] for r in range(len(y))) for i in idx]
+        m = len(idx)
+        for p in range(m):  # Gaussian elimination with partial pivoting on the normal equations
+            q = max(range(p, m), key=lambda r: abs(a[r][p]))
+            if abs(a[q][p]) <= 1e-12 * max(1.0, max(abs(v) for row in a for v in row)):
+                return None
+            a[p], a[q], b[p], b[q] = a[q], a[p], b[q], b[p]
+            for r in range(p + 1, m):
+                f = a[r][p] / a[p][p]
+                a[r] = [u - f * v for u, v in zip(a[r], a[p])]
+                b[r] -= f * b[p]
+        k = [0.0] * m
+        for p in reversed(range(m)):
+            k[p] = (b[p] - sum(a[p][j] * k[j] for j in range(p + 1, m))) / a[p][p]
+        return [v / scale[i] for v, i in zip(k, idx)]
+
+    if solve(tuple(range(n))) is None:
+        return None
+    best, best_err = tuple([0.0] * n), sum(v * v for v in y)
+    for mask in range(1, 1 << n):
+        idx = tuple(i for i in range(n) if mask >> i & 1)
+        k = solve(idx)
+        if k is None or min(k) < 0:
+            continue
+        full = [0.0] * n
+        for i, v in zip(idx, k):
+            full[i] = v
+        err = sum((r - sum(c * u for c, u in zip(full, row))) ** 2 for row, r in zip(x, y))
+        if err < best_err:
+            best, best_err = tuple(full), err
+    return best
 
 
 # A model shape measurement's parts -> the curve each fits (engines/sim/cost.py SHAPED).
@@ -296,12 +328,19 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
             f"the torch reference, less its {calls} torch calls at {call_s * 1e6:.2f} us (the tight loop's "
             "op_overhead_s; the cost model prices a quantized expert's calls itself): full-width bytes per "
             "second by bit width / memory_bandwidth_bytes_per_s")
-    att, per_chunk = entry.get("attention") or {}, seconds.get("attention") or {}
-    if att and per_chunk:
+    att = entry.get("attention") or {}
+    # (curve, seconds key, query-key pairs of a chunk of n as the cost model counts them, what was timed)
+    for curve, part, pairs, what in (
+            ("attention_prefill", "attention", 0.5, "causal SDPA over one chunk"),
+            ("attention_prefill_context", "attention_context", 2.0,
+             "SDPA over one chunk after as many tokens of context, with the runtime's mask (the whole rectangle)")):
+        per_chunk = seconds.get(part) or {}
+        if not att or not per_chunk:
+            continue
         per_key = 4 * int(att["heads"]) * int(att["head_dim"])
-        pts = [(float(n), per_key * int(n) * int(n) / 2 / peak / _rate(per_chunk, n)) for n in per_chunk]
-        out[f"attention_prefill@{key}"] = _curve(
-            pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: causal "
-                 f"SDPA over one chunk ({att['heads']} heads, {att['kv_heads']} KV heads of {att['head_dim']}) at "
-                 "each chunk size, 4 x heads x head_dim x chunk^2 / 2 FLOPs / flops_per_s / seconds")
+        pts = [(float(n), per_key * pairs * int(n) * int(n) / peak / _rate(per_chunk, n)) for n in per_chunk]
+        out[f"{curve}@{key}"] = _curve(
+            pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: {what} "
+                 f"({att['heads']} heads, {att['kv_heads']} KV heads of {att['head_dim']}) at each chunk size, 4 x "
+                 f"heads x head_dim x chunk^2 x {pairs:g} FLOPs / flops_per_s / seconds")
     return out

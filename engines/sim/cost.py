@@ -33,9 +33,11 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   plus the quantized expert's torch calls (OPS_PER_QUANTIZED_EXPERT_CPU) at the per-call price.
 - Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
   "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
-  "gemm" over the query heads sharing a KV read); prefill, causal, chunk x (context + chunk / 2)
-  x 4 x heads x head_dim FLOPs per layer at "attention_prefill" over the chunk, against reading
-  the context's KV and writing the chunk's.
+  "gemm" over the query heads sharing a KV read); prefill, 4 x heads x head_dim FLOPs per layer
+  and query-key pair (`prefill_attention_pairs`: chunk^2 / 2 for a causal chunk from position 0;
+  the whole chunk x (context + chunk) rectangle after context, as the runtime's masked SDPA computes
+  it) at "attention_prefill" over the chunk ("attention_prefill_context" after context, where the
+  profile has it), against reading the context's KV and writing the chunk's.
 - This runtime's kernels as counts (facts about engines/runtime, shared with moegen's model):
   activations through the elementwise kernels ("elementwise" over the step's tokens) and a
   dispatch overhead per torch call (`profile.op_overhead_s`, part "dispatch"; the calls counted
@@ -58,10 +60,11 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   executor, not `step()`): per layer and per layer-token, by the engine's keys (`sim_overhead_keys`:
   pagedweight's bookkeeping per layer, offload's cache, moegen's layer-major loop).
 - `step_overhead_s` once per step; `prefill_element_overhead_s` per prefill activation element
-  (token x hidden) and `prefill_segment_overhead_s` per prefill segment (one sequence's chunk), each per layer
-  (`prefill_overhead_s`): the model code's time beyond the priced modules that grows with the
-  prefill (per-segment attention calls on views, cache writes; `pwbench hw calibrate` fits both
-  on the bundled model; 0 in the GPU profiles).
+  (token x hidden), `prefill_segment_overhead_s` per prefill segment (one sequence's chunk) and
+  `prefill_step_overhead_s` per step that prefills, each per layer (`prefill_overhead_s`): the model
+  code's time beyond the priced modules that comes with a prefill (per-segment attention calls on
+  views, cache writes; `pwbench hw calibrate` fits the three on the bundled model; 0 in the GPU
+  profiles).
 
 `roofline_s` is the bytes the step must read (dense + experts that ran + KV attended, prefill
 contexts included) at memory_bytes_per_s; every module's time is at least its bytes at that
@@ -139,8 +142,11 @@ CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elem
 # calibrate --model`): the model reads them in place of the generic curve of the same name; "head"
 # (the LM head's [vocab, hidden] GEMM, rows sampled) falls back to "gemm" where it has none;
 # "dequant_cpu_packed" (the CPU reference's RTN dequantization of one expert) replaces the generic
-# one of `CostModel.cpu_dequant`.
-SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill", "dequant_cpu_packed")
+# one of `CostModel.cpu_dequant`; "attention_prefill_context" (a prefill chunk after context: the
+# runtime's masked SDPA over the whole rectangle) falls back to "attention_prefill".
+SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill", "attention_prefill_context", "dequant_cpu_packed")
+# Optional curves that fall back to another where the profile has neither a shaped nor a generic one.
+FALLBACK = {"head": "gemm", "attention_prefill_context": "attention_prefill"}
 
 
 def shape_key(shape: ModelShape) -> str:
@@ -154,16 +160,25 @@ def module_curves(efficiency: Mapping[str, Any], shape: ModelShape) -> tuple[dic
     """Which of a profile's curves prices which module of a model of `shape`, by one rule for
     every executor that prices this runtime's GEMMs (this model, moegen's): the curve measured on
     the model's own shapes (`name@shape_key`) where the profile has it, else the generic one of
-    the same name; "head" (the LM head) falls back to the dense projections' "gemm". Returns the
-    chosen curves (those of CURVES the profile has, and "head" where it resolves) and the shaped
-    names used."""
+    the same name; those of FALLBACK (the LM head's "head", a chunk after context's
+    "attention_prefill_context") fall back to the curve it names. Returns the chosen curves (those
+    of CURVES the profile has, and FALLBACK's where they resolve) and the shaped names used."""
     key = shape_key(shape)
     shaped = {k: f"{k}@{key}" for k in SHAPED if f"{k}@{key}" in efficiency}
     chosen = {k: efficiency[shaped.get(k, k)] for k in CURVES if k in efficiency or k in shaped}
-    head = efficiency.get(shaped.get("head", "head"), chosen.get("gemm"))
-    if head is not None:
-        chosen["head"] = head
+    for name, other in FALLBACK.items():
+        curve = efficiency.get(shaped.get(name, name), chosen.get(other))
+        if curve is not None:
+            chosen[name] = curve
     return chosen, shaped
+
+
+def prefill_attention_pairs(chunk: int, context: int) -> float:
+    """Query-key pairs the runtime's prefill attention computes for a chunk of `chunk` tokens after
+    `context` tokens: causal from position 0 (chunk^2 / 2); after context, the whole chunk x
+    (context + chunk) rectangle (engines/runtime/attention.py: SDPA with `context_mask`; its
+    masked upper corner is computed too)."""
+    return chunk * (context + chunk) if context else chunk * chunk / 2
 
 
 def torch_calls(shape: ModelShape, decode_groups: int, prefill: bool, expert_runs: int) -> int:
@@ -179,12 +194,14 @@ def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: i
     """The model code's time a prefill of `tokens` tokens in `segments` segments takes beyond the
     priced modules, over the model's layers, by the profile's per-layer rates (0 where it has
     none): per activation element (token x hidden: the elementwise kernels around the priced
-    modules scale with it) and per segment (each sequence's chunk attended in its own calls)."""
+    modules scale with it), per segment (each sequence's chunk attended in its own calls) and once
+    (a step that prefills, whatever its size)."""
     if not tokens:
         return 0.0
     per_element = float(getattr(profile, "prefill_element_overhead_s", 0.0) or 0.0)
     per_segment = float(getattr(profile, "prefill_segment_overhead_s", 0.0) or 0.0)
-    return shape.layers * (per_element * tokens * shape.hidden + per_segment * segments)
+    per_step = float(getattr(profile, "prefill_step_overhead_s", 0.0) or 0.0)
+    return shape.layers * (per_element * tokens * shape.hidden + per_segment * segments + per_step)
 
 
 def executor_overhead_s(profile: Any, keys: tuple[str, ...], layers: int, tokens: int) -> float:
@@ -313,7 +330,11 @@ class CostModel:
     # 8: the profile's time per decode sequence and layer (`decode_sequence_overhead_s`), part "dispatch"
     # 9: the CPU reference's RTN dequantization measured on the model's own experts where the profile
     # has it (`dequant_cpu_packed@key`: the data's time, its calls priced with the expert's own)
-    VERSION: ClassVar[str] = "9"
+    # 10: a prefill chunk after context computes the whole chunk x (context + chunk) rectangle (the
+    # runtime's masked SDPA; was chunk x (context + chunk / 2)), at `attention_prefill_context` where
+    # the profile has it (measured on the model's heads by `pwbench hw calibrate --model`); the profile's
+    # per-layer prefill_step_overhead_s in a step that prefills (fitted with the other two)
+    VERSION: ClassVar[str] = "10"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -332,7 +353,8 @@ class CostModel:
         chosen, self.shaped = module_curves(eff, shape)
         self.missing = [k for k in CURVES if k not in chosen]
         self.curves = {k: _Interp(chosen[k].points if k in chosen else ()) for k in CURVES}
-        self.curves["head"] = _Interp(chosen["head"].points) if "head" in chosen else self.curves["gemm"]
+        for name, other in FALLBACK.items():
+            self.curves[name] = _Interp(chosen[name].points) if name in chosen else self.curves[other]
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         # (the RTN one measured on this model's own experts where the profile has it: `module_curves`)
@@ -463,8 +485,9 @@ class CostModel:
             for chunk, ctx in work.prefill:
                 if chunk <= 0:
                     continue
-                flops = self.attn_flops_per_key * chunk * (ctx + chunk / 2)
-                attention += max((ctx + chunk) * kvb / bw, flops / (peak * c["attention_prefill"].at(chunk)))
+                flops = self.attn_flops_per_key * prefill_attention_pairs(chunk, ctx)
+                curve = c["attention_prefill_context" if ctx else "attention_prefill"]
+                attention += max((ctx + chunk) * kvb / bw, flops / (peak * curve.at(chunk)))
                 read += ctx * kvb
             # This runtime's elementwise kernels and per-call dispatch.
             ew = bw * c["elementwise"].at(T)
@@ -538,6 +561,7 @@ class CostModel:
             "step_overhead_s": float(p.step_overhead_s),
             "prefill_element_overhead_s": float(getattr(p, "prefill_element_overhead_s", 0.0) or 0.0),
             "prefill_segment_overhead_s": float(getattr(p, "prefill_segment_overhead_s", 0.0) or 0.0),
+            "prefill_step_overhead_s": float(getattr(p, "prefill_step_overhead_s", 0.0) or 0.0),
             "op_overhead_s": self.op_overhead_s,
             "decode_sequence_overhead_s": self.decode_sequence_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s
@@ -582,12 +606,15 @@ class CostModel:
                             "added on a shared processor, else only what exceeds the device's compute",
                 "decode_attention": "context x kv_bytes_per_token at attention_decode(context); 4 x heads x "
                                     "head_dim x context x layers FLOPs at gemm(query heads per KV head)",
-                "prefill_attention": "chunk x (context + chunk/2) x 4 x heads x head_dim x layers FLOPs at "
-                                     "attention_prefill(chunk); (context + chunk) x kv_bytes_per_token at the "
-                                     "bandwidth",
+                "prefill_attention": "4 x heads x head_dim x layers FLOPs per query-key pair: chunk^2 / 2 "
+                                     "pairs at attention_prefill(chunk) for a chunk from position 0, chunk x "
+                                     "(context + chunk) (the masked rectangle) at attention_prefill_context(chunk) "
+                                     "(else attention_prefill) after context; (context + chunk) x "
+                                     "kv_bytes_per_token at the bandwidth",
                 "copies": "bytes / (link_pinned_bytes_per_s x copy(bytes per transfer))",
                 "overhead": "step_overhead_s per step + layers x (prefill_element_overhead_s x prefill tokens x "
-                            "hidden + prefill_segment_overhead_s x prefill segments)",
+                            "hidden + prefill_segment_overhead_s x prefill segments + prefill_step_overhead_s "
+                            "in a step that prefills)",
                 "roofline": "(dense_bytes_read + experts' nbytes + KV attended) / memory_bytes_per_s",
             },
             "left_out": "the scheduler's Python per sequence; kernel fusion beyond this runtime's; MLA "

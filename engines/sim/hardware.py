@@ -19,8 +19,11 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
                                                        model takes 1.0 without it)
     sample            rows sampled                     fraction of memory_bytes_per_s (optional, as above)
     head              rows of the LM head's GEMM       as gemm (optional: the cost model reads gemm without it)
+    attention_prefill_context  chunk tokens            as attention_prefill, for a chunk after context (the
+                                                       masked rectangle; optional: attention_prefill without it)
 
-`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_prefill@K`, `dequant_cpu_packed@K` (optional): the same curves measured
+`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_prefill@K`, `attention_prefill_context@K`,
+`dequant_cpu_packed@K` (optional): the same curves measured
 on one model's shapes (K: engines/sim/cost.py `shape_key`, e.g. "d512-h8-q512-kv128-i768-v32000-b4";
 `pwbench hw calibrate --model DIR` fits them); the cost model reads them for a model of that shape
 instead of the generic ones. A profile may carry them for several models.
@@ -51,6 +54,9 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     "grouped_gemm": ("rows per expert", "roofline"),
     "attention_decode": ("context tokens", "memory_bytes_per_s"),
     "attention_prefill": ("chunk tokens", "flops_per_s"),
+    # a chunk after context (the runtime's masked SDPA over the whole rectangle; optional: the cost
+    # model reads attention_prefill without it)
+    "attention_prefill_context": ("chunk tokens", "flops_per_s"),
     "dequant_gemm_2": ("rows", "memory_bytes_per_s"),
     "dequant_gemm_3": ("rows", "memory_bytes_per_s"),
     "dequant_gemm_4": ("rows", "memory_bytes_per_s"),
@@ -72,10 +78,12 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
 # CPU reference's dequantization by its older count where it has no dequant_cpu_* curve (by
 # dequant_cpu_* where it has no dequant_group_* curve).
 OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes", "head",
+                             "attention_prefill_context",
                              *(k for k in EFFICIENCY_KEYS if k.startswith("dequant_group_"))})
 # A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
 # only these names take one.
-SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill", "dequant_cpu_packed")
+SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill", "attention_prefill_context",
+                 "dequant_cpu_packed")
 
 
 def curve_base(key: str) -> str:
@@ -85,7 +93,7 @@ def curve_base(key: str) -> str:
 REQUIRED_CURVES = tuple(k for k in EFFICIENCY_KEYS if k not in OPTIONAL_CURVES)
 _FLOATS = ("memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s", "host_memory_bytes_per_s",
            "host_flops_per_s", "step_overhead_s", "op_overhead_s", "decode_sequence_overhead_s",
-           "prefill_element_overhead_s", "prefill_segment_overhead_s")
+           "prefill_element_overhead_s", "prefill_segment_overhead_s", "prefill_step_overhead_s")
 _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
 _BOOLS = ("shared_processor",)
@@ -95,9 +103,9 @@ _OVERHEAD_TABLES = ("executor_overhead_s", "executor_token_overhead_s")
 _TABLES = ("flops_per_s", "efficiency", "sources", *_OVERHEAD_TABLES)
 _FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
 _OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "decode_sequence_overhead_s", "prefill_element_overhead_s",
-                    "prefill_segment_overhead_s", *_OVERHEAD_TABLES)
+                    "prefill_segment_overhead_s", "prefill_step_overhead_s", *_OVERHEAD_TABLES)
 _ZERO_OK = ("op_overhead_s", "step_overhead_s", "decode_sequence_overhead_s", "prefill_element_overhead_s",
-            "prefill_segment_overhead_s")
+            "prefill_segment_overhead_s", "prefill_step_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -142,10 +150,12 @@ class HardwareProfile:
     # The runtime's time per decode sequence and layer beyond its counted calls (the small kernels around
     # the priced modules grow with their rows), added: `pwbench hw calibrate` fits it with op_overhead_s.
     decode_sequence_overhead_s: float = 0.0
-    # The model code's time per prefill activation element (token x hidden) and per prefill segment (one
-    # sequence's chunk), per layer, beyond the priced modules (added): `pwbench hw calibrate` fits both.
+    # The model code's time per prefill activation element (token x hidden), per prefill segment (one
+    # sequence's chunk) and per step that prefills, per layer, beyond the priced modules (added):
+    # `pwbench hw calibrate` fits the three.
     prefill_element_overhead_s: float = 0.0
     prefill_segment_overhead_s: float = 0.0
+    prefill_step_overhead_s: float = 0.0
     # An engine's parts' host time beyond the priced path (pagedweight's backend, offload's cache, moegen's
     # layer-major loop), per layer and per layer-token, by key (added): `pwbench hw calibrate` fits them.
     executor_overhead_s: dict[str, float] = field(default_factory=dict)
@@ -495,7 +505,7 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
     if m.get("step_overhead_s") is not None:  # `pwbench hw calibrate`: the runtime's per-step time outside the model
         table["step_overhead_s"] = float(m["step_overhead_s"])
         sources["step_overhead_s"] = f"{src}: {m.get('step_overhead_source', 'step_overhead_s')}"
-    for f in ("prefill_element_overhead_s", "prefill_segment_overhead_s"):
+    for f in ("prefill_element_overhead_s", "prefill_segment_overhead_s", "prefill_step_overhead_s"):
         if m.get(f) is not None:  # `pwbench hw calibrate`'s prefill probe
             table[f] = float(m[f])
             sources[f] = f"{src}: {m.get('prefill_overhead_source', f)}"

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.runtime import cpu_attention, gemm
-from engines.runtime.attention import AttentionBatch, DecodeGroup, paged_attention
+from engines.runtime.attention import AttentionBatch, DecodeGroup, context_mask, paged_attention
 from engines.runtime.kv_cache import PagedKVCache, block_rows, gather_blocks
 from harness.hw import _timeit
 
@@ -209,6 +209,7 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
     heads = attention_heads(shape)
     if heads is not None:
         out["attention"] = prefill_attention_seconds(*heads, rounds=rounds)
+        out["attention_context"] = prefill_attention_seconds(*heads, rounds=rounds, context=True)
     return out
 
 
@@ -271,17 +272,22 @@ def attention_heads(shape) -> tuple[int, int, int] | None:
     return shape.heads, shape.kv_size // shape.head_dim, shape.head_dim
 
 
-def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, rounds: int = 5) -> dict[str, float]:
-    """Seconds of one causal SDPA over a chunk of n tokens (no context before it), as the runtime
-    calls it per prefill chunk (engines/runtime/attention.py: [1, heads, n, head_dim] queries over
-    [1, kv_heads, n, head_dim] keys and values, enable_gqa), at each n of ATTENTION_CHUNKS; the
-    median over `rounds` rounds of every n. {n: seconds}."""
-    args = {n: (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, n, head_dim),
-                torch.randn(1, kv_heads, n, head_dim)) for n in ATTENTION_CHUNKS}
+def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, rounds: int = 5,
+                              context: bool = False) -> dict[str, float]:
+    """Seconds of one SDPA over a prefill chunk of n tokens as the runtime calls it per chunk
+    (engines/runtime/attention.py `paged_attention`: [1, heads, n, head_dim] queries, enable_gqa):
+    causal over the chunk's own [1, kv_heads, n, head_dim] keys and values (no context before it),
+    or with `context`, after n tokens of context: over 2n keys with the runtime's `context_mask`,
+    built per call as the runtime builds it (the whole [n, 2n] rectangle computed). At each n of
+    ATTENTION_CHUNKS; the median over `rounds` rounds of every n. {n: seconds}."""
+    keys = 2 if context else 1
+    args = {n: (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys * n, head_dim),
+                torch.randn(1, kv_heads, keys * n, head_dim)) for n in ATTENTION_CHUNKS}
 
     def call(n: int) -> None:
         q, k, v = args[n]
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+        mask = context_mask(n, 2 * n, None) if context else None
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not context, enable_gqa=kv_heads != heads)
 
     reps = {}
     for n in ATTENTION_CHUNKS:

@@ -418,7 +418,8 @@ def calibrate(model: str) -> None:
           f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call and "
           f"{p.decode_sequence_overhead_s * 1e6:.2f} us per decode sequence and layer, prefill "
           f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
-          f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment per layer; the engines' parts per layer: "
+          f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment and {p.prefill_step_overhead_s * 1e6:.1f} us "
+          "per step per layer; the engines' parts per layer: "
           + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
                       for k, v in p.executor_overhead_s.items()))
 

@@ -102,7 +102,8 @@ def hw_show(
 
 SCALARS = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinned_bytes_per_s",
            "host_memory_bytes", "host_memory_bytes_per_s", "host_flops_per_s", "step_overhead_s", "op_overhead_s",
-           "decode_sequence_overhead_s", "prefill_element_overhead_s", "prefill_segment_overhead_s")
+           "decode_sequence_overhead_s", "prefill_element_overhead_s", "prefill_segment_overhead_s",
+           "prefill_step_overhead_s")
 
 
 def _profile_json(p: Any) -> dict[str, Any]:
@@ -259,7 +260,8 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, f
 
     (layers, wall), costs = _measured_then_simulated(
         dataclasses.replace(base, step_overhead_s=0.0, op_overhead_s=marker, decode_sequence_overhead_s=0.0,
-                            prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0),
+                            prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0,
+                            prefill_step_overhead_s=0.0),
         measure, simulate, device)
     # each batch's decode steps after its first (the prefill and the first decode step left out: warm-up)
     seqs = [n if i >= 2 else 0 for n in PROBE_SIZES for i in range(PROBE_OUTPUT)]
@@ -282,19 +284,21 @@ def measure_op_overhead(device: str = "cpu", base: Any = None) -> tuple[float, f
 
 
 # `hw calibrate`'s prefill probe: batches of distinct random prompts (no prefix sharing), each prefilled
-# in one step: (segments, prompt tokens) varied so that the per-token and per-segment costs can be told
-# apart; each batch measured PREFILL_REPEATS times, the shapes in turn (a run's prefills differ one from
-# the next). Each prompt then decodes PREFILL_DECODE tokens, untimed: a run's prefill follows decode
-# steps, and after them the bundled model's prefill took 5-8% longer than after prefill-only steps
-# (its six-prompt 880-token batch 10.8 ms against 10.1; `python -m harness.bench.simulate --prefill-grid`).
-PREFILL_PROBE = ((1, 32), (1, 128), (1, 384), (4, 64), (8, 32), (12, 64), (24, 32), (6, 128))
+# in one step: (segments, prompt tokens) varied so that the per-token, per-segment and per-step costs
+# can be told apart, single prompts up to the 640-1,024 tokens of an open-loop run's; each batch measured
+# PREFILL_REPEATS times, the shapes in turn (a run's prefills differ one from the next). Each prompt then
+# decodes PREFILL_DECODE tokens, untimed: a run's prefill follows decode steps (an open-loop run's, tens
+# to hundreds of them), and after them the bundled model's prefill takes longer than after prefill-only
+# steps: 5-8% after 16 (its six-prompt 880-token batch 10.8 ms against 10.1; `python -m
+# harness.bench.simulate --prefill-grid`), single prompts of 128-800 tokens 7-13% more after 40 than after 8.
+PREFILL_PROBE = ((1, 32), (1, 128), (1, 384), (4, 64), (8, 32), (12, 64), (24, 32), (6, 128), (1, 640), (1, 1024))
 PREFILL_REPEATS = 5
-PREFILL_DECODE = 8
+PREFILL_DECODE = 40
 
 
-def measure_prefill_overhead() -> tuple[float, float, str]:
-    """The runtime's prefill time per activation element (token x hidden) and per segment (per
-    layer) that the cost model does not price, fitted on the bundled model (engines/sim/calibrate.py
+def measure_prefill_overhead() -> tuple[float, float, float, str]:
+    """The runtime's prefill time per activation element (token x hidden), per segment and per step
+    (per layer) that the cost model does not price, fitted on the bundled model (engines/sim/calibrate.py
     `fit_prefill_overhead`): each probe batch's prefill step, median of its repeats, measured in this thread's CPU time
     with one torch thread, minus the same step simulated on the cpu profile as fitted so far
     (step overhead included, no prefill overhead), replaying the measured routing."""
@@ -330,7 +334,8 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
         return config.num_layers, config.hidden_size, steps(engine, time.thread_time)
 
     (layers, hidden, wall), predicted = _measured_then_simulated(
-        dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0),
+        dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0,
+                            prefill_step_overhead_s=0.0),
         measure, lambda engine: steps(engine, engine.virtual_clock.now))
     rows = []
     for k, (segments, n) in enumerate(PREFILL_PROBE):
@@ -338,16 +343,16 @@ def measure_prefill_overhead() -> tuple[float, float, str]:
         # the median measured repeat (a run's typical step) against the median simulated one
         residual = sorted(wall[got])[PREFILL_REPEATS // 2] - sorted(predicted[got])[PREFILL_REPEATS // 2]
         rows.append((segments * n, segments, residual))
-    per_element, per_segment, d = fit_prefill_overhead(rows, layers, hidden)
+    per_element, per_segment, per_step, d = fit_prefill_overhead(rows, layers, hidden)
     probe = ", ".join(f"{g} x {n}" for g, n in PREFILL_PROBE)
     source = (f"`pwbench hw calibrate`: least squares over {d['steps']} prefill steps of the bundled model on engine "
               f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {probe}, each batch "
               f"then decoding {PREFILL_DECODE} tokens untimed; median of {PREFILL_REPEATS} repeats each, the shapes "
               "in turn, one torch thread, this thread's CPU time) of measured minus simulated "
               f"(the cost model without these) = layers x ({per_element * 1e9:.2f} ns x tokens x hidden ({hidden}) + "
-              f"{per_segment * 1e6:.1f} us x segments); rms error {d['rms_s'] * 1e3:.2f} ms: the model code's time "
-              "per prefill activation element and segment beyond the priced modules")
-    return per_element, per_segment, source
+              f"{per_segment * 1e6:.1f} us x segments + {per_step * 1e6:.1f} us); rms error {d['rms_s'] * 1e3:.2f} "
+              "ms: the model code's time per prefill activation element, segment and step beyond the priced modules")
+    return per_element, per_segment, per_step, source
 
 
 # `hw calibrate`'s engine probe: each engine that pays one key of the profile's executor_overhead tables
@@ -458,15 +463,75 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
     return per_layer, per_token, source
 
 
+# `hw calibrate`'s run-loop probe: an offline batch of LOOP_REQUESTS prompts of LOOP_PROMPT tokens, each
+# generating LOOP_OUTPUT, run by `pwbench run`'s own path (harness.run.execute: the Runner recording tokens,
+# the result stream writing each step's row) on engine moe on the bundled model.
+LOOP_REQUESTS, LOOP_PROMPT, LOOP_OUTPUT = 2, 128, 200
+
+
+def measure_loop_overhead() -> tuple[float, str]:
+    """The run loop's time per step outside the engine's steps (harness/runner.py: tokens recorded,
+    requests sent and finished, the step's row written to the result stream): this thread's CPU time
+    from the first step's start to the last step's end, less the steps' own, over the steps, in one
+    measured run of the run-loop probe (one torch thread). A measured run's latencies include it; a
+    simulated run's virtual clock moves only by the steps, so the cpu profile prices it per step
+    (step_overhead_s)."""
+    import tempfile
+    import time
+
+    import torch
+
+    from engines.common.demo import demo_model_path
+    from harness.run import RunArgs, execute
+    from harness.runner import ThreadCpuClock
+    from workloads.registry import WorkloadSpec
+
+    took: list[float] = []
+    span: list[float] = []
+
+    def attach(runner: Any) -> None:
+        clock = ThreadCpuClock()
+        runner.clock, runner.sleep = clock.now, clock.sleep
+        step = runner.engine.step
+
+        def timed() -> Any:
+            t = time.thread_time()
+            out = step()
+            took.append(time.thread_time() - t)
+            span[:] = [span[0] if span else t, time.thread_time()]
+            return out
+
+        runner.engine.step = timed
+
+    spec = WorkloadSpec("offline_batch", requests=LOOP_REQUESTS, input_range=(LOOP_PROMPT, LOOP_PROMPT),
+                        output_tokens=LOOP_OUTPUT)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
+            execute(RunArgs(workload=spec, engine="moe", model=str(demo_model_path()), warmup=0, quality=False,
+                            output=f"{tmp}/run", engine_options={"device": "cpu"}), make_runner=attach)
+    finally:
+        torch.set_num_threads(threads)
+    steps = len(took)
+    per_step = max(0.0, (span[1] - span[0] - sum(took)) / max(1, steps - 1))
+    source = (f"`pwbench hw calibrate`: one offline run of {LOOP_REQUESTS} prompts of {LOOP_PROMPT} tokens generating "
+              f"{LOOP_OUTPUT} each on engine moe on the bundled model through `pwbench run`'s loop and result stream, "
+              f"this thread's CPU time from the first step's start to the last's end less the {steps} steps' own, per "
+              f"step between them: {per_step * 1e6:.1f} us (the run loop's own time: tokens recorded, the step's row "
+              "written; the engine's per-call time is op_overhead_s)")
+    return per_step, source
+
+
 # `hw calibrate` fits the runtime's overheads in CALIBRATION_PROCESSES fresh interpreters and keeps the
 # median one: one process's fit differs from the next's on this host, as a run's timings do (the
 # source lists each process's fit by the price below), and the benchmark's measured side is the median
 # of several processes' runs. The fits are ranked by what they add to a
 # reference step of the bundled model: (calls, layers x sequences) of its decode step of 6 sequences;
-# (layers x tokens x hidden, layers x segments) of its six-prompt 880-token prefill.
+# (layers x tokens x hidden, layers x segments, layers) of its six-prompt 880-token prefill.
 CALIBRATION_PROCESSES = 3
 REFERENCE_DECODE = (376, 2 * 6)
-REFERENCE_PREFILL = (2 * 880 * 128, 2 * 6)
+REFERENCE_PREFILL = (2 * 880 * 128, 2 * 6, 2)
 
 
 def median_fit(measure: Any, price: Any, what: str) -> tuple[Any, ...]:
@@ -509,12 +574,12 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
          result["runtime_op_overhead_source"]) = median_fit(
             measure_op_overhead, lambda f: f[0] * REFERENCE_DECODE[0] + f[1] * REFERENCE_DECODE[1],
             f"the bundled model's decode step of 6 sequences ({REFERENCE_DECODE[0]} calls) priced by each")
-        result["step_overhead_s"] = 0.0
-        result["step_overhead_source"] = "folded into op_overhead_s (fitted per counted torch call)"
+        result["step_overhead_s"], result["step_overhead_source"] = median_fit(
+            measure_loop_overhead, lambda f: f[0], "the run loop's time per step")
         save_cached(result)
         (result["prefill_element_overhead_s"], result["prefill_segment_overhead_s"],
-         result["prefill_overhead_source"]) = median_fit(
-            measure_prefill_overhead, lambda f: f[0] * REFERENCE_PREFILL[0] + f[1] * REFERENCE_PREFILL[1],
+         result["prefill_step_overhead_s"], result["prefill_overhead_source"]) = median_fit(
+            measure_prefill_overhead, lambda f: sum(k * n for k, n in zip(f, REFERENCE_PREFILL)),
             "the bundled model's six-prompt 880-token prefill priced by each")
         save_cached(result)
         (result["executor_overhead_s"], result["executor_token_overhead_s"],
@@ -529,23 +594,26 @@ def hw_calibrate(
     output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
                                                "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
     step_overhead: Annotated[bool, typer.Option(help="Also fit, on the bundled model, the runtime's time per torch "
-                                                "call and per decode sequence, and per prefill token and segment "
-                                                "(each the median of three fresh processes' fits), and each engine's "
-                                                "parts' time beyond engine moe's path (stepped beside moe) (~30 s; "
-                                                "its GEMM shapes are measured first, as --model does).")] = True,
+                                                "call and per decode sequence, the run loop's time per step, and "
+                                                "per prefill token, segment and step (each the median of three "
+                                                "fresh processes' fits), and each engine's parts' time beyond engine "
+                                                "moe's path (stepped beside moe) (~40 s; its GEMM shapes are "
+                                                "measured first, as --model does).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
-        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, and causal SDPA over its heads "
-        "at 16-1024-token chunks, and the torch reference's dequantization of one expert at 2, 3, 4 and 8 bits "
-        "(RTN records of the static engines' group size). The fitted curves are kept under the model's shape key "
-        "(gemm@KEY, grouped_gemm@KEY, head@KEY, attention_prefill@KEY, dequant_cpu_packed@KEY) beside those of "
+        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, SDPA over its heads at "
+        "16-1024-token chunks (causal, and after as many tokens of context with the runtime's mask), and the "
+        "torch reference's dequantization of one expert at 2, 3, 4 and 8 bits (RTN records of the static "
+        "engines' group size). The fitted curves are kept under the model's shape key (gemm@KEY, grouped_gemm@KEY, "
+        "head@KEY, attention_prefill@KEY, attention_prefill_context@KEY, dequant_cpu_packed@KEY) beside those of "
         "models calibrated before, and `--simulate cpu` prices a model of that shape by them instead of the "
         "generic curves (measured on one square matrix, one [1536, 512] expert matrix). Repeat for several "
         "models.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
-    curves and overheads (per torch call, per prefill token and segment, per engine part), print
+    curves and overheads (per torch call, per run-loop step, per prefill token, segment and step,
+    per engine part), print
     the profile with every source, and optionally write it.
     With --model, also measure that model's own GEMM shapes and expert dequantization (curves keyed
     by its shape)."""

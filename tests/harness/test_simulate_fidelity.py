@@ -224,12 +224,12 @@ def test_bench_reprices_kept_runs_with_their_batches(tmp_path):
 
 @pytest.mark.slow
 def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_path, monkeypatch):
-    """`pwbench hw calibrate` on this machine (~40 s): the runtime's time per counted torch call,
-    the per-layer prefill rates and the engines' parts' overheads are fitted on the bundled model
-    (engines/sim/calibrate.py's fits, tested by hand in tests/unit/test_sim_hardware.py), land in the
-    cpu profile with their sources,
+    """`pwbench hw calibrate` on this machine (~50 s): the runtime's time per counted torch call,
+    the run loop's time per step, the per-layer prefill rates and the engines' parts' overheads are
+    fitted on the bundled model (engines/sim/calibrate.py's fits, tested by hand in
+    tests/unit/test_sim_hardware.py), land in the cpu profile with their sources,
     and a simulated prefill step pays exactly layers x (element rate x tokens x hidden + segment rate
-    x segments) more than on the same profile without them (control time off: compute only)."""
+    x segments + step rate) more than on the same profile without them (control time off: compute only)."""
     import dataclasses
 
     from typer.testing import CliRunner
@@ -242,9 +242,11 @@ def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_
     done = CliRunner().invoke(app, ["hw", "calibrate", "--json"])
     assert done.exit_code == 0, done.output
     p = load_profile("cpu")
-    assert p.step_overhead_s == 0 and p.op_overhead_s > 0 and "per call" in p.sources["op_overhead_s"]
+    assert p.op_overhead_s > 0 and "per call" in p.sources["op_overhead_s"]
+    # the run loop's own time per step (tens of microseconds here; a measured quantity, so a loose bound)
+    assert 0 < p.step_overhead_s < 1e-3 and "run loop" in p.sources["step_overhead_s"]
     assert p.decode_sequence_overhead_s >= 0 and "decode sequence" in p.sources["decode_sequence_overhead_s"]
-    assert p.prefill_element_overhead_s >= 0 and p.prefill_segment_overhead_s >= 0
+    assert min(p.prefill_element_overhead_s, p.prefill_segment_overhead_s, p.prefill_step_overhead_s) >= 0
     assert "prefill steps of the bundled model" in p.sources["prefill_segment_overhead_s"]
     # each engine's parts, stepped beside engine moe: one key each, full priced by two of them (not fitted)
     for table in (p.executor_overhead_s, p.executor_token_overhead_s):
@@ -253,7 +255,7 @@ def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_
 
     without = tmp_path / "without.toml"
     without.write_text(profile_toml(dataclasses.replace(p, prefill_element_overhead_s=0.0,
-                                                        prefill_segment_overhead_s=0.0)))
+                                                        prefill_segment_overhead_s=0.0, prefill_step_overhead_s=0.0)))
     firsts = []
     for prof in ("cpu", str(without)):
         engine = create_engine("moe", {"model": DEMO, "simulate": prof, "routing": "uniform", "control_time": "off"})
@@ -268,6 +270,7 @@ def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_
             engine.stop()
     (tokens, with_s), (_, without_s) = firsts
     shape = model_shape(config, 4)
-    want = shape.layers * (p.prefill_element_overhead_s * tokens * shape.hidden + p.prefill_segment_overhead_s * 5)
+    want = shape.layers * (p.prefill_element_overhead_s * tokens * shape.hidden + p.prefill_segment_overhead_s * 5
+                           + p.prefill_step_overhead_s)
     assert tokens == sum(32 + 9 * i for i in range(5))
     assert with_s - without_s == pytest.approx(want, rel=1e-9, abs=1e-12)

@@ -83,14 +83,40 @@ def test_tiny_step_by_hand():
 
 
 def test_prefill_attention_by_hand():
-    # A 6-token chunk after 4 cached tokens: 6 x (4 + 3) pairs x 4 x 1 x 4 FLOPs = 672 at 1e12 x 0.4
-    # = 1.68 ns; reading 4 and writing 6 tokens' KV: 160 B / 1e9 = 160 ns (the larger).
+    # A 6-token chunk after 4 cached tokens: the runtime's masked SDPA computes the whole 6 x (4 + 6)
+    # rectangle: 60 pairs x 4 x 1 x 4 FLOPs = 960 at 1e12 x 0.4 = 2.4 ns; reading 4 and writing 6
+    # tokens' KV: 160 B / 1e9 = 160 ns (the larger).
     model = CostModel(profile(), TINY, "bfloat16")
     work = StepWork(prefill=((6, 4),), kv_bytes_per_token=16)
     assert model.step(work).parts["attention"] == pytest.approx(160e-9)
     fast = CostModel(profile(bw=1e15), TINY, "bfloat16")
-    assert fast.step(work).parts["attention"] == pytest.approx(max(672 / 0.4e12, 160 / 1e15))
+    assert fast.step(work).parts["attention"] == pytest.approx(max(960 / 0.4e12, 160 / 1e15))
     assert model.step(work).roofline_s == pytest.approx(4 * 16 / 1e9)  # the cached context is read
+    # from position 0, causal: 6 x 6 / 2 = 18 pairs x 16 FLOPs = 288 at 0.4e12 = 0.72 ns
+    first = StepWork(prefill=((6, 0),), kv_bytes_per_token=16)
+    assert fast.step(first).parts["attention"] == pytest.approx(288 / 0.4e12)
+    # after context at the attention_prefill_context curve where the profile has one (0.1: 9.6 ns),
+    # the chunk from position 0 still at attention_prefill
+    ctx = CostModel(profile(bw=1e15, attention_prefill_context=flat(0.1)), TINY, "bfloat16")
+    assert ctx.step(work).parts["attention"] == pytest.approx(960 / 0.1e12)
+    assert ctx.step(first).parts["attention"] == pytest.approx(288 / 0.4e12)
+
+
+def test_the_masked_rectangle_is_what_the_runtime_attends():
+    """prefill_attention_pairs' rectangle is the runtime's: `context_mask` has chunk x (context +
+    chunk) entries of which the chunk's causal share is True, and paged attention over a chunk after
+    context equals SDPA over the whole sequence's last rows."""
+    from engines.runtime.attention import context_mask
+    from engines.sim.cost import prefill_attention_pairs
+
+    mask = context_mask(4, 10, None)
+    assert mask.shape == (6, 10) and mask.numel() == prefill_attention_pairs(6, 4)
+    assert int(mask.sum()) == 6 * 4 + 6 * 7 // 2  # each query sees the context and the chunk up to itself
+    assert prefill_attention_pairs(6, 0) == 18
+    q, k, v = torch.randn(3, 1, 2, 10, 8).unbind(0)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    tail = torch.nn.functional.scaled_dot_product_attention(q[:, :, 4:], k, v, attn_mask=mask)
+    torch.testing.assert_close(tail, full[:, :, 4:])
 
 
 def test_prefill_overheads_by_hand():
@@ -108,6 +134,10 @@ def test_prefill_overheads_by_hand():
     assert CostModel(rated, shape, "bfloat16").step(decode).parts["overhead"] == pytest.approx(5e-6)
     assert prefill_overhead_s(rated, shape, 9, 2) == pytest.approx(228e-6)
     assert prefill_overhead_s(rated, shape, 0, 0) == 0
+    # and 3 x 50 us in a step that prefills, none in one that does not
+    stepped = replace(rated, prefill_step_overhead_s=5e-5)
+    assert CostModel(stepped, shape, "bfloat16").step(work).parts["overhead"] == pytest.approx(5e-6 + 378e-6)
+    assert CostModel(stepped, shape, "bfloat16").step(decode).parts["overhead"] == pytest.approx(5e-6)
 
 
 def test_executor_overhead_by_hand():
@@ -474,6 +504,10 @@ def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
     # causal SDPA of 2 heads of 4 over a 10-token chunk in 1 us: 4 x 2 x 4 x 10 x 10 / 2 FLOPs / peak / seconds
     att = {**entry, "attention": {"heads": 2, "kv_heads": 1, "head_dim": 4}, "seconds": {"attention": {"10": 1e-6}}}
     assert fit_model_curves("K", att, bw, peak)["attention_prefill@K"]["points"] == [[10.0, pytest.approx(0.16)]]
+    # after 10 tokens of context, the masked 10 x 20 rectangle in 2 us: 4 x 2 x 4 x 200 / peak / seconds
+    att["seconds"]["attention_context"] = {"10": 2e-6}
+    assert fit_model_curves("K", att, bw, peak)["attention_prefill_context@K"]["points"] == [
+        [10.0, pytest.approx(0.32)]]
     assert fit["gemm"]["points"][0][1] <= 1
     # one expert's dequantization (96 params, 384 full-width bytes) in 2 us at 4 bits, 1 us at 8
     dq = {**entry, "dequant_group_size": 4, "seconds": {"dequant_packed": {"4": 2e-6, "8": 1e-6}}}

@@ -158,14 +158,16 @@ def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
     # `hw calibrate`'s fits: the runtime's time per counted call replaces the tiny call's, the prefill rates
     # are read as they were fitted; a step overhead of 0 (folded into the call's) is 0, not cpu.toml's
     m_fit = {**m2, "step_overhead_s": 0.0, "runtime_op_overhead_s": 2.2e-6, "runtime_op_overhead_source": "fit A",
-             "prefill_element_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_overhead_source": "fit B",
+             "prefill_element_overhead_s": 7e-7, "prefill_segment_overhead_s": 3e-5, "prefill_step_overhead_s": 4e-4,
+             "prefill_overhead_source": "fit B",
              "executor_overhead_s": {"pagedweight": 2e-4}, "executor_token_overhead_s": {"layer_major": 1e-6},
              "executor_overhead_source": "fit C"}
     cache_path().write_text(json.dumps({cpu_model(): m_fit}))
     pf = load_profile("cpu")
     assert (pf.op_overhead_s, pf.step_overhead_s) == (2.2e-6, 0.0) and "fit A" in pf.sources["op_overhead_s"]
-    assert (pf.prefill_element_overhead_s, pf.prefill_segment_overhead_s) == (7e-7, 3e-5)
-    assert "fit B" in pf.sources["prefill_element_overhead_s"] and "fit B" in pf.sources["prefill_segment_overhead_s"]
+    assert (pf.prefill_element_overhead_s, pf.prefill_segment_overhead_s, pf.prefill_step_overhead_s) == (
+        7e-7, 3e-5, 4e-4)
+    assert all("fit B" in pf.sources[f"prefill_{k}_overhead_s"] for k in ("element", "segment", "step"))
     assert pf.executor_overhead_s == {"pagedweight": 2e-4} and pf.executor_token_overhead_s == {"layer_major": 1e-6}
     assert "fit C" in pf.sources["executor_overhead_s"]
     from engines.sim.hardware import profile_toml
@@ -173,6 +175,7 @@ def test_cpu_profile_takes_pwbench_hw_measurements(tmp_path):
     back = tmp_path / "fitted.toml"
     back.write_text(profile_toml(pf))
     assert load_profile(str(back)).prefill_segment_overhead_s == 3e-5  # written and read back
+    assert load_profile(str(back)).prefill_step_overhead_s == 4e-4
     # `hw calibrate --model`: curves keyed by the model's shape, read back from a TOML (keys quoted)
     entry = {"model": "x", "params": {"expert": 1 << 20}, "seconds": {"expert": {"1": 1e-3, "64": 2e-3}}}
     cache_path().write_text(json.dumps({cpu_model(): {**m2, "model_gemm": {"d4-q4-kv4-i8-v10-b2": entry}}}))
@@ -268,19 +271,37 @@ def test_fit_call_and_sequence_overhead_recovers_hand_made_rates():
 def test_fit_prefill_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_prefill_overhead
 
-    a, b, layers, hidden = 1e-8, 2e-5, 2, 128  # per token x hidden element and per segment, per layer
-    steps = [(32, 1), (384, 1), (256, 4), (768, 24), (768, 6)]
-    rows = [(t, g, layers * (a * t * hidden + b * g)) for t, g in steps]
-    got_a, got_b, d = fit_prefill_overhead(rows, layers, hidden)
-    assert got_a == pytest.approx(a) and got_b == pytest.approx(b) and d["rms_s"] == pytest.approx(0, abs=1e-12)
-    # a negative per-segment cost is not a cost: 0, and the per-element rate refitted alone
-    rows = [(100, 1, 2 * 1e-4), (100, 10, 2 * 0.9e-4), (400, 1, 2 * 4e-4)]
-    got_a, got_b, _ = fit_prefill_overhead(rows, 2)
-    assert got_b == 0.0 and got_a == pytest.approx((100 * 1e-4 + 100 * 0.9e-4 + 400 * 4e-4) / (100**2 * 2 + 400**2))
+    # per token x hidden element, per segment and per step, per layer
+    a, b, c, layers, hidden = 1e-8, 2e-5, 3e-4, 2, 128
+    steps = [(32, 1), (384, 1), (256, 4), (768, 24), (768, 6), (1024, 1)]
+    rows = [(t, g, layers * (a * t * hidden + b * g + c)) for t, g in steps]
+    got_a, got_b, got_c, d = fit_prefill_overhead(rows, layers, hidden)
+    assert (got_a, got_b, got_c) == (pytest.approx(a), pytest.approx(b), pytest.approx(c))
+    assert d["rms_s"] == pytest.approx(0, abs=1e-12)
+    # negative per-segment and per-step costs are not costs: 0, and the per-element rate refitted alone
+    # (residuals 2 x 1e-6 x tokens, less 1e-5 a segment beyond the first: the joint fit's segment term
+    # is negative, and with it left out, so is the step's)
+    rows = [(t, g, 2 * (1e-6 * t - 1e-5 * (g - 1))) for t, g in [(100, 1), (100, 10), (400, 1), (200, 1)]]
+    got_a, got_b, got_c, _ = fit_prefill_overhead(rows, 2)
+    assert (got_b, got_c) == (0.0, 0.0)
+    assert got_a == pytest.approx(sum(2 * t * r for t, _, r in rows) / sum((2 * t) ** 2 for t, _, _ in rows))
     with pytest.raises(ValueError, match="proportional"):
-        fit_prefill_overhead([(100, 1, 1e-3), (200, 2, 2e-3)], 2)
-    with pytest.raises(ValueError, match="at least 2"):
-        fit_prefill_overhead([(100, 1, 1e-3)], 2)
+        fit_prefill_overhead([(100, 1, 1e-3), (200, 2, 2e-3), (300, 3, 3e-3)], 2)
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_prefill_overhead([(100, 1, 1e-3), (200, 1, 2e-3)], 2)
+
+
+def test_nonnegative_least_squares_by_hand():
+    from engines.sim.calibrate import nonnegative_least_squares
+
+    # y = 2 x0 + 3 x1 exactly: both kept
+    x = [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0)]
+    assert nonnegative_least_squares(x, [2.0, 3.0, 5.0]) == (pytest.approx(2.0), pytest.approx(3.0))
+    # y = x0 - x1: the joint fit's x1 is negative; x0 alone (least squares 1 x 1 + 0 + 1 x 0 over 2) = 0.5
+    assert nonnegative_least_squares(x, [1.0, -1.0, 0.0]) == (pytest.approx(0.5), 0.0)
+    # all negative: nothing is a cost
+    assert nonnegative_least_squares(x, [-1.0, -1.0, -2.0]) == (0.0, 0.0)
+    assert nonnegative_least_squares([(1.0, 2.0), (2.0, 4.0)], [1.0, 2.0]) is None
 
 
 def test_pwbench_hw_calibrate_caches_prints_and_writes_a_profile(tmp_path, monkeypatch):
