@@ -463,66 +463,6 @@ def measure_executor_overheads() -> tuple[dict[str, float], dict[str, float], st
     return per_layer, per_token, source
 
 
-# `hw calibrate`'s run-loop probe: an offline batch of LOOP_REQUESTS prompts of LOOP_PROMPT tokens, each
-# generating LOOP_OUTPUT, run by `pwbench run`'s own path (harness.run.execute: the Runner recording tokens,
-# the result stream writing each step's row) on engine moe on the bundled model.
-LOOP_REQUESTS, LOOP_PROMPT, LOOP_OUTPUT = 2, 128, 200
-
-
-def measure_loop_overhead() -> tuple[float, str]:
-    """The run loop's time per step outside the engine's steps (harness/runner.py: tokens recorded,
-    requests sent and finished, the step's row written to the result stream): this thread's CPU time
-    from the first step's start to the last step's end, less the steps' own, over the steps, in one
-    measured run of the run-loop probe (one torch thread). A measured run's latencies include it; a
-    simulated run's virtual clock moves only by the steps, so the cpu profile prices it per step
-    (step_overhead_s)."""
-    import tempfile
-    import time
-
-    import torch
-
-    from engines.common.demo import demo_model_path
-    from harness.run import RunArgs, execute
-    from harness.runner import ThreadCpuClock
-    from workloads.registry import WorkloadSpec
-
-    took: list[float] = []
-    span: list[float] = []
-
-    def attach(runner: Any) -> None:
-        clock = ThreadCpuClock()
-        runner.clock, runner.sleep = clock.now, clock.sleep
-        step = runner.engine.step
-
-        def timed() -> Any:
-            t = time.thread_time()
-            out = step()
-            took.append(time.thread_time() - t)
-            span[:] = [span[0] if span else t, time.thread_time()]
-            return out
-
-        runner.engine.step = timed
-
-    spec = WorkloadSpec("offline_batch", requests=LOOP_REQUESTS, input_range=(LOOP_PROMPT, LOOP_PROMPT),
-                        output_tokens=LOOP_OUTPUT)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
-            execute(RunArgs(workload=spec, engine="moe", model=str(demo_model_path()), warmup=0, quality=False,
-                            output=f"{tmp}/run", engine_options={"device": "cpu"}), make_runner=attach)
-    finally:
-        torch.set_num_threads(threads)
-    steps = len(took)
-    per_step = max(0.0, (span[1] - span[0] - sum(took)) / max(1, steps - 1))
-    source = (f"`pwbench hw calibrate`: one offline run of {LOOP_REQUESTS} prompts of {LOOP_PROMPT} tokens generating "
-              f"{LOOP_OUTPUT} each on engine moe on the bundled model through `pwbench run`'s loop and result stream, "
-              f"this thread's CPU time from the first step's start to the last's end less the {steps} steps' own, per "
-              f"step between them: {per_step * 1e6:.1f} us (the run loop's own time: tokens recorded, the step's row "
-              "written; the engine's per-call time is op_overhead_s)")
-    return per_step, source
-
-
 # `hw calibrate` fits the runtime's overheads in CALIBRATION_PROCESSES fresh interpreters and keeps the
 # median one: one process's fit differs from the next's on this host, as a run's timings do (the
 # source lists each process's fit by the price below), and the benchmark's measured side is the median
@@ -574,8 +514,9 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
          result["runtime_op_overhead_source"]) = median_fit(
             measure_op_overhead, lambda f: f[0] * REFERENCE_DECODE[0] + f[1] * REFERENCE_DECODE[1],
             f"the bundled model's decode step of 6 sequences ({REFERENCE_DECODE[0]} calls) priced by each")
-        result["step_overhead_s"], result["step_overhead_source"] = median_fit(
-            measure_loop_overhead, lambda f: f[0], "the run loop's time per step")
+        result["step_overhead_s"] = 0.0
+        result["step_overhead_source"] = ("folded into op_overhead_s (fitted per counted torch call); the run loop's "
+                                          "own time between steps is the simulated run's measured control time")
         save_cached(result)
         (result["prefill_element_overhead_s"], result["prefill_segment_overhead_s"],
          result["prefill_step_overhead_s"], result["prefill_overhead_source"]) = median_fit(
@@ -594,11 +535,10 @@ def hw_calibrate(
     output: Annotated[str | None, typer.Option(help="Also write the fitted profile to this TOML file "
                                                "(`pwbench run --simulate FILE.toml` runs on it).")] = None,
     step_overhead: Annotated[bool, typer.Option(help="Also fit, on the bundled model, the runtime's time per torch "
-                                                "call and per decode sequence, the run loop's time per step, and "
-                                                "per prefill token, segment and step (each the median of three "
-                                                "fresh processes' fits), and each engine's parts' time beyond engine "
-                                                "moe's path (stepped beside moe) (~40 s; its GEMM shapes are "
-                                                "measured first, as --model does).")] = True,
+                                                "call and per decode sequence, and per prefill token, segment and "
+                                                "step (each the median of three fresh processes' fits), and each "
+                                                "engine's parts' time beyond engine moe's path (stepped beside moe) "
+                                                "(~40 s; the bundled model's shapes measured first).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
         "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, SDPA over its heads at "
@@ -612,8 +552,8 @@ def hw_calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object as the last line.")] = False,
 ) -> None:
     """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
-    curves and overheads (per torch call, per run-loop step, per prefill token, segment and step,
-    per engine part), print
+    curves and overheads (per torch call, per prefill token, segment and step, per engine part),
+    print
     the profile with every source, and optionally write it.
     With --model, also measure that model's own GEMM shapes and expert dequantization (curves keyed
     by its shape)."""
