@@ -36,6 +36,10 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
                         FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
     attention_prefill_context@K  the same after n tokens of context, with the runtime's mask over
                         the [n, 2n] rectangle: 4 x heads x head_dim x n x 2n FLOPs / peak / seconds
+    attention_decode@K  the same entry's decode attention of one sequence as the runtime runs it
+                        for that model's cache (GQA: the C kernel in place; MLA: gather, expand,
+                        SDPA) at several contexts: the cache's bytes per token and layer over the
+                        time per context token (the slope) / bandwidth
     dequant_cpu_packed@K the same entry's dequantization of one expert (both matrices, RTN records
                         of the static engines' group size for its widths) at each bit width, as
                         the torch reference runs it: full-width bytes / seconds / bandwidth
@@ -328,6 +332,20 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
             f"the torch reference, less its {calls} torch calls at {call_s * 1e6:.2f} us (the tight loop's "
             "op_overhead_s; the cost model prices a quantized expert's calls itself): full-width bytes per "
             "second by bit width / memory_bandwidth_bytes_per_s")
+    per_ctx, kv_bytes = seconds.get("decode_attention") or {}, float(entry.get("decode_kv_bytes_per_token") or 0)
+    if len(per_ctx) >= 2 and kv_bytes > 0:  # the time per context token: least squares slope over the contexts
+        c = [float(k) for k in per_ctx]
+        t = [_rate(per_ctx, k) for k in per_ctx]
+        cm, tm = sum(c) / len(c), sum(t) / len(t)
+        slope = sum((x - cm) * (y - tm) for x, y in zip(c, t)) / sum((x - cm) ** 2 for x in c)
+        if slope > 0:
+            out[f"attention_decode@{key}"] = _curve(
+                [(cm, kv_bytes / slope / bw)],
+                f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: one "
+                f"sequence's decode attention of one layer as the runtime runs it for this model (paged_attention "
+                f"over its cache layout) at {', '.join(per_ctx)} tokens of context: the cache's "
+                f"{kv_bytes:g} bytes per token over the time per context token (least squares slope, "
+                f"{slope * 1e9:.1f} ns) / memory_bandwidth_bytes_per_s (the calls' fixed time is priced by count)")
     att = entry.get("attention") or {}
     # (curve, seconds key, query-key pairs of a chunk of n as the cost model counts them, what was timed)
     for curve, part, pairs, what in (

@@ -10,10 +10,12 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   max(W / bandwidth, F / peak) / eff(r) (its activations' bytes are left out of W: a few
   percent at decode, nothing where it is compute-bound).
 - Curves measured on the model's own shapes: a profile may carry `gemm@K`, `grouped_gemm@K`,
-  `head@K` and `attention_prefill@K` for K = `shape_key(shape)` (`pwbench hw calibrate --model DIR`
-  measures the model's dense projections, one expert's gate_up + down and its LM head at 1-1024
-  rows, and causal SDPA over its heads at 16-1024-token chunks); for that model they replace
-  "gemm", "grouped_gemm", the LM head's curve (else "gemm") and "attention_prefill". A GEMM's efficiency
+  `head@K`, `attention_decode@K`, `attention_prefill@K` and `attention_prefill_context@K` for K =
+  `shape_key(shape)` (`pwbench hw calibrate --model DIR` measures the model's dense projections,
+  one expert's gate_up + down and its LM head at 1-1024 rows, one sequence's decode attention over
+  its cache layout at several contexts, and SDPA over its heads at 16-1024-token chunks, causal and
+  after context); for that model they replace the generic curves of the same name (the LM head's,
+  else "gemm"; a chunk after context's, else "attention_prefill"). A GEMM's efficiency
   depends on its (K, N), not only its rows: on this CPU a [1536, 512] expert matrix at 1-4 rows
   streams at ~6-10 GB/s where the square [1024, 1024] one the generic curve is measured on
   reaches ~16.
@@ -144,7 +146,8 @@ CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elem
 # "dequant_cpu_packed" (the CPU reference's RTN dequantization of one expert) replaces the generic
 # one of `CostModel.cpu_dequant`; "attention_prefill_context" (a prefill chunk after context: the
 # runtime's masked SDPA over the whole rectangle) falls back to "attention_prefill".
-SHAPED = ("gemm", "grouped_gemm", "head", "attention_prefill", "attention_prefill_context", "dequant_cpu_packed")
+SHAPED = ("gemm", "grouped_gemm", "head", "attention_decode", "attention_prefill", "attention_prefill_context",
+          "dequant_cpu_packed")
 # Optional curves that fall back to another where the profile has neither a shaped nor a generic one.
 FALLBACK = {"head": "gemm", "attention_prefill_context": "attention_prefill"}
 
@@ -333,7 +336,9 @@ class CostModel:
     # 10: a prefill chunk after context computes the whole chunk x (context + chunk) rectangle (the
     # runtime's masked SDPA; was chunk x (context + chunk / 2)), at `attention_prefill_context` where
     # the profile has it (measured on the model's heads by `pwbench hw calibrate --model`); the profile's
-    # per-layer prefill_step_overhead_s in a step that prefills (fitted with the other two)
+    # per-layer prefill_step_overhead_s in a step that prefills (fitted with the other two); decode
+    # attention at `attention_decode@key` where the profile has it (the model's own cache layout and
+    # path: MLA's gather and expansion read its latent cache several times over)
     VERSION: ClassVar[str] = "10"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:

@@ -22,7 +22,7 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
     attention_prefill_context  chunk tokens            as attention_prefill, for a chunk after context (the
                                                        masked rectangle; optional: attention_prefill without it)
 
-`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_prefill@K`, `attention_prefill_context@K`,
+`gemm@K`, `grouped_gemm@K`, `head@K`, `attention_decode@K`, `attention_prefill@K`, `attention_prefill_context@K`,
 `dequant_cpu_packed@K` (optional): the same curves measured
 on one model's shapes (K: engines/sim/cost.py `shape_key`, e.g. "d512-h8-q512-kv128-i768-v32000-b4";
 `pwbench hw calibrate --model DIR` fits them); the cost model reads them for a model of that shape
@@ -82,7 +82,7 @@ OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "deq
                              *(k for k in EFFICIENCY_KEYS if k.startswith("dequant_group_"))})
 # A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
 # only these names take one.
-SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_prefill", "attention_prefill_context",
+SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_decode", "attention_prefill", "attention_prefill_context",
                  "dequant_cpu_packed")
 
 

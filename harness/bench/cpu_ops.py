@@ -305,6 +305,59 @@ def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, rounds: 
     return {str(n): _median(ts) for n, ts in times.items()}
 
 
+# `decode_attention_seconds`: DECODE_SEQUENCES sequences' decode attention at these contexts (tokens
+# attended each), blocks of DECODE_BLOCK tokens scattered over a pool of DECODE_POOL_BLOCKS. 32
+# sequences of 1,536 tokens are 25-50 MB of cache per layer for the benchmark's models, far more than a
+# core's L2 (2 MB here), as a step's KV is once the experts' weights have passed through the caches
+# (one sequence's fits in L2: the bundled model's then read at 1.25x the copy bandwidth).
+DECODE_SEQUENCES, DECODE_CONTEXTS, DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, (128, 512, 1536), 16, 4096
+
+
+def decode_attention_seconds(config, rounds: int = 5) -> tuple[dict[str, float], int]:
+    """One layer's decode attention of DECODE_SEQUENCES sequences as the runtime runs it for a model of `config`
+    (engines/runtime/attention.py `paged_attention` over a paged cache of the model's layout: GQA
+    heads read in place by the C kernel where it builds; MLA's latent and rope key gathered and
+    expanded by `mla_keys_values`, then SDPA), at each context of DECODE_CONTEXTS, the median over
+    `rounds` rounds, per sequence: ({context: seconds}, the cache's bytes per token and layer)."""
+    from engines.runtime.kv_cache import PagedKVCache
+    from engines.runtime.memory import keep_freed_host_memory
+    from engines.runtime.mla import mla_keys_values
+
+    keep_freed_host_memory()  # as the engines run (MLA's expansion allocates a copy of the context each call)
+    heads, m = config.num_heads, config.mla
+    if m is not None:  # the K pool holds the latent, the V pool the rope key (one "head" each)
+        kv_heads, k_dim, v_dim, q_dim, expand = 1, m.kv_lora_rank, m.qk_rope_head_dim, \
+            m.kv_lora_rank + m.qk_rope_head_dim, mla_keys_values
+    else:
+        kv_heads, k_dim, expand = config.num_kv_heads, config.head_dim, None
+        v_dim = q_dim = k_dim
+    cache = PagedKVCache(1, DECODE_POOL_BLOCKS, DECODE_BLOCK, kv_heads, k_dim, torch.float32, torch.device("cpu"),
+                         value_dim=v_dim)
+    for pool in cache.k + cache.v:
+        pool.normal_()
+    order = torch.randperm(DECODE_POOL_BLOCKS)
+    n = DECODE_SEQUENCES
+    q, k_new, v_new = torch.randn(n, heads, q_dim), torch.randn(n, kv_heads, k_dim), torch.randn(n, kv_heads, v_dim)
+    if expand is not None:  # this step's K/V as the runtime passes them (engines/runtime/attention.py `attend_cached`)
+        k_new, v_new = expand(k_new, v_new)
+    batches = {}
+    for ctx in DECODE_CONTEXTS:
+        tables = order[: n * -(-ctx // DECODE_BLOCK)].view(n, -1)
+        batches[ctx] = AttentionBatch(torch.zeros(n, dtype=torch.long), n,
+                                      [DecodeGroup(0, tables, torch.full((n,), ctx), DECODE_BLOCK)])
+
+    def call(ctx: int) -> None:
+        paged_attention(q, k_new, v_new, cache, 0, batches[ctx], None, expand=expand)
+
+    times: dict[int, list[float]] = {c: [] for c in DECODE_CONTEXTS}
+    for c in DECODE_CONTEXTS:
+        call(c)
+    for _ in range(rounds):
+        for c in DECODE_CONTEXTS:
+            times[c].append(_timeit(lambda c=c: call(c), repeats=1, min_s=0.02, warmup=0))
+    return {str(c): _median(ts) / n for c, ts in times.items()}, (kv_heads * (k_dim + v_dim)) * 4
+
+
 def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     """`pwbench hw calibrate --model`'s measurement of the model folder `model` (its config only):
     (engines/sim/cost.py `shape_key` of its float32 shape, the entry engines/sim/calibrate.py
@@ -319,10 +372,12 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
     group = static_group_size(shape)
     seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
+    seconds["decode_attention"], kv_bytes = decode_attention_seconds(config, rounds)
     heads = attention_heads(shape)
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                               "dtype_bytes": 4, "threads": torch.get_num_threads(), "dequant_group_size": group,
                               "attention": dict(zip(("heads", "kv_heads", "head_dim"), heads)) if heads else None,
+                              "decode_kv_bytes_per_token": kv_bytes,
                               "matrices": {k: [list(m) for m in v] for k, v in mats.items()},
                               "params": {k: sum(n * k_ for n, k_ in v) for k, v in mats.items()},
                               "seconds": seconds}

@@ -382,7 +382,8 @@ def pair_of(tag: str) -> tuple[str, str, str]:
 
 def recount(keep: Path) -> None:
     """The tables and the line's counts of a `--keep` folder's runs as they are, nothing run again:
-    each pair's simulated run against its first measured run, the others as its repeats. The
+    each pair's simulated run against its first measured run, the others as its repeats (and its
+    step medians, `step_residuals`). The
     benchmark compared the median run (by step CPU time), so the `simulated` count may differ from
     what it printed; the count against each cell's median over all measured runs does not depend
     on that choice."""
@@ -397,6 +398,8 @@ def recount(keep: Path) -> None:
         m["send lag ms"], s["send lag ms"] = send_lag_ms(measured[0]), send_lag_ms(sim)  # the core share is not kept
         arch, engine, wl = pair_of(tag)
         rows.setdefault(arch, []).append((engine, wl, m, s))
+        if residuals := step_residuals(measured[0], sim):
+            print(f"{tag}: step medians, its first measured run / simulated: {residuals}")
     totals: dict[str, int] = {}
     for arch, found in rows.items():
         totals = add_counts(totals, print_table(arch, found))
@@ -427,17 +430,20 @@ def calibrate(model: str) -> None:
 def step_residuals(measured: Path, simulated: Path) -> str | None:
     """Measured vs simulated step time by kind (prefill-bearing, decode-only), medians over the
     steps both runs have in the same order with the same tokens (an offline run with replayed
-    routing makes the same batches); None when they do not align."""
+    routing makes the same batches). Where they do not align (an open-loop run's batches differ
+    where an arrival falls), `unaligned_residuals`. None without the step tables."""
     import pyarrow.parquet as pq
 
     cols = ["duration_s", "prefill_tokens", "decode_tokens"]
     try:
-        m, s = (pq.read_table(f / "steps.parquet", columns=cols).to_pydict() for f in (measured, simulated))
-    except (OSError, KeyError, ValueError):
+        m, s = (pq.read_table(f / "steps.parquet").to_pydict() for f in (measured, simulated))
+    except (OSError, ValueError):
+        return None
+    if any(c not in t for t in (m, s) for c in cols):
         return None
     rows_m = list(zip(m["prefill_tokens"], m["decode_tokens"]))
     if rows_m != list(zip(s["prefill_tokens"], s["decode_tokens"])):
-        return None
+        return unaligned_residuals(m, s)
     out = []
     for kind, pick in (("prefill", lambda p, d: p > 0), ("decode", lambda p, d: p == 0 and d > 0)):
         idx = [i for i, (p, d) in enumerate(rows_m) if pick(p, d)]
@@ -446,6 +452,34 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
             sim = sorted(1e3 * s["duration_s"][i] for i in idx)[len(idx) // 2]
             out.append(f"{kind} {len(idx)} steps: {med:.1f} / {sim:.1f} ms ({100 * (sim - med) / med:+.0f}%)")
     return "; ".join(out)
+
+
+def unaligned_residuals(m: dict[str, list], s: dict[str, list]) -> str | None:
+    """Two step tables (columns of steps.parquet) whose batches differ: their prefill-only steps
+    paired by (prompt tokens computed, prompt tokens cached), the k-th of each pair key in one run
+    with the k-th in the other (the same request's prefill where the runs admit it alone), the
+    median of the pairs' errors; and the decode-only steps of one sequence, each run's median."""
+    def prefills(t: dict[str, list]) -> dict[tuple[int, int], list[float]]:
+        out: dict[tuple[int, int], list[float]] = {}
+        cached = t.get("cached_prompt_tokens") or [0] * len(t["duration_s"])
+        for p, d, c, x in zip(t["prefill_tokens"], t["decode_tokens"], cached, t["duration_s"]):
+            if p > 0 and d == 0:
+                out.setdefault((p, c or 0), []).append(x)
+        return out
+
+    pm, ps = prefills(m), prefills(s)
+    errors = sorted(b / a - 1 for k in pm.keys() & ps.keys() for a, b in zip(pm[k], ps[k]) if a > 0)
+    single = [[1e3 * x for p, d, x in zip(t["prefill_tokens"], t["decode_tokens"], t["duration_s"]) if not p and d == 1]
+              for t in (m, s)]
+    out = []
+    if errors:
+        out.append(f"prefill {len(errors)} steps paired by their tokens: median error "
+                   f"{100 * errors[len(errors) // 2]:+.0f}% ({100 * errors[0]:+.0f}% to {100 * errors[-1]:+.0f}%)")
+    if all(single):
+        a, b = (sorted(v)[len(v) // 2] for v in single)
+        out.append(f"decode of one sequence ({len(single[0])} / {len(single[1])} steps): {a:.2f} / {b:.2f} ms "
+                   f"({100 * (b - a) / a:+.0f}%)")
+    return "; ".join(out) or None
 
 
 def _measure_one(tag: str, k: int, common: dict[str, Any], options: dict[str, Any], tmp_name: str,

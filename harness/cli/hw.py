@@ -541,11 +541,13 @@ def hw_calibrate(
                                                 "(~40 s; the bundled model's shapes measured first).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
-        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, SDPA over its heads at "
-        "16-1024-token chunks (causal, and after as many tokens of context with the runtime's mask), and the "
+        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, one sequence's decode attention "
+        "over its cache layout at 128-1536 tokens of context, SDPA over its heads at 16-1024-token chunks "
+        "(causal, and after as many tokens of context with the runtime's mask), and the "
         "torch reference's dequantization of one expert at 2, 3, 4 and 8 bits (RTN records of the static "
         "engines' group size). The fitted curves are kept under the model's shape key (gemm@KEY, grouped_gemm@KEY, "
-        "head@KEY, attention_prefill@KEY, attention_prefill_context@KEY, dequant_cpu_packed@KEY) beside those of "
+        "head@KEY, attention_decode@KEY, attention_prefill@KEY, attention_prefill_context@KEY, "
+        "dequant_cpu_packed@KEY) beside those of "
         "models calibrated before, and `--simulate cpu` prices a model of that shape by them instead of the "
         "generic curves (measured on one square matrix, one [1536, 512] expert matrix). Repeat for several "
         "models.")] = None,

@@ -158,6 +158,24 @@ def test_bench_step_residuals_compare_the_same_batches(tmp_path):
     assert step_residuals(m, s) == "prefill 1 steps: 300.0 / 270.0 ms (-10%); decode 3 steps: 55.0 / 60.5 ms (+10%)"
     assert step_residuals(m, write("other", [0.1, 0.1, 0.1, 0.1], [200, 200, 0, 0])) is None
     assert step_residuals(m, tmp_path / "absent") is None
+    # batches that differ (an open-loop run's): prefill-only steps paired by (tokens, cached tokens) in
+    # order, decode steps of one sequence by each run's median
+    def table(name: str, rows: list[tuple[float, int, int, int]]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        d, p, n, c = zip(*rows)
+        pq.write_table(pa.table({"duration_s": d, "prefill_tokens": p, "decode_tokens": n,
+                                 "cached_prompt_tokens": c}), folder / "steps.parquet")
+        return folder
+
+    # measured: prefills (300, 0) 10 ms and (200, 128) 8 ms, then (300, 0) 12 ms; decode 1.0, 1.2, 1.1 ms
+    a = table("a", [(0.010, 300, 0, 0), (0.001, 0, 1, 0), (0.008, 200, 0, 128), (0.0012, 0, 1, 0),
+                    (0.012, 300, 0, 0), (0.0011, 0, 1, 0), (0.002, 0, 2, 0)])
+    # simulated: the same prefills 9, 8.8, 12.6 ms (-10%, +10%, +5%); one more decode step: 0.9, 1.0, 1.0, 0.95 ms
+    b = table("b", [(0.009, 300, 0, 0), (0.0009, 0, 1, 0), (0.0010, 0, 1, 0), (0.0088, 200, 0, 128),
+                    (0.0126, 300, 0, 0), (0.001, 0, 1, 0), (0.00095, 0, 1, 0)])
+    assert step_residuals(a, b) == ("prefill 3 steps paired by their tokens: median error +5% (-10% to +10%); "
+                                    "decode of one sequence (3 / 4 steps): 1.10 / 1.00 ms (-9%)")
 
 
 def test_bench_counts_the_line_for_simulated_and_repeated_runs():

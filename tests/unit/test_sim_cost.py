@@ -476,6 +476,9 @@ def test_curves_measured_on_the_models_shapes_replace_the_generic_ones():
     pre = StepWork(prefill=((8, 0),), kv_bytes_per_token=0, dense_bytes_read=288, logit_rows=1)
     att = CostModel(profile(**{f"attention_prefill@{key}": flat(0.1)}), TINY, "bfloat16").step(pre).parts
     assert att["attention"] == pytest.approx(4 * plain.step(pre).parts["attention"])
+    # decode attention: 10 tokens x 16 B at 1e9 x 0.2 (measured on this model's cache) = 800 ns, not 200
+    dec = CostModel(profile(**{f"attention_decode@{key}": flat(0.2)}), TINY, "bfloat16").step(TINY_WORK).parts
+    assert a["attention"] == pytest.approx(200e-9) and dec["attention"] == pytest.approx(800e-9)
     assert f"gemm@{key}" in notes["efficiency"] and "gemm@d9-q9-kv9-i9-v9-b2" not in notes["efficiency"]
     assert "none" in plain.assumptions()["shaped_curves"]
 
@@ -504,6 +507,13 @@ def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
     # causal SDPA of 2 heads of 4 over a 10-token chunk in 1 us: 4 x 2 x 4 x 10 x 10 / 2 FLOPs / peak / seconds
     att = {**entry, "attention": {"heads": 2, "kv_heads": 1, "head_dim": 4}, "seconds": {"attention": {"10": 1e-6}}}
     assert fit_model_curves("K", att, bw, peak)["attention_prefill@K"]["points"] == [[10.0, pytest.approx(0.16)]]
+    # one sequence's decode attention at 128, 512 and 1536 tokens: 50 us + 0.3 us a token exactly; the
+    # cache's 640 bytes a token over 0.3 us at 1e9 B/s = 2.13 (clipped to 1), at the contexts' mean
+    dec = {**entry, "decode_kv_bytes_per_token": 640,
+           "seconds": {"decode_attention": {str(c): 5e-5 + 3e-7 * c for c in (128, 512, 1536)}}}
+    curve = fit_model_curves("K", dec, bw, peak)["attention_decode@K"]
+    assert curve["points"] == [[pytest.approx(2176 / 3), 1.0]] and "clipped" in curve["source"]
+    assert fit_model_curves("K", dec, 1e10, peak)["attention_decode@K"]["points"][0][1] == pytest.approx(640 / 3e3)
     # after 10 tokens of context, the masked 10 x 20 rectangle in 2 us: 4 x 2 x 4 x 200 / peak / seconds
     att["seconds"]["attention_context"] = {"10": 2e-6}
     assert fit_model_curves("K", att, bw, peak)["attention_prefill_context@K"]["points"] == [
