@@ -357,8 +357,9 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
             continue
         per_key = 4 * int(att["heads"]) * int(att["head_dim"])
         pts = [(float(n), per_key * pairs * int(n) * int(n) / peak / _rate(per_chunk, n)) for n in per_chunk]
+        timed = att.get("sdpa") or f"{att['heads']} heads, {att['kv_heads']} KV heads of {att['head_dim']}"
         out[f"{curve}@{key}"] = _curve(
             pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: {what} "
-                 f"({att['heads']} heads, {att['kv_heads']} KV heads of {att['head_dim']}) at each chunk size, 4 x "
-                 f"heads x head_dim x chunk^2 x {pairs:g} FLOPs / flops_per_s / seconds")
+                 f"({timed}) at each chunk size, 4 x heads ({att['heads']}) x head_dim ({att['head_dim']}) x "
+                 f"chunk^2 x {pairs:g} FLOPs / flops_per_s / seconds")
     return out

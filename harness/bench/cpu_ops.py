@@ -206,7 +206,7 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
     out: dict[str, dict[str, float]] = {part: {} for part in MODEL_ROWS}
     for (part, r), ts in times.items():
         out[part][str(r)] = _median(ts)
-    heads = attention_heads(shape)
+    heads = attention_heads(shape, mla)
     if heads is not None:
         out["attention"] = prefill_attention_seconds(*heads, rounds=rounds)
         out["attention_context"] = prefill_attention_seconds(*heads, rounds=rounds, context=True)
@@ -264,25 +264,29 @@ def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, 
     return out
 
 
-def attention_heads(shape) -> tuple[int, int, int] | None:
-    """(query heads, KV heads, head_dim) of the model's prefill SDPA; None for MLA (its shape's
-    kv_size is half a latent, not whole heads) or a shape without heads."""
+def attention_heads(shape, mla=None) -> tuple[int, int, int, int] | None:
+    """(query heads, KV heads, key dim, value dim) of the model's prefill SDPA as the runtime calls
+    it: GQA's heads; MLA's absorbed form (`mla`, its ModelConfig.mla: one shared head of keys
+    [latent, rope key] and values [latent], engines/runtime/mla.py); None for a shape without whole
+    heads."""
+    if mla is not None:
+        return shape.heads, 1, mla.kv_lora_rank + mla.qk_rope_head_dim, mla.kv_lora_rank
     if not shape.head_dim or shape.kv_size % shape.head_dim or shape.q_size != shape.heads * shape.head_dim:
         return None
-    return shape.heads, shape.kv_size // shape.head_dim, shape.head_dim
+    return shape.heads, shape.kv_size // shape.head_dim, shape.head_dim, shape.head_dim
 
 
-def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, rounds: int = 5,
+def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, value_dim: int, rounds: int = 5,
                               context: bool = False) -> dict[str, float]:
     """Seconds of one SDPA over a prefill chunk of n tokens as the runtime calls it per chunk
     (engines/runtime/attention.py `paged_attention`: [1, heads, n, head_dim] queries, enable_gqa):
-    causal over the chunk's own [1, kv_heads, n, head_dim] keys and values (no context before it),
+    causal over the chunk's own [1, kv_heads, n, head_dim] keys (values of value_dim; no context before it),
     or with `context`, after n tokens of context: over 2n keys with the runtime's `context_mask`,
     built per call as the runtime builds it (the whole [n, 2n] rectangle computed). At each n of
     ATTENTION_CHUNKS; the median over `rounds` rounds of every n. {n: seconds}."""
     keys = 2 if context else 1
     args = {n: (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys * n, head_dim),
-                torch.randn(1, kv_heads, keys * n, head_dim)) for n in ATTENTION_CHUNKS}
+                torch.randn(1, kv_heads, keys * n, value_dim)) for n in ATTENTION_CHUNKS}
 
     def call(n: int) -> None:
         q, k, v = args[n]
@@ -373,10 +377,14 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     group = static_group_size(shape)
     seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
     seconds["decode_attention"], kv_bytes = decode_attention_seconds(config, rounds)
-    heads = attention_heads(shape)
+    heads = attention_heads(shape, config.mla)
+    # the FLOPs a prefill curve's time is a fraction of are the cost model's count, 4 x heads x head_dim
+    # a pair (MLA: its query head dim); "sdpa" is what was timed
+    attention = {"heads": shape.heads, "kv_heads": heads[1], "head_dim": shape.head_dim,
+                 "sdpa": "{} query heads over {} KV heads, keys of {}, values of {}".format(*heads)} if heads else None
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                               "dtype_bytes": 4, "threads": torch.get_num_threads(), "dequant_group_size": group,
-                              "attention": dict(zip(("heads", "kv_heads", "head_dim"), heads)) if heads else None,
+                              "attention": attention,
                               "decode_kv_bytes_per_token": kv_bytes,
                               "matrices": {k: [list(m) for m in v] for k, v in mats.items()},
                               "params": {k: sum(n * k_ for n, k_ in v) for k, v in mats.items()},

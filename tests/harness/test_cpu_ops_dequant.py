@@ -43,3 +43,34 @@ def test_an_expert_larger_than_the_cap_is_timed_on_a_slice_and_scaled(monkeypatc
     seconds = cpu_ops.model_dequant_seconds(shape, 64)
     assert set(quantized) == {(1, 32, 128), (1, 32, 64)}
     assert seconds == {str(b): 4.0 for b in DEQUANT_BITS}
+
+
+def test_attention_timed_as_the_runtime_calls_it_for_mla_and_gqa(tmp_path):
+    """`pwbench hw calibrate --model` times prefill SDPA with the shapes the runtime gives it: MLA's
+    absorbed queries [T, H, latent + rope] against one shared head of keys [latent + rope] and
+    values [latent] (engines/runtime/mla.py, run here on a tiny DeepSeek-V3), GQA's heads as they are."""
+    import torch
+
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.mla import mla_keys_values, mla_project
+    from engines.runtime.shape import model_shape
+    from engines.runtime.weights import MLAWeights
+    from harness.bench.cpu_ops import attention_heads
+    from tests.tiny_models import build_hf_model, save_checkpoint
+
+    folder = save_checkpoint(build_hf_model("deepseek_v3"), tmp_path / "ds")
+    cfg = open_checkpoint(str(folder), config_only=True).config
+    m, H, D = cfg.mla, cfg.num_heads, cfg.hidden_size
+    heads = attention_heads(model_shape(cfg, 4), m)
+    qk, r = m.qk_nope_head_dim + m.qk_rope_head_dim, m.kv_lora_rank
+    w = MLAWeights(kv_a=torch.randn(r + m.qk_rope_head_dim, D), kv_a_norm=torch.ones(r),
+                   kv_b=torch.randn(H * (m.qk_nope_head_dim + m.v_head_dim), r), o=torch.randn(D, H * m.v_head_dim),
+                   q=torch.randn(H * qk, D))
+    half = m.qk_rope_head_dim // 2
+    h, cos, sin = torch.randn(5, D), torch.ones(5, half), torch.zeros(5, half)
+    q, latent, k_rot = mla_project(cfg, w, h, cos, sin)
+    keys, values = mla_keys_values(latent, k_rot)
+    assert heads == (q.shape[1], keys.shape[1], keys.shape[-1], values.shape[-1]) == (4, 1, 24, 16)
+    assert q.shape[-1] == keys.shape[-1]
+    demo = open_checkpoint(str(demo_model_path()), config_only=True).config
+    assert attention_heads(model_shape(demo, 4)) == (4, 2, 32, 32)  # hidden 128 over 4 heads, 2 KV heads
