@@ -275,8 +275,10 @@ class MoEGenSimExecutor(SimExecutor):
         prefill_tokens = sum(c.length for c in prefills)
         # key-query pairs at the causal rate: a chunk after context computes its whole masked rectangle
         # (engines/sim/cost.py `prefill_attention_pairs`), at attention_prefill_context's rate
-        chunk = prefill_tokens / len(prefills) if prefills else 1
-        after = self._eff("attention_prefill", chunk) / self._eff("attention_prefill_context", chunk)
+        after = 1.0  # (looked up only for a step with a chunk after context)
+        if any(c.start for c in prefills):
+            chunk = prefill_tokens / len(prefills)
+            after = self._eff("attention_prefill", chunk) / self._eff("attention_prefill_context", chunk)
         prefill_context = sum(prefill_attention_pairs(c.length, c.start) * after if c.start
                               else c.length * (c.length + 1) // 2 for c in prefills)
         n_moe = max(1, len(counts))

@@ -36,7 +36,7 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
                         FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
     attention_prefill_context@K  the same after n tokens of context, with the runtime's mask over
                         the [n, 2n] rectangle: 4 x heads x head_dim x n x 2n FLOPs / peak / seconds
-    attention_decode@K  the same entry's decode attention of one sequence as the runtime runs it
+    attention_decode@K  the same entry's decode attention of 16 sequences as the runtime runs it
                         for that model's cache (GQA: the C kernel in place; MLA: gather, expand,
                         SDPA) at several contexts: the cache's bytes per token and layer over the
                         time per context token (the slope) / bandwidth
@@ -187,8 +187,9 @@ def _one_term_fit(x: list[tuple[float, float]], y: list[float]) -> tuple[float, 
     return min(alone, key=lambda ab: _squared_error(x, y, *ab))
 
 
-def _squared_error(x: list[tuple[float, float]], y: list[float], a: float, b: float) -> float:
-    return sum((r - a * u - b * v) ** 2 for (u, v), r in zip(x, y))
+def _squared_error(x: list[tuple[float, ...]], y: list[float], *k: float) -> float:
+    """The squared error of y = sum(k_i x_i) over the rows."""
+    return sum((r - sum(c * u for c, u in zip(k, row))) ** 2 for row, r in zip(x, y))
 
 
 def fit_call_and_sequence_overhead(rows: list[tuple[int, int, float]],
@@ -232,8 +233,7 @@ def fit_prefill_overhead(rows: list[tuple[int, int, float]], layers: int,
     if fit is None:
         raise ValueError("prefill overhead: the steps' token and segment counts are proportional; vary them")
     a, b, c = fit
-    err = sum((r - a * u - b * v - c * w) ** 2 for (u, v, w), r in zip(x, y))
-    return a, b, c, {"steps": len(rows), "rms_s": math.sqrt(err / len(y))}
+    return a, b, c, {"steps": len(rows), "rms_s": math.sqrt(_squared_error(x, y, a, b, c) / len(y))}
 
 
 def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...] | None:
@@ -274,7 +274,7 @@ def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tup
         full = [0.0] * n
         for i, v in zip(idx, k):
             full[i] = v
-        err = sum((r - sum(c * u for c, u in zip(full, row))) ** 2 for row, r in zip(x, y))
+        err = _squared_error(x, y, *full)
         if err < best_err:
             best, best_err = tuple(full), err
     return best
@@ -341,9 +341,9 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
         if slope > 0:
             out[f"attention_decode@{key}"] = _curve(
                 [(cm, kv_bytes / slope / bw)],
-                f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: one "
-                f"sequence's decode attention of one layer as the runtime runs it for this model (paged_attention "
-                f"over its cache layout) at {', '.join(per_ctx)} tokens of context: the cache's "
+                f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: "
+                f"decode attention of one layer as the runtime runs it for this model (paged_attention over its "
+                f"cache layout), per sequence, at {', '.join(per_ctx)} tokens of context: the cache's "
                 f"{kv_bytes:g} bytes per token over the time per context token (least squares slope, "
                 f"{slope * 1e9:.1f} ns) / memory_bandwidth_bytes_per_s (the calls' fixed time is priced by count)")
     att = entry.get("attention") or {}

@@ -12,7 +12,7 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
 - Curves measured on the model's own shapes: a profile may carry `gemm@K`, `grouped_gemm@K`,
   `head@K`, `attention_decode@K`, `attention_prefill@K` and `attention_prefill_context@K` for K =
   `shape_key(shape)` (`pwbench hw calibrate --model DIR` measures the model's dense projections,
-  one expert's gate_up + down and its LM head at 1-1024 rows, one sequence's decode attention over
+  one expert's gate_up + down and its LM head at 1-1024 rows, 16 sequences' decode attention over
   its cache layout at several contexts, and SDPA over its heads at 16-1024-token chunks, causal and
   after context); for that model they replace the generic curves of the same name (the LM head's,
   else "gemm"; a chunk after context's, else "attention_prefill"). A GEMM's efficiency

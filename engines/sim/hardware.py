@@ -46,6 +46,7 @@ from typing import Any
 
 from engines.common.peaks import cached_peaks, cpu_model, names_device
 from engines.sim.calibrate import best_flops, cpu_rates, fit_cpu_curves
+from engines.sim.cost import SHAPED
 
 PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -81,9 +82,8 @@ OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "deq
                              "attention_prefill_context",
                              *(k for k in EFFICIENCY_KEYS if k.startswith("dequant_group_"))})
 # A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
-# only these names take one.
-SHAPED_CURVES = ("gemm", "grouped_gemm", "head", "attention_decode", "attention_prefill", "attention_prefill_context",
-                 "dequant_cpu_packed")
+# only the names the cost model reads that way (engines/sim/cost.py SHAPED) take one.
+SHAPED_CURVES = SHAPED
 
 
 def curve_base(key: str) -> str:

@@ -310,8 +310,8 @@ def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, value_di
 
 
 # `decode_attention_seconds`: DECODE_SEQUENCES sequences' decode attention at these contexts (tokens
-# attended each), blocks of DECODE_BLOCK tokens scattered over a pool of DECODE_POOL_BLOCKS. 32
-# sequences of 1,536 tokens are 25-50 MB of cache per layer for the benchmark's models, far more than a
+# attended each), blocks of DECODE_BLOCK tokens scattered over a pool of DECODE_POOL_BLOCKS. 16
+# sequences of 1,536 tokens are 12-25 MB of cache per layer for the benchmark's models, far more than a
 # core's L2 (2 MB here), as a step's KV is once the experts' weights have passed through the caches
 # (one sequence's fits in L2: the bundled model's then read at 1.25x the copy bandwidth).
 DECODE_SEQUENCES, DECODE_CONTEXTS, DECODE_BLOCK, DECODE_POOL_BLOCKS = 16, (128, 512, 1536), 16, 4096
@@ -323,7 +323,6 @@ def decode_attention_seconds(config, rounds: int = 5) -> tuple[dict[str, float],
     heads read in place by the C kernel where it builds; MLA's latent and rope key gathered and
     expanded by `mla_keys_values`, then SDPA), at each context of DECODE_CONTEXTS, the median over
     `rounds` rounds, per sequence: ({context: seconds}, the cache's bytes per token and layer)."""
-    from engines.runtime.kv_cache import PagedKVCache
     from engines.runtime.memory import keep_freed_host_memory
     from engines.runtime.mla import mla_keys_values
 

@@ -435,8 +435,10 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
     import pyarrow.parquet as pq
 
     cols = ["duration_s", "prefill_tokens", "decode_tokens"]
-    try:
-        m, s = (pq.read_table(f / "steps.parquet").to_pydict() for f in (measured, simulated))
+    try:  # the columns compared (the cached tokens where the table has them), not the whole table
+        m, s = (pq.read_table(f / "steps.parquet", columns=[c for c in (*cols, "cached_prompt_tokens")
+                                                            if c in pq.read_schema(f / "steps.parquet").names])
+                .to_pydict() for f in (measured, simulated))
     except (OSError, ValueError):
         return None
     if any(c not in t for t in (m, s) for c in cols):

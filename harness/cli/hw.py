@@ -541,7 +541,7 @@ def hw_calibrate(
                                                 "(~40 s; the bundled model's shapes measured first).")] = True,
     model: Annotated[list[str] | None, typer.Option(
         "--model", help="A model folder (config.json is enough) whose own shapes to measure: its attention "
-        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, one sequence's decode attention "
+        "projections, one expert (gate_up + down) and its LM head at 1-1024 rows, 16 sequences' decode attention "
         "over its cache layout at 128-1536 tokens of context, SDPA over its heads at 16-1024-token chunks "
         "(causal, and after as many tokens of context with the runtime's mask), and the "
         "torch reference's dequantization of one expert at 2, 3, 4 and 8 bits (RTN records of the static "
@@ -555,8 +555,7 @@ def hw_calibrate(
 ) -> None:
     """Measure this CPU as `pwbench hw` does (and cache it), fit the `cpu` profile's efficiency
     curves and overheads (per torch call, per prefill token, segment and step, per engine part),
-    print
-    the profile with every source, and optionally write it.
+    print the profile with every source, and optionally write it.
     With --model, also measure that model's own GEMM shapes and expert dequantization (curves keyed
     by its shape)."""
     from pathlib import Path
