@@ -41,7 +41,13 @@ from engines.runtime.kv_cache import PagedKVCache
 from engines.runtime.model import MoEModel
 from engines.runtime.shape import ModelShape
 from engines.runtime.transfer import TransferLedger
-from engines.sim.cost import StepCost, module_curves, prefill_attention_pairs, prefill_overhead_s
+from engines.sim.cost import (
+    StepCost,
+    module_curves,
+    prefill_attention_pairs,
+    prefill_overhead_rates,
+    prefill_overhead_s,
+)
 from engines.sim.executor import SimExecutor
 from engines.sim.routing import routing_source
 
@@ -122,19 +128,18 @@ def host_kv_gb(profile: Any, shape: ModelShape, utilization: float) -> float:
 class _Pricing:
     """What a result folder records about how a simulated moegen step is priced."""
 
-    def __init__(self, hw: Hardware, profile: Any, plan: BatchPlan) -> None:
+    def __init__(self, hw: Hardware, profile: Any, plan: BatchPlan, shape: ModelShape) -> None:
         self.hw, self.profile, self.plan = hw, profile, plan
+        self.rates = prefill_overhead_rates(profile, shape)
 
     def assumptions(self) -> dict[str, Any]:
         return {"cost_model": "engines/moegen/cost.py step_cost (moegen's own model of its layer-major step)",
                 "version": VERSION, "profile": self.profile.name,
                 "hardware": dataclasses.asdict(self.hw),
                 "step_overhead_s": float(self.profile.step_overhead_s),
-                "prefill_overhead": "layers x (prefill_element_overhead_s x prefill tokens x hidden + "
-                                    "prefill_segment_overhead_s x prefill segments + prefill_step_overhead_s), as "
-                                    "engines/sim/cost.py adds it: " + ", ".join(
-                                        f"{float(getattr(self.profile, f'prefill_{k}_overhead_s', 0.0) or 0.0):.3g} s"
-                                        for k in ("element", "segment", "step")),
+                "prefill_overhead": "layers x (per element x prefill tokens x hidden + per segment x prefill "
+                                    "segments + per step), as engines/sim/cost.py adds it: " + ", ".join(
+                                        f"{v:.3g} s" for v in self.rates[:3]) + f" ({self.rates[3]})",
                 "curves_applied": "projections, experts, LM head: the curves engines/sim/cost.py module_curves "
                                   "picks (gemm@K, grouped_gemm@K, head@K where measured for this model, else "
                                   "gemm, grouped_gemm, gemm), roofline bound / curve(rows); copy (at one expert "
@@ -160,7 +165,7 @@ class MoEGenSimExecutor(SimExecutor):
         self.profile = simulation.profile
         self.curves, _ = module_curves(self.profile.efficiency, shape)  # shaped where measured, as hw's
         simulation.routing, simulation.dtype = routing, dtype_name(model.weights.embed.dtype)
-        simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan), self
+        simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan, shape), self
         simulation.notes.append(f"moegen's steps are priced by its own cost model (engines/moegen/cost.py, "
                                 f"{VERSION}), not engines/sim/cost.py: cost_model_version names the latter")
         k0, v0 = kv.k[0], kv.v[0]  # [K, blocks, B, dim]

@@ -65,8 +65,9 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   (token x hidden), `prefill_segment_overhead_s` per prefill segment (one sequence's chunk) and
   `prefill_step_overhead_s` per step that prefills, each per layer (`prefill_overhead_s`): the model
   code's time beyond the priced modules that comes with a prefill (per-segment attention calls on
-  views, cache writes; `pwbench hw calibrate` fits the three on the bundled model; 0 in the GPU
-  profiles).
+  views, cache writes; `pwbench hw calibrate` fits the three on the bundled model, and with
+  `--model` on that model's own checkpoint, which a model of its shape then pays instead
+  (`prefill_overhead_rates`); 0 in the GPU profiles).
 
 `roofline_s` is the bytes the step must read (dense + experts that ran + KV attended, prefill
 contexts included) at memory_bytes_per_s; every module's time is at least its bytes at that
@@ -193,17 +194,28 @@ def torch_calls(shape: ModelShape, decode_groups: int, prefill: bool, expert_run
     return per_layer * shape.layers + OPS_PER_EXPERT * expert_runs
 
 
+def prefill_overhead_rates(profile: Any, shape: ModelShape) -> tuple[float, float, float, str]:
+    """The per-layer prefill rates (per activation element, per segment, per step) a model of
+    `shape` pays, and where they come from: those `pwbench hw calibrate --model` fitted on a model
+    of that shape (the profile's model_prefill_*_overhead_s tables at its `shape_key`) where the
+    profile has them, else the profile's own (fitted on the bundled model), 0 where it has none."""
+    key = shape_key(shape)
+    tables = [getattr(profile, f"model_prefill_{k}_overhead_s", None) or {} for k in ("element", "segment", "step")]
+    if any(key in t for t in tables):
+        e, g, st = (float(t.get(key, 0.0)) for t in tables)
+        return e, g, st, f"fitted on this model's own checkpoint (model_prefill_*_overhead_s[{key}])"
+    e, g, st = (float(getattr(profile, f"prefill_{k}_overhead_s", 0.0) or 0.0) for k in ("element", "segment", "step"))
+    return e, g, st, "the profile's prefill_*_overhead_s (fitted on the bundled model)"
+
+
 def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: int) -> float:
     """The model code's time a prefill of `tokens` tokens in `segments` segments takes beyond the
-    priced modules, over the model's layers, by the profile's per-layer rates (0 where it has
-    none): per activation element (token x hidden: the elementwise kernels around the priced
-    modules scale with it), per segment (each sequence's chunk attended in its own calls) and once
-    (a step that prefills, whatever its size)."""
+    priced modules, over the model's layers, by `prefill_overhead_rates`: per activation element
+    (token x hidden: the elementwise kernels around the priced modules scale with it), per segment
+    (each sequence's chunk attended in its own calls) and once (a step that prefills, whatever its size)."""
     if not tokens:
         return 0.0
-    per_element = float(getattr(profile, "prefill_element_overhead_s", 0.0) or 0.0)
-    per_segment = float(getattr(profile, "prefill_segment_overhead_s", 0.0) or 0.0)
-    per_step = float(getattr(profile, "prefill_step_overhead_s", 0.0) or 0.0)
+    per_element, per_segment, per_step, _ = prefill_overhead_rates(profile, shape)
     return shape.layers * (per_element * tokens * shape.hidden + per_segment * segments + per_step)
 
 
@@ -339,7 +351,9 @@ class CostModel:
     # per-layer prefill_step_overhead_s in a step that prefills (fitted with the other two); decode
     # attention at `attention_decode@key` where the profile has it (the model's own cache layout and
     # path: MLA's gather and expansion read its latent cache several times over)
-    VERSION: ClassVar[str] = "10"
+    # 11: the prefill rates fitted on the model's own checkpoint where the profile has them
+    # (`prefill_overhead_rates`: the model_prefill_*_overhead_s tables at its shape key)
+    VERSION: ClassVar[str] = "11"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -564,9 +578,8 @@ class CostModel:
             "profile": p.name, "description": getattr(p, "description", ""), "dtype": self.dtype,
             "memory_bytes_per_s": self.bw, "flops_per_s": self.peak, "link_pinned_bytes_per_s": self.link,
             "step_overhead_s": float(p.step_overhead_s),
-            "prefill_element_overhead_s": float(getattr(p, "prefill_element_overhead_s", 0.0) or 0.0),
-            "prefill_segment_overhead_s": float(getattr(p, "prefill_segment_overhead_s", 0.0) or 0.0),
-            "prefill_step_overhead_s": float(getattr(p, "prefill_step_overhead_s", 0.0) or 0.0),
+            **dict(zip(("prefill_element_overhead_s", "prefill_segment_overhead_s", "prefill_step_overhead_s",
+                        "prefill_overhead_source"), prefill_overhead_rates(p, self.shape))),
             "op_overhead_s": self.op_overhead_s,
             "decode_sequence_overhead_s": self.decode_sequence_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s

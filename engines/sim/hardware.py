@@ -98,12 +98,15 @@ _INTS = ("memory_bytes", "host_memory_bytes")
 _STRS = ("name", "description", "default_dtype")
 _BOOLS = ("shared_processor",)
 # An engine's parts' host time beyond this runtime's priced path, per layer and per layer-token, by key
-# (engines/sim/cost.py `executor_overhead_s`); the cpu profile's from `pwbench hw calibrate`.
-_OVERHEAD_TABLES = ("executor_overhead_s", "executor_token_overhead_s")
-_TABLES = ("flops_per_s", "efficiency", "sources", *_OVERHEAD_TABLES)
+# (engines/sim/cost.py `executor_overhead_s`); and a model's own prefill rates, by its shape key
+# (engines/sim/cost.py `prefill_overhead_rates`): the cpu profile's from `pwbench hw calibrate`.
+MODEL_PREFILL_TABLES = ("model_prefill_element_overhead_s", "model_prefill_segment_overhead_s",
+                        "model_prefill_step_overhead_s")
+OVERHEAD_TABLES = ("executor_overhead_s", "executor_token_overhead_s", *MODEL_PREFILL_TABLES)
+_TABLES = ("flops_per_s", "efficiency", "sources", *OVERHEAD_TABLES)
 _FIELDS = (*_STRS, *_INTS, *_FLOATS, *_BOOLS, *_TABLES)
 _OPTIONAL_FIELDS = ("op_overhead_s", "shared_processor", "decode_sequence_overhead_s", "prefill_element_overhead_s",
-                    "prefill_segment_overhead_s", "prefill_step_overhead_s", *_OVERHEAD_TABLES)
+                    "prefill_segment_overhead_s", "prefill_step_overhead_s", *OVERHEAD_TABLES)
 _ZERO_OK = ("op_overhead_s", "step_overhead_s", "decode_sequence_overhead_s", "prefill_element_overhead_s",
             "prefill_segment_overhead_s", "prefill_step_overhead_s")
 
@@ -160,6 +163,11 @@ class HardwareProfile:
     # layer-major loop), per layer and per layer-token, by key (added): `pwbench hw calibrate` fits them.
     executor_overhead_s: dict[str, float] = field(default_factory=dict)
     executor_token_overhead_s: dict[str, float] = field(default_factory=dict)
+    # The three prefill rates above fitted on one model's own checkpoint, by its shape key
+    # (engines/sim/cost.py `shape_key`): a model of that shape takes these instead (added).
+    model_prefill_element_overhead_s: dict[str, float] = field(default_factory=dict)
+    model_prefill_segment_overhead_s: dict[str, float] = field(default_factory=dict)
+    model_prefill_step_overhead_s: dict[str, float] = field(default_factory=dict)
     origin: str = ""  # the file (or "cpu: ...") it was read from (added)
     # host and device are one processor (copies are memcpys on the compute cores); None: the
     # profile is named "cpu" (`shared` below is the one rule). Added.
@@ -267,7 +275,7 @@ def _profile_table(p: HardwareProfile) -> dict[str, Any]:
     if p.shared_processor is not None:
         table["shared_processor"] = p.shared_processor
     table["flops_per_s"] = dict(p.flops_per_s)
-    for f in _OVERHEAD_TABLES:
+    for f in OVERHEAD_TABLES:
         if getattr(p, f):
             table[f] = dict(getattr(p, f))
     table["sources"] = dict(p.sources)
@@ -361,7 +369,7 @@ def _build(table: Mapping[str, Any], where: str) -> HardwareProfile:
     absent = [k for k in REQUIRED_CURVES if k not in kw["efficiency"]]
     if absent:
         raise _bad(where, f"efficiency.{absent[0]}", "is missing", "add the curve, or inherit it from a built-in")
-    for f in _OVERHEAD_TABLES:
+    for f in OVERHEAD_TABLES:
         given = table.get(f, {})
         if not isinstance(given, dict):
             raise _bad(where, f, "must be a table of key = seconds", f"write [{f}] pagedweight = 1e-4")
@@ -382,7 +390,7 @@ def _apply_overrides(table: dict[str, Any], overrides: Mapping[str, Any], where:
         if head not in _FIELDS or (rest and head not in _TABLES) or (head in _TABLES and not rest):
             raise _bad(where, str(key), "is not an overridable field",
                        f"use one of {', '.join((*_STRS, *_INTS, *_FLOATS, *_BOOLS))}, or flops_per_s.DTYPE, "
-                       "efficiency.KEY, sources.FIELD, executor_overhead_s.KEY, executor_token_overhead_s.KEY")
+                       "efficiency.KEY, sources.FIELD, " + ", ".join(f"{t}.KEY" for t in OVERHEAD_TABLES))
         if not rest:
             table[head] = value
             table["sources"][head] = "given (override)"
@@ -452,7 +460,7 @@ def profile_toml(p: HardwareProfile, name: str | None = None, header: str = "") 
             lines.append(f"{key} = {_toml_value(table[key])}")
     lines += ["", "[flops_per_s]"]
     lines += [f"{_toml_key(k)} = {_toml_value(float(v))}" for k, v in table["flops_per_s"].items()]
-    for f in _OVERHEAD_TABLES:
+    for f in OVERHEAD_TABLES:
         if table.get(f):
             lines += ["", f"[{f}]"] + [f"{_toml_key(k)} = {_toml_value(float(v))}" for k, v in table[f].items()]
     lines += ["", "[sources]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table["sources"].items()]
@@ -509,10 +517,17 @@ def _cpu_measured_table(base: dict[str, Any], m: Mapping[str, Any], when: str) -
         if m.get(f) is not None:  # `pwbench hw calibrate`'s prefill probe
             table[f] = float(m[f])
             sources[f] = f"{src}: {m.get('prefill_overhead_source', f)}"
-    for f in _OVERHEAD_TABLES:
+    for f in ("executor_overhead_s", "executor_token_overhead_s"):
         if isinstance(m.get(f), dict):  # `pwbench hw calibrate`'s engine probe
             table[f] = {str(k): float(v) for k, v in m[f].items()}
             sources[f] = f"{src}: {m.get('executor_overhead_source', f)}"
+    for key, entry in sorted((m.get("model_gemm") or {}).items()):  # `pwbench hw calibrate --model`'s own probe
+        fit = entry.get("prefill_overhead") if isinstance(entry, dict) else None
+        if not isinstance(fit, dict):
+            continue
+        for f, part in zip(MODEL_PREFILL_TABLES, ("element_s", "segment_s", "step_s")):
+            table.setdefault(f, {})[key] = float(fit.get(part) or 0.0)
+        sources[f"model_prefill_overhead.{key}"] = f"{src}: {fit.get('source', 'the model prefill probe')}"
     table["shared_processor"] = True
     sources["shared_processor"] = "one CPU: host and device are the same cores and memory"
     table["efficiency"] = {**table["efficiency"], **fit_cpu_curves(m)}

@@ -415,14 +415,18 @@ def calibrate(model: str) -> None:
     from harness.cli.hw import calibrate_cpu
 
     t = time.perf_counter()
-    calibrate_cpu([model])
+    result = calibrate_cpu([model])
+    own = next((e["prefill_overhead"] for e in (result.get("model_gemm") or {}).values()
+                if e.get("model") == model and e.get("prefill_overhead")), None)
     p = cpu_profile()
     print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {p.memory_bytes_per_s / 1e9:.1f} GB/s, "
           f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call and "
           f"{p.decode_sequence_overhead_s * 1e6:.2f} us per decode sequence and layer, prefill "
           f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
           f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment and {p.prefill_step_overhead_s * 1e6:.1f} us "
-          "per step per layer; the engines' parts per layer: "
+          "per step per layer" + (f" (this model's own: {own['element_s'] * 1e9:.2f} ns, {own['segment_s'] * 1e6:.1f} "
+                                  f"us and {own['step_s'] * 1e6:.1f} us)" if own else "")
+          + "; the engines' parts per layer: "
           + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
                       for k, v in p.executor_overhead_s.items()))
 

@@ -107,21 +107,26 @@ SCALARS = ("memory_bytes", "memory_bytes_per_s", "link_bytes_per_s", "link_pinne
 
 
 def _profile_json(p: Any) -> dict[str, Any]:
+    from engines.sim.hardware import OVERHEAD_TABLES
+
     return {"name": p.name, "description": p.description, "default_dtype": p.default_dtype, "origin": p.origin,
             **{k: getattr(p, k) for k in SCALARS}, "flops_per_s": p.flops_per_s,
-            "executor_overhead_s": p.executor_overhead_s, "executor_token_overhead_s": p.executor_token_overhead_s,
+            **{t: getattr(p, t) for t in OVERHEAD_TABLES},
             "efficiency": {k: {"points": [list(x) for x in c.points], "basis": c.basis, "source": c.source}
                            for k, c in p.efficiency.items()},
             "sources": p.sources}
 
 
 def _print_profile(p: Any) -> None:
+    from engines.sim.hardware import OVERHEAD_TABLES
+
     typer.echo(f"{p.name}: {p.description} (default dtype {p.default_dtype}; from {p.origin})")
     for key in SCALARS:
         typer.echo(f"  {key:26s} {getattr(p, key):<12.4g} {p.sources.get(key, '')}")
-    for table in ("executor_overhead_s", "executor_token_overhead_s"):
+    for table in OVERHEAD_TABLES:
         for key, value in getattr(p, table).items():
-            typer.echo(f"  {table + '.' + key:26s} {value:<12.4g} {p.sources.get(table, '')}")
+            src = p.sources.get(table) or p.sources.get(f"model_prefill_overhead.{key}", "")
+            typer.echo(f"  {table + '.' + key:26s} {value:<12.4g} {src}")
     for dtype, value in p.flops_per_s.items():
         src = p.sources.get(f"flops_per_s.{dtype}") or p.sources.get("flops_per_s", "")
         typer.echo(f"  {'flops_per_s.' + dtype:26s} {value:<12.4g} {src}")
@@ -153,10 +158,11 @@ def _timed_steps(engine: Any, requests: list[Any], clock: Any, costs: list[Any] 
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _measured_then_simulated(profile: Any, measure: Any, simulate: Any, device: str = "cpu") -> tuple[Any, Any]:
-    """`measure(engine)` on the bundled model on engine moe on `device` (on the CPU with one torch
-    thread), its routing recorded, then `simulate(engine)` on the same model simulated on `profile`
-    replaying it: (what each returned)."""
+def _measured_then_simulated(profile: Any, measure: Any, simulate: Any, device: str = "cpu",
+                             model: str | None = None) -> tuple[Any, Any]:
+    """`measure(engine)` on `model` (default: the bundled model) on engine moe on `device` (on the
+    CPU with one torch thread), its routing recorded, then `simulate(engine)` on the same model
+    simulated on `profile` replaying it: (what each returned)."""
     import tempfile
     from pathlib import Path
 
@@ -166,7 +172,7 @@ def _measured_then_simulated(profile: Any, measure: Any, simulate: Any, device: 
     from engines.registry import create_engine
     from engines.sim.hardware import profile_toml
 
-    model = str(demo_model_path())
+    model = model or str(demo_model_path())
     with tempfile.TemporaryDirectory(prefix="pwbench-calibrate-") as tmp:
         trace, prof = Path(tmp) / "routing.parquet", Path(tmp) / "cpu-probe.toml"
         prof.write_text(profile_toml(profile))
@@ -296,63 +302,97 @@ PREFILL_REPEATS = 5
 PREFILL_DECODE = 40
 
 
-def measure_prefill_overhead() -> tuple[float, float, float, str]:
+# A model's own prefill probe (`hw calibrate --model` on a folder with weights): the same shapes, fewer
+# repeats and decode tokens (~30 s on the 8-layer benchmark models), in one process; a checkpoint
+# larger than MODEL_PREFILL_MAX_BYTES is not probed (its shape takes the bundled model's rates).
+MODEL_PREFILL_REPEATS, MODEL_PREFILL_DECODE, MODEL_PREFILL_MAX_BYTES = 3, 16, 2 << 30
+
+
+def measure_prefill_overhead(model: str | None = None, repeats: int = PREFILL_REPEATS,
+                             decode: int = PREFILL_DECODE) -> tuple[float, float, float, str]:
     """The runtime's prefill time per activation element (token x hidden), per segment and per step
-    (per layer) that the cost model does not price, fitted on the bundled model (engines/sim/calibrate.py
-    `fit_prefill_overhead`): each probe batch's prefill step, median of its repeats, measured in this thread's CPU time
-    with one torch thread, minus the same step simulated on the cpu profile as fitted so far
-    (step overhead included, no prefill overhead), replaying the measured routing."""
+    (per layer) that the cost model does not price, fitted on `model` (default: the bundled model;
+    engines/sim/calibrate.py `fit_prefill_overhead`): each probe batch's prefill step, median of its
+    `repeats`, measured in this thread's CPU time with one torch thread, minus the same step simulated
+    on the cpu profile as fitted so far (step overhead included, no prefill overhead, the model's own
+    shape curves where measured), replaying the measured routing. Each prompt then decodes `decode`
+    tokens, untimed."""
     import dataclasses
     import random
     import time
 
     from engines.base import EngineRequest
+    from engines.common.demo import demo_model_path
+    from engines.runtime.checkpoint import open_checkpoint
     from engines.sim.calibrate import fit_prefill_overhead
-    from engines.sim.hardware import cpu_profile
+    from engines.sim.hardware import MODEL_PREFILL_TABLES, cpu_profile
 
     rng = random.Random(0)
-    order = [(k, r) for r in range(PREFILL_REPEATS) for k in range(len(PREFILL_PROBE))]  # the shapes in turn
-    batches = [[EngineRequest(f"p{k}-{r}-{i}", tuple(rng.randrange(3, 1000) for _ in range(PREFILL_PROBE[k][1])),
-                              PREFILL_DECODE, ignore_eos=True) for i in range(PREFILL_PROBE[k][0])] for k, r in order]
-    warm = [EngineRequest(f"warm{i}", tuple(rng.randrange(3, 1000) for _ in range(64)), PREFILL_DECODE,
+    config = open_checkpoint(model or demo_model_path(), config_only=True).config
+    top = min(1000, config.vocab_size)  # token ids drawn from 3 to this
+    # the probe's shapes whose prompts (and their decode) fit the model's positions
+    probe = [(g, n) for g, n in PREFILL_PROBE if n + decode <= config.max_position_embeddings]
+    order = [(k, r) for r in range(repeats) for k in range(len(probe))]  # the shapes in turn
+    batches = [[EngineRequest(f"p{k}-{r}-{i}", tuple(rng.randrange(3, top) for _ in range(probe[k][1])),
+                              decode, ignore_eos=True) for i in range(probe[k][0])] for k, r in order]
+    warm = [EngineRequest(f"warm{i}", tuple(rng.randrange(3, top) for _ in range(64)), decode,
                           ignore_eos=True) for i in range(4)]
 
     def steps(engine: Any, clock: Any) -> list[float]:
-        """Each batch's prefill step, by (shape, repeat) in PREFILL_PROBE's order."""
+        """Each batch's prefill step, by (shape, repeat) in the probe's order."""
         _timed_steps(engine, warm, clock)
         out = [0.0] * len(order)
         for (k, r), batch in zip(order, batches):
             timed = _timed_steps(engine, batch, clock)
-            if len(timed) != PREFILL_DECODE:  # one prefill step, then PREFILL_DECODE - 1 decode steps
+            if len(timed) != decode:  # one prefill step, then decode - 1 decode steps
                 raise RuntimeError(f"prefill probe: a batch of {len(batch)} prompts took {len(timed)} steps, "
-                                   f"not {PREFILL_DECODE} (its prefill in one)")
-            out[k * PREFILL_REPEATS + r] = timed[0]
+                                   f"not {decode} (its prefill in one)")
+            out[k * repeats + r] = timed[0]
         return out
 
     def measure(engine: Any) -> tuple[int, int, list[float]]:
         config = engine.checkpoint.config
         return config.num_layers, config.hidden_size, steps(engine, time.thread_time)
 
+    unfitted = dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0,
+                                   prefill_step_overhead_s=0.0, **{f: {} for f in MODEL_PREFILL_TABLES})
     (layers, hidden, wall), predicted = _measured_then_simulated(
-        dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0,
-                            prefill_step_overhead_s=0.0),
-        measure, lambda engine: steps(engine, engine.virtual_clock.now))
+        unfitted, measure, lambda engine: steps(engine, engine.virtual_clock.now), model=model)
     rows = []
-    for k, (segments, n) in enumerate(PREFILL_PROBE):
-        got = slice(k * PREFILL_REPEATS, (k + 1) * PREFILL_REPEATS)
+    for k, (segments, n) in enumerate(probe):
+        got = slice(k * repeats, (k + 1) * repeats)
         # the median measured repeat (a run's typical step) against the median simulated one
-        residual = sorted(wall[got])[PREFILL_REPEATS // 2] - sorted(predicted[got])[PREFILL_REPEATS // 2]
+        residual = sorted(wall[got])[repeats // 2] - sorted(predicted[got])[repeats // 2]
         rows.append((segments * n, segments, residual))
     per_element, per_segment, per_step, d = fit_prefill_overhead(rows, layers, hidden)
-    probe = ", ".join(f"{g} x {n}" for g, n in PREFILL_PROBE)
-    source = (f"`pwbench hw calibrate`: least squares over {d['steps']} prefill steps of the bundled model on engine "
-              f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {probe}, each batch "
-              f"then decoding {PREFILL_DECODE} tokens untimed; median of {PREFILL_REPEATS} repeats each, the shapes "
+    shapes = ", ".join(f"{g} x {n}" for g, n in probe)
+    name = f"the model {model}" if model else "the bundled model"
+    source = (f"`pwbench hw calibrate`: least squares over {d['steps']} prefill steps of {name} on engine "
+              f"moe ({layers} layers; prompts of distinct random tokens, segments x tokens: {shapes}, each batch "
+              f"then decoding {decode} tokens untimed; median of {repeats} repeats each, the shapes "
               "in turn, one torch thread, this thread's CPU time) of measured minus simulated "
               f"(the cost model without these) = layers x ({per_element * 1e9:.2f} ns x tokens x hidden ({hidden}) + "
               f"{per_segment * 1e6:.1f} us x segments + {per_step * 1e6:.1f} us); rms error {d['rms_s'] * 1e3:.2f} "
               "ms: the model code's time per prefill activation element, segment and step beyond the priced modules")
     return per_element, per_segment, per_step, source
+
+
+def prefill_probe_models(folders: list[str]) -> list[str]:
+    """Those of `folders` that `hw calibrate --model` runs its own prefill probe on: a checkpoint
+    whose weights (*.safetensors) are there and at most MODEL_PREFILL_MAX_BYTES (a config-only
+    folder, or a larger model, takes the bundled model's rates; the bundled model is the profile's own)."""
+    from pathlib import Path
+
+    from engines.common.demo import demo_model_path
+
+    out, bundled = [], demo_model_path().resolve()
+    for folder in folders:
+        if Path(folder).resolve() == bundled:  # the profile's own rates are fitted on it
+            continue
+        files = list(Path(folder).glob("*.safetensors"))
+        if files and sum(f.stat().st_size for f in files) <= MODEL_PREFILL_MAX_BYTES:
+            out.append(folder)
+    return out
 
 
 # `hw calibrate`'s engine probe: each engine that pays one key of the profile's executor_overhead tables
@@ -495,7 +535,7 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
 
     previous = (cached_peaks().get(cpu_model()) or {}).get("model_gemm") or {}
     result = measure("cpu")
-    folders = list(models)
+    folders, keys = list(models), {}
     if overheads:  # the probes' model, priced by its own shapes: the residual is then the runtime's Python
         from engines.common.demo import demo_model_path
 
@@ -507,6 +547,7 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
         for folder in folders:
             key, entry = model_gemm_entry(folder)
             result["model_gemm"][key] = entry
+            keys[folder] = key
     save_cached(result)
     if overheads:
         # kept beside `pwbench hw`'s op_overhead_s (a tiny call), which moegen's planner reads for measured runs
@@ -526,6 +567,12 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
         (result["executor_overhead_s"], result["executor_token_overhead_s"],
          result["executor_overhead_source"]) = measure_executor_overheads()
         save_cached(result)
+        for folder in prefill_probe_models(list(models)):  # each model's own prefill rates, by its shape key
+            element, segment, step, source = measure_prefill_overhead(folder, MODEL_PREFILL_REPEATS,
+                                                                      MODEL_PREFILL_DECODE)
+            result["model_gemm"][keys[folder]]["prefill_overhead"] = {
+                "element_s": element, "segment_s": segment, "step_s": step, "source": source}
+            save_cached(result)
     return result
 
 
@@ -545,7 +592,10 @@ def hw_calibrate(
         "over its cache layout at 128-1536 tokens of context, SDPA over its heads at 16-1024-token chunks "
         "(causal, and after as many tokens of context with the runtime's mask), and the "
         "torch reference's dequantization of one expert at 2, 3, 4 and 8 bits (RTN records of the static "
-        "engines' group size). The fitted curves are kept under the model's shape key (gemm@KEY, grouped_gemm@KEY, "
+        "engines' group size); with the overheads, and where the folder holds the weights (up to 2 GiB), the "
+        "prefill probe on the model itself (~30 s for an 8-layer model; its per-element, per-segment and per-step "
+        "rates, model_prefill_*_overhead_s.KEY). The fitted curves are kept under the model's shape key "
+        "(gemm@KEY, grouped_gemm@KEY, "
         "head@KEY, attention_decode@KEY, attention_prefill@KEY, attention_prefill_context@KEY, "
         "dequant_cpu_packed@KEY) beside those of "
         "models calibrated before, and `--simulate cpu` prices a model of that shape by them instead of the "

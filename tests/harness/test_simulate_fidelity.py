@@ -242,22 +242,27 @@ def test_bench_reprices_kept_runs_with_their_batches(tmp_path):
 
 @pytest.mark.slow
 def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_path, monkeypatch):
-    """`pwbench hw calibrate` on this machine (~50 s): the runtime's time per counted torch call,
-    the per-layer prefill rates and the engines' parts' overheads are fitted on the bundled model
-    (engines/sim/calibrate.py's fits, tested by hand in tests/unit/test_sim_hardware.py), land in
-    the cpu profile with their sources,
-    and a simulated prefill step pays exactly layers x (element rate x tokens x hidden + segment rate
-    x segments + step rate) more than on the same profile without them (control time off: compute only)."""
+    """`pwbench hw calibrate --model TINY` on this machine (~70 s): the runtime's time per counted
+    torch call, the per-layer prefill rates and the engines' parts' overheads are fitted on the
+    bundled model (engines/sim/calibrate.py's fits, tested by hand in tests/unit/test_sim_hardware.py),
+    land in the cpu profile with their sources; a simulated prefill step pays exactly layers x
+    (element rate x tokens x hidden + segment rate x segments + step rate) more than on the same
+    profile without them (control time off: compute only); and the tiny checkpoint given with
+    --model gets prefill rates of its own, which its simulated prefill pays instead."""
     import dataclasses
 
     from typer.testing import CliRunner
 
+    from engines.runtime.checkpoint import open_checkpoint
     from engines.runtime.shape import model_shape
-    from engines.sim.hardware import load_profile, profile_toml
+    from engines.sim.cost import shape_key
+    from engines.sim.hardware import MODEL_PREFILL_TABLES, load_profile, profile_toml
     from harness.cli import app
+    from tests.tiny_models import build_hf_model, save_checkpoint
 
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path / "cache"))
-    done = CliRunner().invoke(app, ["hw", "calibrate", "--json"])
+    tiny = save_checkpoint(build_hf_model("mixtral"), tmp_path / "tiny")
+    done = CliRunner().invoke(app, ["hw", "calibrate", "--json", "--model", str(tiny)])
     assert done.exit_code == 0, done.output
     p = load_profile("cpu")
     assert p.step_overhead_s == 0 and p.op_overhead_s > 0 and "per call" in p.sources["op_overhead_s"]
@@ -289,4 +294,30 @@ def test_hw_calibrate_fits_the_runtime_overheads_and_prefill_steps_pay_them(tmp_
     want = shape.layers * (p.prefill_element_overhead_s * tokens * shape.hidden + p.prefill_segment_overhead_s * 5
                            + p.prefill_step_overhead_s)
     assert tokens == sum(32 + 9 * i for i in range(5))
+    assert with_s - without_s == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+    # the tiny model's own rates, by its shape key, from the probe on its checkpoint
+    tiny_shape = model_shape(open_checkpoint(str(tiny)).config, 4)
+    key = shape_key(tiny_shape)
+    own = [getattr(p, t)[key] for t in MODEL_PREFILL_TABLES]
+    assert min(own) >= 0 and str(tiny) in p.sources[f"model_prefill_overhead.{key}"]
+    bare = tmp_path / "bare.toml"
+    bare.write_text(profile_toml(dataclasses.replace(p, prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0,
+                                                     prefill_step_overhead_s=0.0,
+                                                     **{t: {} for t in MODEL_PREFILL_TABLES})))
+    firsts = []
+    for prof in ("cpu", str(bare)):
+        engine = create_engine("moe", {"model": str(tiny), "simulate": prof, "routing": "uniform",
+                                       "control_time": "off"})
+        engine.start()
+        try:
+            for i in range(5):  # the tiny model's vocabulary: 257 tokens
+                engine.add_request(EngineRequest(f"t{i}", tuple(3 + (53 * i + 17 * j) % 250 for j in range(32 + 9 * i)),
+                                                 24, ignore_eos=True))
+            out = engine.step()
+            firsts.append((out.num_prefill_tokens, engine.executor.last.seconds))
+        finally:
+            engine.stop()
+    (tokens, with_s), (_, without_s) = firsts
+    want = tiny_shape.layers * (own[0] * tokens * tiny_shape.hidden + own[1] * 5 + own[2])
     assert with_s - without_s == pytest.approx(want, rel=1e-9, abs=1e-12)

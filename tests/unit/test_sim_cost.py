@@ -140,6 +140,28 @@ def test_prefill_overheads_by_hand():
     assert CostModel(stepped, shape, "bfloat16").step(decode).parts["overhead"] == pytest.approx(5e-6)
 
 
+def test_a_models_own_prefill_rates_replace_the_profiles_for_its_shape():
+    # The profile's rates (1 us an element, 20 us a segment) against a model's own (0.1 us, 0, 40 us a step)
+    # at TINY's shape key: 3 layers x (0.1 us x 9 tokens x 4 + 40 us) = 130.8 us for 9 tokens in 2 segments;
+    # a model of another shape still pays the profile's 228 us; the assumptions say which.
+    from engines.sim.cost import prefill_overhead_rates, prefill_overhead_s, shape_key
+
+    shape, other = replace(TINY, layers=3), replace(TINY, layers=3, hidden=8)
+    key = shape_key(shape)
+    rated = replace(profile(), prefill_element_overhead_s=1e-6, prefill_segment_overhead_s=2e-5,
+                    model_prefill_element_overhead_s={key: 1e-7}, model_prefill_segment_overhead_s={key: 0.0},
+                    model_prefill_step_overhead_s={key: 4e-5})
+    assert prefill_overhead_s(rated, shape, 9, 2) == pytest.approx(130.8e-6)
+    assert prefill_overhead_s(rated, other, 9, 2) == pytest.approx(3 * (1e-6 * 9 * 8 + 2e-5 * 2))
+    assert prefill_overhead_rates(rated, shape)[:3] == (1e-7, 0.0, 4e-5)
+    work = StepWork(prefill=((6, 0), (3, 4)), decode_contexts=(), kv_bytes_per_token=16)
+    model = CostModel(rated, shape, "bfloat16")
+    assert model.step(work).parts["overhead"] == pytest.approx(5e-6 + 130.8e-6)
+    said = model.assumptions()
+    assert said["prefill_step_overhead_s"] == 4e-5 and key in said["prefill_overhead_source"]
+    assert "bundled" in CostModel(rated, other, "bfloat16").assumptions()["prefill_overhead_source"]
+
+
 def test_executor_overhead_by_hand():
     # Keys layer_major (10 us a layer, 0.5 us a layer-token) and pagedweight (20 us, 0): over 4 layers and
     # a step of 6 tokens, 4 x ((10 + 0.5 x 6) + 20) us = 132 us; a key the profile lacks adds 0, as do no

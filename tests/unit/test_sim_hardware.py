@@ -248,6 +248,31 @@ def test_executor_overhead_tables_read_override_round_trip_and_reject_bad_values
     assert "\n" not in str(err.value) and "'executor_overhead_s.pagedweight'" in str(err.value)
 
 
+def test_a_models_own_prefill_fit_reaches_the_cpu_profile_and_its_toml(tmp_path):
+    """`hw calibrate --model`'s prefill fit on a model (measurements["model_gemm"][KEY]["prefill_overhead"])
+    becomes the cpu profile's model_prefill_*_overhead_s tables at KEY, with its source, and survives
+    the TOML round trip; an entry without one adds nothing."""
+    from dataclasses import replace
+
+    from engines.sim.hardware import PROFILES_DIR, _cpu_measured_table, _merged, profile_toml
+
+    base, _ = _merged(PROFILES_DIR / "cpu.toml", "cpu.toml")
+    m = {"memory_bandwidth_bytes_per_s": 2e10, "matmul_flops_per_s": 1e11,
+         "model_gemm": {"d8-k": {"prefill_overhead": {"element_s": 1e-9, "segment_s": 0.0, "step_s": 3e-4,
+                                                      "source": "probe on m8"}},
+                        "d16-k": {"params": {}}}}
+    table = _cpu_measured_table(base, m, "now")
+    assert table["model_prefill_element_overhead_s"] == {"d8-k": 1e-9}
+    assert table["model_prefill_step_overhead_s"] == {"d8-k": 3e-4}
+    assert table["model_prefill_segment_overhead_s"] == {"d8-k": 0.0}
+    assert "probe on m8" in table["sources"]["model_prefill_overhead.d8-k"]
+    p = replace(load_profile("cpu"), model_prefill_element_overhead_s={"d8-k": 1e-9},
+                model_prefill_segment_overhead_s={"d8-k": 0.0}, model_prefill_step_overhead_s={"d8-k": 3e-4})
+    f = tmp_path / "own.toml"
+    f.write_text(profile_toml(p))
+    assert replace(load_profile(str(f)), origin="") == replace(p, origin="")
+
+
 def test_fit_call_and_sequence_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_call_and_sequence_overhead
 
