@@ -273,6 +273,25 @@ def test_a_models_own_prefill_fit_reaches_the_cpu_profile_and_its_toml(tmp_path)
     assert replace(load_profile(str(f)), origin="") == replace(p, origin="")
 
 
+def test_the_models_own_prefill_probe_runs_where_the_weights_are(tmp_path, monkeypatch):
+    """`hw calibrate --model` probes a folder's own prefill only where its weights are there and at
+    most MODEL_PREFILL_MAX_BYTES: not a config-only folder (a preset's), not a larger checkpoint,
+    not the bundled model (the profile's own rates are fitted on it)."""
+    import harness.cli.hw as hw
+    from engines.common.demo import demo_model_path
+
+    small, bare, big = (tmp_path / n for n in ("small", "bare", "big"))
+    for folder in (small, bare, big):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    (small / "model.safetensors").write_bytes(b"x" * 100)
+    (big / "model-00001.safetensors").write_bytes(b"x" * 100)
+    (big / "model-00002.safetensors").write_bytes(b"x" * 100)
+    monkeypatch.setattr(hw, "MODEL_PREFILL_MAX_BYTES", 150)
+    folders = [str(small), str(bare), str(big), str(demo_model_path())]
+    assert hw.prefill_probe_models(folders) == [str(small)]
+
+
 def test_fit_call_and_sequence_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_call_and_sequence_overhead
 
