@@ -332,10 +332,14 @@ def measure_prefill_overhead(model: str | None = None, repeats: int = PREFILL_RE
     top = min(1000, config.vocab_size)  # token ids drawn from 3 to this
     # the probe's shapes whose prompts (and their decode) fit the model's positions
     probe = [(g, n) for g, n in PREFILL_PROBE if n + decode <= config.max_position_embeddings]
+    if len(probe) < 3:
+        raise ValueError(f"prefill probe: {len(probe)} of its shapes fit the model's {config.max_position_embeddings} "
+                         f"positions with {decode} tokens decoded; the fit needs 3")
     order = [(k, r) for r in range(repeats) for k in range(len(probe))]  # the shapes in turn
     batches = [[EngineRequest(f"p{k}-{r}-{i}", tuple(rng.randrange(3, top) for _ in range(probe[k][1])),
                               decode, ignore_eos=True) for i in range(probe[k][0])] for k, r in order]
-    warm = [EngineRequest(f"warm{i}", tuple(rng.randrange(3, top) for _ in range(64)), decode,
+    warm_len = 64 if 64 + decode <= config.max_position_embeddings else min(n for _, n in probe)
+    warm = [EngineRequest(f"warm{i}", tuple(rng.randrange(3, top) for _ in range(warm_len)), decode,
                           ignore_eos=True) for i in range(4)]
 
     def steps(engine: Any, clock: Any) -> list[float]:
@@ -568,10 +572,14 @@ def calibrate_cpu(models: list[str], overheads: bool = True) -> dict[str, Any]:
          result["executor_overhead_source"]) = measure_executor_overheads()
         save_cached(result)
         for folder in prefill_probe_models(list(models)):  # each model's own prefill rates, by its shape key
-            element, segment, step, source = measure_prefill_overhead(folder, MODEL_PREFILL_REPEATS,
-                                                                      MODEL_PREFILL_DECODE)
-            result["model_gemm"][keys[folder]]["prefill_overhead"] = {
-                "element_s": element, "segment_s": segment, "step_s": step, "source": source}
+            entry = result["model_gemm"][keys[folder]]
+            try:
+                element, segment, step, source = measure_prefill_overhead(folder, MODEL_PREFILL_REPEATS,
+                                                                          MODEL_PREFILL_DECODE)
+            except ValueError as exc:  # too few probe shapes fit its positions, or their residuals fit no rate
+                entry["prefill_overhead_skipped"] = f"{exc}; the bundled model's rates apply"
+                continue
+            entry["prefill_overhead"] = {"element_s": element, "segment_s": segment, "step_s": step, "source": source}
             save_cached(result)
     return result
 
@@ -623,6 +631,10 @@ def hw_calibrate(
         except ModelLoadError as exc:
             raise fail(f"--model {folder}: {exc}") from None
     result = calibrate_cpu(list(model or ()), step_overhead)
+    for entry in (result.get("model_gemm") or {}).values():
+        if entry.get("prefill_overhead_skipped") and entry.get("model") in (model or ()):
+            typer.echo(f"--model {entry['model']}: no prefill probe of its own: {entry['prefill_overhead_skipped']}",
+                       err=True)
     try:
         p = cpu_profile()
         if out_path is not None:

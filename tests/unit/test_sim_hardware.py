@@ -292,6 +292,21 @@ def test_the_models_own_prefill_probe_runs_where_the_weights_are(tmp_path, monke
     assert hw.prefill_probe_models(folders) == [str(small)]
 
 
+def test_a_model_too_short_for_the_prefill_probe_is_refused_before_it_loads(tmp_path):
+    """A model whose positions hold fewer than 3 of the probe's shapes (with their decode tokens)
+    gets a one-line ValueError, which `hw calibrate` turns into "the bundled model's rates apply"."""
+    import transformers
+
+    from harness.cli.hw import measure_prefill_overhead
+
+    transformers.MixtralConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, vocab_size=300,
+                               max_position_embeddings=40).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"0 of its shapes fit the model's 40 positions") as err:
+        measure_prefill_overhead(str(tmp_path), repeats=1, decode=16)
+    assert "\n" not in str(err.value)
+
+
 def test_fit_call_and_sequence_overhead_recovers_hand_made_rates():
     from engines.sim.calibrate import fit_call_and_sequence_overhead
 
