@@ -15,7 +15,9 @@ one fresh process, measured (with the page faults of each pass) and simulated: a
 the rest is one-time cost (which the offline runs' warm-up, a batch of the same shape, takes out),
 a gap in every pass is the cost model's. `--decode-grid` prints engine moe's decode step by
 sequences and context, measured and simulated, and runs nothing else; `--prefill-grid` its
-prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps.
+prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps. The
+probe's and the grids' simulated side replays the routing its measured side recorded (the same
+requests in both), so a small batch compares prices, not a uniform router against the model's.
 
 Each pair is measured `--repeats` times; after each model's table the benchmark prints how far
 the other measured runs land from the compared one (the measurement's own spread) and counts the
@@ -591,14 +593,17 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     return engine, wl, m, s
 
 
-def probe_engine(model: str, device: str, target: str) -> tuple[Any, Any]:
+def probe_engine(model: str, device: str, target: str, trace: str = "") -> tuple[Any, Any]:
     """A started engine moe for the probes and its clock: measured on `device` (this thread's CPU
-    time on the CPU, the synchronized wall clock on a GPU) or, with `target` set, simulated on it
-    with uniform routing (its virtual clock)."""
+    time on the CPU, the synchronized wall clock on a GPU), recording its routing to `trace` where
+    given, or, with `target` set, simulated on it (its virtual clock), replaying `trace` where given
+    (the probes send the same requests in both: same ids, same prompts), else uniform routing."""
     from engines.registry import create_engine
     from harness.cli.hw import step_clock
 
-    options = {"model": model, **({"simulate": target, "routing": "uniform"} if target else {"device": device})}
+    routing = f"replay:{trace}" if trace else "uniform"
+    options = {"model": model, **({"simulate": target, "routing": routing} if target
+                                  else {"device": device, **({"record_routing": trace} if trace else {})})}
     engine = create_engine("moe", options)
     engine.start()
     return engine, engine.virtual_clock.now if target else step_clock(device)
@@ -615,7 +620,7 @@ def add_prompts(engine: Any, rng: Any, prefix: str, lengths: Any, output: int) -
 
 
 def prefill_probe(model: str, arch: str, requests: int, device: str, target: str,
-                  passes: int = 4) -> tuple[list[float], list[int]]:
+                  passes: int = 4, trace: str = "") -> tuple[list[float], list[int]]:
     """One engine moe, the offline workload's prefill step (`requests` prompts of its lengths,
     distinct random tokens: no prefix hits) `passes` times over, each pass new requests of one
     token: each pass's prefill step in ms, measured on `device` (this thread's CPU time on the
@@ -628,7 +633,7 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     lo, hi = SIZES[arch]["input_range"]
     rng = random.Random(0)
     lengths = [rng.randint(lo, hi) for _ in range(requests)]
-    engine, clock = probe_engine(model, device, target)
+    engine, clock = probe_engine(model, device, target, trace)
     took, faults = [], []
     try:
         for k in range(passes):
@@ -651,18 +656,19 @@ GRID_SEQUENCES, GRID_CONTEXTS, GRID_OUTPUT = (1, 2, 6, 12), (32, 128, 512, 1500)
 GRID_SPREAD = (0.5, 0.65, 0.8, 1.0, 1.15, 1.3)  # (the bundled model holds 2,048 positions)
 
 
-def decode_grid(model: str, device: str, target: str) -> dict[tuple[Any, int], float]:
+def decode_grid(model: str, device: str, target: str, trace: str = "") -> dict[tuple[Any, int], float]:
     """Engine moe's decode step (the median over a batch's decode steps, its first two left out) for
     each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS and ("spread", context): six prompts of
     GRID_SPREAD x the context, in one engine, measured on `device` (this thread's CPU time on the CPU)
-    or, with `target` set, simulated on it (uniform routing): {(sequences, context): ms}. Where the
+    or, with `target` set, simulated on it (replaying `trace`, the measured grid's routing, where
+    given): {(sequences, context): ms}. Where the
     cost model's per-sequence and per-step prices part, the errors move with the sequences; where its
     price of a decode attention group is off, the spread row parts from the 6-sequence one; run in a
     fresh interpreter (`main`)."""
     import random
 
     rng = random.Random(1)
-    engine, clock = probe_engine(model, device, target)
+    engine, clock = probe_engine(model, device, target, trace)
     out = {}
     try:
         keys = [(n, c) for n in (*GRID_SEQUENCES, "spread") for c in GRID_CONTEXTS]
@@ -689,16 +695,16 @@ PREFILL_GRID = ((32,), (128,), (384,), (880,), (1500,), (64,) * 4, (32,) * 8, (6
 PREFILL_GRID_OUTPUTS, PREFILL_GRID_REPEATS = (1, GRID_OUTPUT + 4), 3
 
 
-def prefill_grid(model: str, device: str, target: str, output: int) -> dict[tuple[int, ...], float]:
+def prefill_grid(model: str, device: str, target: str, output: int, trace: str = "") -> dict[tuple[int, ...], float]:
     """Engine moe's prefill step for each batch of PREFILL_GRID (distinct random prompts of those
     lengths, each decoding `output` tokens after it, untimed), PREFILL_GRID_REPEATS times with the
     batches in turn, in one engine, measured on `device` (this thread's CPU time on the CPU) or,
-    with `target` set, simulated on it (uniform routing): {prompt lengths: the median ms}. Run in a
-    fresh interpreter (`main`)."""
+    with `target` set, simulated on it (replaying `trace`, the measured grid's routing, where
+    given): {prompt lengths: the median ms}. Run in a fresh interpreter (`main`)."""
     import random
 
     rng = random.Random(2)
-    engine, clock = probe_engine(model, device, target)
+    engine, clock = probe_engine(model, device, target, trace)
     took: dict[tuple[int, ...], list[float]] = {}
     try:
         for r in range(PREFILL_GRID_REPEATS + 1):  # the first round warms up
@@ -929,8 +935,9 @@ def main() -> None:
             if args.calibration and args.device == "cpu":
                 calibrate(model)
             if args.decode_grid:
-                measured = _fresh(decode_grid, model, args.device, "")
-                simulated = _fresh(decode_grid, model, args.device, target)
+                trace = str(tmp / f"{arch}-decode-grid.routing.parquet")  # the simulated grid replays it
+                measured = _fresh(decode_grid, model, args.device, "", trace)
+                simulated = _fresh(decode_grid, model, args.device, target, trace)
                 print(f"\n## {arch}: engine moe's decode step, ms measured / simulated (error %)\n")
                 print("| sequences | " + " | ".join(f"context {c}" for c in GRID_CONTEXTS) + " |")
                 print("|---|" + "---|" * len(GRID_CONTEXTS))
@@ -940,8 +947,10 @@ def main() -> None:
                                                        for c in GRID_CONTEXTS) + " |", flush=True)
                 continue
             if args.prefill_grid:
-                grids = {n: (_fresh(prefill_grid, model, args.device, "", n),
-                             _fresh(prefill_grid, model, args.device, target, n)) for n in PREFILL_GRID_OUTPUTS}
+                traces = {n: str(tmp / f"{arch}-prefill-grid-{n}.routing.parquet") for n in PREFILL_GRID_OUTPUTS}
+                grids = {n: (_fresh(prefill_grid, model, args.device, "", n, traces[n]),
+                             _fresh(prefill_grid, model, args.device, target, n, traces[n]))
+                         for n in PREFILL_GRID_OUTPUTS}
                 print(f"\n## {arch}: engine moe's prefill step, ms measured / simulated (error %), by the tokens "
                       "each prompt then decodes\n")
                 print("| prompts | " + " | ".join(f"{n} output token{'s' if n > 1 else ''}"
@@ -952,8 +961,9 @@ def main() -> None:
                         cell({"ms": mg[lengths]}, {"ms": sg[lengths]}, "ms") for mg, sg in grids.values()) + " |",
                         flush=True)
                 continue
-            measured_pf, faults = _fresh(prefill_probe, model, arch, args.requests, args.device, "")
-            simulated_pf, _ = _fresh(prefill_probe, model, arch, args.requests, args.device, target)
+            trace = str(tmp / f"{arch}-prefill-probe.routing.parquet")
+            measured_pf, faults = _fresh(prefill_probe, model, arch, args.requests, args.device, "", 4, trace)
+            simulated_pf, _ = _fresh(prefill_probe, model, arch, args.requests, args.device, target, 4, trace)
             print(f"{arch}: prefill probe (engine moe, the offline batch's prefill step {len(measured_pf)} times "
                   f"in one engine), ms measured: {', '.join(f'{v:.1f}' for v in measured_pf)} (page faults "
                   f"{', '.join(map(str, faults))}); simulated: {', '.join(f'{v:.1f}' for v in simulated_pf)}",
