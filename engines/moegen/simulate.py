@@ -128,9 +128,9 @@ def host_kv_gb(profile: Any, shape: ModelShape, utilization: float) -> float:
 class _Pricing:
     """What a result folder records about how a simulated moegen step is priced."""
 
-    def __init__(self, hw: Hardware, profile: Any, plan: BatchPlan, shape: ModelShape) -> None:
-        self.hw, self.profile, self.plan = hw, profile, plan
-        self.rates = prefill_overhead_rates(profile, shape)
+    def __init__(self, hw: Hardware, profile: Any, plan: BatchPlan,
+                 rates: tuple[float, float, float, str]) -> None:
+        self.hw, self.profile, self.plan, self.rates = hw, profile, plan, rates
 
     def assumptions(self) -> dict[str, Any]:
         return {"cost_model": "engines/moegen/cost.py step_cost (moegen's own model of its layer-major step)",
@@ -165,7 +165,8 @@ class MoEGenSimExecutor(SimExecutor):
         self.profile = simulation.profile
         self.curves, _ = module_curves(self.profile.efficiency, shape)  # shaped where measured, as hw's
         simulation.routing, simulation.dtype = routing, dtype_name(model.weights.embed.dtype)
-        simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan, shape), self
+        self.prefill_rates = prefill_overhead_rates(self.profile, shape)  # fixed for the model: looked up once
+        simulation.cost, simulation.executor = _Pricing(hw, self.profile, plan, self.prefill_rates), self
         simulation.notes.append(f"moegen's steps are priced by its own cost model (engines/moegen/cost.py, "
                                 f"{VERSION}), not engines/sim/cost.py: cost_model_version names the latter")
         k0, v0 = kv.k[0], kv.v[0]  # [K, blocks, B, dim]
@@ -303,7 +304,7 @@ class MoEGenSimExecutor(SimExecutor):
         c = step_cost(shape, hw, plan, nd, prefill_tokens, decode_context, prefill_context, len(prefills),
                       active_experts=active, copied_experts=copied)
         overhead = float(self.profile.step_overhead_s) + prefill_overhead_s(
-            self.profile, self.shape, prefill_tokens, sum(1 for c in prefills if c.length))
+            self.profile, self.shape, prefill_tokens, sum(1 for c in prefills if c.length), self.prefill_rates)
         kvb = self.kv_bytes_per_token
         read = (self.dense_bytes_read + sum(nbytes * n for nbytes, n in runs.items())
                 + decode_context * kvb + sum(ch.start for ch in prefills) * kvb)

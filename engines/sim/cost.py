@@ -208,14 +208,16 @@ def prefill_overhead_rates(profile: Any, shape: ModelShape) -> tuple[float, floa
     return e, g, st, "the profile's prefill_*_overhead_s (fitted on the bundled model)"
 
 
-def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: int) -> float:
+def prefill_overhead_s(profile: Any, shape: ModelShape, tokens: int, segments: int,
+                       rates: tuple[float, float, float, str] | None = None) -> float:
     """The model code's time a prefill of `tokens` tokens in `segments` segments takes beyond the
-    priced modules, over the model's layers, by `prefill_overhead_rates`: per activation element
+    priced modules, over the model's layers, by `prefill_overhead_rates` (or `rates`, what it
+    returned for this profile and shape, as a step loop keeps them): per activation element
     (token x hidden: the elementwise kernels around the priced modules scale with it), per segment
     (each sequence's chunk attended in its own calls) and once (a step that prefills, whatever its size)."""
     if not tokens:
         return 0.0
-    per_element, per_segment, per_step, _ = prefill_overhead_rates(profile, shape)
+    per_element, per_segment, per_step, _ = rates or prefill_overhead_rates(profile, shape)
     return shape.layers * (per_element * tokens * shape.hidden + per_segment * segments + per_step)
 
 
@@ -360,6 +362,7 @@ class CostModel:
             raise ValueError(f"hardware profile {profile.name!r} has no FLOP rate for dtype {dtype!r} "
                              f"(flops_per_s has {sorted(profile.flops_per_s)}); add it or pick one of those")
         self.profile, self.shape, self.dtype = profile, shape, dtype
+        self.prefill_rates = prefill_overhead_rates(profile, shape)  # fixed for the model: looked up once
         self.bw = float(profile.memory_bytes_per_s)
         self.peak = float(profile.flops_per_s[dtype])
         self.link = float(profile.link_pinned_bytes_per_s)
@@ -544,7 +547,7 @@ class CostModel:
         overhead = float(self.profile.step_overhead_s) if (T or busy) else 0.0
         if prefill_tokens:
             overhead += prefill_overhead_s(self.profile, s, prefill_tokens,
-                                           sum(1 for n, _ in work.prefill if n > 0))
+                                           sum(1 for n, _ in work.prefill if n > 0), self.prefill_rates)
         seconds = compute + exposed + overhead
         parts = {"dense": dense, "head": head, "experts": experts, "attention": attention,
                  "activations": activations, "dispatch": dispatch, "overhead": overhead, "copies": exposed,
@@ -579,7 +582,7 @@ class CostModel:
             "memory_bytes_per_s": self.bw, "flops_per_s": self.peak, "link_pinned_bytes_per_s": self.link,
             "step_overhead_s": float(p.step_overhead_s),
             **dict(zip(("prefill_element_overhead_s", "prefill_segment_overhead_s", "prefill_step_overhead_s",
-                        "prefill_overhead_source"), prefill_overhead_rates(p, self.shape))),
+                        "prefill_overhead_source"), self.prefill_rates)),
             "op_overhead_s": self.op_overhead_s,
             "decode_sequence_overhead_s": self.decode_sequence_s,
             "op_overhead_source": sources.get("op_overhead_s", "the profile's op_overhead_s") if self.op_overhead_s

@@ -441,10 +441,15 @@ def step_residuals(measured: Path, simulated: Path) -> str | None:
     import pyarrow.parquet as pq
 
     cols = ["duration_s", "prefill_tokens", "decode_tokens"]
-    try:  # the columns compared (the cached tokens where the table has them), not the whole table
-        m, s = (pq.read_table(f / "steps.parquet", columns=[c for c in (*cols, "cached_prompt_tokens")
-                                                            if c in pq.read_schema(f / "steps.parquet").names])
-                .to_pydict() for f in (measured, simulated))
+
+    def read(folder: Path) -> dict[str, list]:
+        """The columns compared (the cached tokens where the table has them), not the whole table."""
+        table = pq.ParquetFile(folder / "steps.parquet")
+        names = table.schema_arrow.names
+        return table.read(columns=[c for c in (*cols, "cached_prompt_tokens") if c in names]).to_pydict()
+
+    try:
+        m, s = read(measured), read(simulated)
     except (OSError, ValueError):
         return None
     if any(c not in t for t in (m, s) for c in cols):

@@ -354,14 +354,11 @@ def measure_prefill_overhead(model: str | None = None, repeats: int = PREFILL_RE
             out[k * repeats + r] = timed[0]
         return out
 
-    def measure(engine: Any) -> tuple[int, int, list[float]]:
-        config = engine.checkpoint.config
-        return config.num_layers, config.hidden_size, steps(engine, time.thread_time)
-
     unfitted = dataclasses.replace(cpu_profile(), prefill_element_overhead_s=0.0, prefill_segment_overhead_s=0.0,
                                    prefill_step_overhead_s=0.0, **{f: {} for f in MODEL_PREFILL_TABLES})
-    (layers, hidden, wall), predicted = _measured_then_simulated(
-        unfitted, measure, lambda engine: steps(engine, engine.virtual_clock.now), model=model)
+    wall, predicted = _measured_then_simulated(unfitted, lambda engine: steps(engine, time.thread_time),
+                                               lambda engine: steps(engine, engine.virtual_clock.now), model=model)
+    layers, hidden = config.num_layers, config.hidden_size
     rows = []
     for k, (segments, n) in enumerate(probe):
         got = slice(k * repeats, (k + 1) * repeats)
