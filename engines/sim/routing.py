@@ -1049,10 +1049,21 @@ class RoutingRecorder:
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.shape[0] != len(keys):
             raise ValueError(f"RoutingRecorder.add: ids must be [len(keys), top_k], got {ids.shape}, {len(keys)} keys")
+        self.add_step([layer], keys, ids[None])
+
+    def add_step(self, layers: Sequence[int], keys: Sequence[tuple[str, int]], ids: np.ndarray) -> None:
+        """One step's choices in every MoE layer: `ids` [len(layers), len(keys), top_k], the same rows as
+        `add` once per layer (its keys' strings and positions built once)."""
+        ids = np.asarray(ids)
+        if ids.ndim != 3 or ids.shape[:2] != (len(layers), len(keys)):
+            raise ValueError(f"RoutingRecorder.add_step: ids must be [len(layers), len(keys), top_k], got {ids.shape}, "
+                             f"{len(layers)} layers, {len(keys)} keys")
         rids = [str(r) for r, _ in keys]
         pos = np.fromiter((p for _, p in keys), dtype=np.int64, count=len(keys))
-        self._chunks.append((int(layer), rids, pos, ids.astype(np.int32, copy=True)))
-        self.rows += len(keys)
+        ids = ids.astype(np.int32, copy=True)
+        for layer, layer_ids in zip(layers, ids):
+            self._chunks.append((int(layer), rids, pos, layer_ids))
+        self.rows += len(keys) * len(layers)
 
     def write(self, path: str | Path) -> Path:
         rids: list[str] = []

@@ -3,7 +3,7 @@
     python -m harness.bench.simulate [--models demo,mixtral,deepseek_v3]
                                      [--engines moe,offload,static-rtn,pagedweight,moegen,full]
                                      [--requests 6] [--open-requests 24] [--rate R] [--output-len 16] [--keep DIR]
-                                     [--repeats N] [--no-calibration] [--workloads offline,rag_long]
+                                     [--repeats N] [--calibrate engine|model|never] [--workloads offline,rag_long]
     python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
     python -m harness.bench.simulate --decode-grid [--models demo]
@@ -44,9 +44,10 @@ tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-ca
 expert-cache hit rates and mean expert bits where the engine reports them.
 
 The `cpu` profile is what `pwbench hw calibrate` cached for this CPU, run again right before
-each model's runs (`pwbench hw calibrate --model MODEL`: this CPU, the model's own GEMM shapes,
-the runtime's per-call and prefill overheads; --no-calibration takes the cache as it is), with
-this benchmark's thread count (OMP_NUM_THREADS=1). An offline run's steps are the same batches on both
+each engine's runs on each model (`pwbench hw calibrate --model MODEL`: this CPU, the model's own
+GEMM shapes, the runtime's per-call and prefill overheads; `--calibrate model` once before each
+model's runs, `never` takes the cache as it is), with this benchmark's thread count
+(OMP_NUM_THREADS=1). An offline run's steps are the same batches on both
 sides: the line after it gives the median prefill and decode step, measured / simulated.
 Results: docs/simulation-validation.md.
 """
@@ -849,10 +850,15 @@ def main() -> None:
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep every run's result folder (steps.parquet, requests.parquet) under DIR, for "
                              "comparing measured and simulated steps one by one (default: a temporary folder)")
-    parser.add_argument("--no-calibration", "--no-shape-calibration", dest="calibration", action="store_false",
-                        help="do not run `pwbench hw calibrate --model` before each model's runs (this CPU, the "
-                             "model's own GEMM shapes and the runtime's overheads, ~20-40 s a model, cached): the "
-                             "cpu profile as cached prices them")
+    parser.add_argument("--calibrate", choices=("engine", "model", "never"), default="engine",
+                        help="when to run `pwbench hw calibrate --model MODEL` (this CPU, the model's own GEMM "
+                             "shapes and the runtime's overheads, ~45-100 s, cached) on the cpu: before each engine's "
+                             "runs on a model (default: this shared host's speed drifts by tens of percent between "
+                             "minutes, so each engine's simulated twins are priced on a calibration taken a minute "
+                             "or two before its measured runs), once before each model's, or never (the cpu profile "
+                             "as cached prices them)")
+    parser.add_argument("--no-calibration", "--no-shape-calibration", dest="calibrate", action="store_const",
+                        const="never", help="the same as --calibrate never")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="the measured runs' clock: cpu (default), the run thread's CPU time with waits for "
                              "arrivals skipped, so a neighbour holding the core does not count (torch runs on that "
@@ -937,8 +943,10 @@ def main() -> None:
                 model = str(tmp / f"{arch}-shaped")
                 if not (Path(model) / "config.json").is_file():
                     build_model(Path(model), arch)
-            if args.calibration and args.device == "cpu":
+            calibrating = args.calibrate != "never" and args.device == "cpu"
+            if calibrating:
                 calibrate(model)
+            fresh = True  # no engine's runs since that calibration
             if args.decode_grid:
                 trace = str(tmp / f"{arch}-decode-grid.routing.parquet")  # the simulated grid replays it
                 measured = _fresh(decode_grid, model, args.device, "", trace)
@@ -977,14 +985,18 @@ def main() -> None:
             rows = []
             for engine in engines:
                 options = engine_options(engine, sizes)
-                for wl, spec, given in workloads(arch, args.requests, args.output_len, args.rate, args.open_requests):
-                    if wl not in chosen:
-                        continue
+                pairs = [w for w in workloads(arch, args.requests, args.output_len, args.rate, args.open_requests)
+                         if w[0] in chosen]
+                if engine.startswith("static-") and arch != "demo" and not args.slow and args.device == "cpu":
+                    for wl, _, _ in pairs:
+                        print(f"{arch}-{engine}-{wl}: skipped (several minutes of CPU quantization and "
+                              "dequantization; --slow runs it)")
+                    continue
+                if calibrating and args.calibrate == "engine" and pairs and not fresh:
+                    calibrate(model)  # the twins of this engine's runs priced on the host as it is now
+                fresh = False
+                for wl, spec, given in pairs:
                     tag = f"{arch}-{engine}-{wl}"
-                    if engine.startswith("static-") and arch != "demo" and not args.slow and args.device == "cpu":
-                        print(f"{tag}: skipped (several minutes of CPU quantization and dequantization; --slow "
-                              "runs it)")
-                        continue
                     sys.stdout.flush()
                     row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), warmup(wl),
                                    args.clock == "cpu" and args.device == "cpu",

@@ -155,6 +155,27 @@ def test_replay_round_trip(tmp_path):
         ReplayRouting(p2).route(0, [("a", 1)], 4, 3)
 
 
+def test_recorder_step_rows_match_per_layer_rows(tmp_path):
+    """`add_step` (the engine's one host copy per step) writes the rows `add` writes once per layer."""
+    import pyarrow.parquet as pq
+
+    gen = SyntheticRouting(skew=1.0, locality=0.3, seed=3)
+    per_layer, per_step = RoutingRecorder(), RoutingRecorder()
+    for s in range(4):
+        keys = [(f"q{i}", s) for i in range(5 + s)]
+        layers = [1, 2, 4]
+        ids = np.stack([gen.route(layer, keys, 16, 2) for layer in layers])
+        for layer, layer_ids in zip(layers, ids, strict=True):
+            per_layer.add(layer, keys, layer_ids)
+        per_step.add_step(layers, keys, ids)
+    assert per_step.rows == per_layer.rows == 3 * (5 + 6 + 7 + 8)
+    a = pq.read_table(per_layer.write(tmp_path / "a.parquet"))
+    b = pq.read_table(per_step.write(tmp_path / "b.parquet"))
+    assert a.equals(b)
+    with pytest.raises(ValueError, match="len\\(layers\\)"):
+        per_step.add_step([0], keys, ids)
+
+
 def test_specs_and_errors(tmp_path):
     assert isinstance(routing_source("uniform", None, 8, 0), UniformRouting)
     s = routing_source("synthetic:skew=1.2,locality=0.3", "mixtral", 8, 0, top_k=2)
