@@ -313,9 +313,9 @@ class RuntimeEngine(Engine):
 
         recorder, keys, layers = RoutingRecorder(), [], []
         self._recorder, self._route_keys, self._routed = recorder, keys, layers
-        # Each layer's ids are kept as they are and copied to the host once per step (`_flush_routing`):
-        # the run is timed with its recording, and a per-layer copy cost ~45 us a layer here, 6-10% of
-        # the bundled model's one-sequence decode step, which no simulated twin pays.
+        # Each layer's ids are kept as they are, stacked and copied to the host once per step
+        # (`_flush_routing`), and the trace's columns built when it is written: the run is timed with
+        # its recording, which no simulated twin pays (python -m harness.bench.recording).
         self.model.on_route = lambda layer, ids: layers.append((layer, ids))
 
     def _kv_cache(self, cfg: Any, pool: KVPool) -> PagedKVCache:
@@ -341,7 +341,7 @@ class RuntimeEngine(Engine):
         (instrumentation, not the engine's traffic: not counted as bytes moved)."""
         layers, ids = zip(*self._routed)
         self._routed.clear()
-        self._recorder.add_step(layers, self._route_keys, torch.stack(ids).cpu().numpy())
+        self._recorder.add_step(layers, self._route_keys, torch.stack(ids).cpu())
 
     def stop(self) -> None:
         if self.copies is not None:

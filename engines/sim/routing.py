@@ -1039,41 +1039,43 @@ class SyntheticRouting:
 
 
 class RoutingRecorder:
-    """Accumulates (layer, keys, ids) per call; `write(path)` writes the parquet trace once."""
+    """Accumulates (layers, keys, ids) per step; `write(path)` writes the parquet trace once. A
+    recording run is timed with its recording, so a step only keeps what it was given (its keys
+    copied, its ids as they are) and `write` builds the columns."""
 
     def __init__(self) -> None:
-        self._chunks: list[tuple[int, list[str], np.ndarray, np.ndarray]] = []
+        self._steps: list[tuple[tuple[int, ...], list[tuple[str, int]], Any]] = []
         self.rows = 0
 
     def add(self, layer: int, keys: Sequence[tuple[str, int]], ids: np.ndarray) -> None:
+        """One layer's choices: `ids` [len(keys), top_k]."""
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.shape[0] != len(keys):
             raise ValueError(f"RoutingRecorder.add: ids must be [len(keys), top_k], got {ids.shape}, {len(keys)} keys")
-        self.add_step([layer], keys, ids[None])
+        self.add_step([layer], keys, ids.astype(np.int32)[None])
 
-    def add_step(self, layers: Sequence[int], keys: Sequence[tuple[str, int]], ids: np.ndarray) -> None:
-        """One step's choices in every MoE layer: `ids` [len(layers), len(keys), top_k], the same rows as
-        `add` once per layer (its keys' strings and positions built once)."""
-        ids = np.asarray(ids)
-        if ids.ndim != 3 or ids.shape[:2] != (len(layers), len(keys)):
-            raise ValueError(f"RoutingRecorder.add_step: ids must be [len(layers), len(keys), top_k], got {ids.shape}, "
+    def add_step(self, layers: Sequence[int], keys: Sequence[tuple[str, int]], ids: Any) -> None:
+        """One step's choices in every MoE layer: `ids` [len(layers), len(keys), top_k], a host array
+        or CPU tensor the caller does not change afterwards (kept as it is until `write`)."""
+        shape = tuple(ids.shape)
+        if len(shape) != 3 or shape[:2] != (len(layers), len(keys)):
+            raise ValueError(f"RoutingRecorder.add_step: ids must be [len(layers), len(keys), top_k], got {shape}, "
                              f"{len(layers)} layers, {len(keys)} keys")
-        rids = [str(r) for r, _ in keys]
-        pos = np.fromiter((p for _, p in keys), dtype=np.int64, count=len(keys))
-        ids = ids.astype(np.int32, copy=True)
-        for layer, layer_ids in zip(layers, ids):
-            self._chunks.append((int(layer), rids, pos, layer_ids))
+        self._steps.append((tuple(int(layer) for layer in layers), list(keys), ids))
         self.rows += len(keys) * len(layers)
 
     def write(self, path: str | Path) -> Path:
         rids: list[str] = []
         pos, layers, experts, lens = [], [], [], []
-        for layer, r, p, ids in self._chunks:
-            rids.extend(r)
-            pos.append(p)
-            layers.append(np.full(len(r), layer, dtype=np.int32))
-            experts.append(ids.ravel())
-            lens.append(np.full(len(r), ids.shape[1], dtype=np.int32))
+        for step_layers, keys, step_ids in self._steps:
+            r = [str(rid) for rid, _ in keys]
+            p = np.fromiter((q for _, q in keys), dtype=np.int64, count=len(keys))
+            for layer, ids in zip(step_layers, np.asarray(step_ids, dtype=np.int32)):
+                rids.extend(r)
+                pos.append(p)
+                layers.append(np.full(len(r), layer, dtype=np.int32))
+                experts.append(ids.ravel())
+                lens.append(np.full(len(r), ids.shape[1], dtype=np.int32))
         return _write_columns(
             path,
             rids,
