@@ -105,9 +105,13 @@ class SimExecutor(Executor):
                                       "CUDA-graph serving: no host Python per layer)")}
 
     # -- control time (RuntimeEngine.step calls step_begin / step_end on a simulated run) ---------------
-    def step_begin(self) -> None:
+    def step_begin(self) -> bool:
+        """The engine has work from now (a step begins, or a request is admitted while it was idle):
+        its control time counts from here. True where it was idle until now."""
         if self._mark is None:
             self._mark = time.thread_time()
+            return True
+        return False
 
     def step_end(self, busy: bool) -> None:
         """`busy`: the engine has work left; if not, what happens before its next step is not its own."""

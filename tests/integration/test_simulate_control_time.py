@@ -94,3 +94,31 @@ def test_a_bad_control_time_is_a_one_line_error():
     engine = create_engine("moe", {"model": DEMO, "simulate": "cpu", "control_time": "sometimes"})
     with pytest.raises(EngineError, match=r"control_time must be one of measured, off.*--set control_time=off"):
         engine.start()
+
+
+def test_admissions_on_an_idle_engine_count_and_a_rejected_one_does_not():
+    """A measured run's first token waits for its requests' admission; the simulated first step is
+    charged for it. A request refused on an idle engine starts nothing: the idle time after it is
+    not charged."""
+    from engines.base import InvalidRequestError
+
+    engine = create_engine("moe", {"model": DEMO, "simulate": "cpu", "routing": "uniform"})
+    engine.start()
+    try:
+        admit = engine.scheduler.add
+
+        def slow_add(seq):  # an admission that takes BURN_S of CPU
+            _burn(BURN_S)
+            return admit(seq)
+
+        engine.scheduler.add = slow_add
+        with pytest.raises(InvalidRequestError):
+            engine.add_request(EngineRequest("bad", (3, 10**9), 2, ignore_eos=True))
+        _burn(0.03)  # idle after the refusal
+        for i in range(3):
+            engine.add_request(EngineRequest(f"r{i}", tuple(range(3, 30)), 2, ignore_eos=True))
+        engine.step()
+        control = engine.simulation.executor.last.parts["control"]
+        assert 3 * BURN_S <= control < 3 * BURN_S + 0.03
+    finally:
+        engine.stop()
