@@ -311,8 +311,8 @@ class RuntimeEngine(Engine):
         """Every MoE layer's choices of every computed token, keyed (request id, position)."""
         from engines.sim.routing import RoutingRecorder  # noqa: PLC0415  (recording runs only)
 
-        recorder, keys, layers = RoutingRecorder(), [], []
-        self._recorder, self._route_keys, self._routed = recorder, keys, layers
+        layers: list[tuple[int, torch.Tensor]] = []
+        self._recorder, self._route_keys, self._routed = RoutingRecorder(), [], layers
         # Each layer's ids are kept as they are, stacked and copied to the host once per step
         # (`_flush_routing`), and the trace's columns built when it is written: the run is timed with
         # its recording, which no simulated twin pays (python -m harness.bench.recording).
@@ -361,7 +361,7 @@ class RuntimeEngine(Engine):
         # A simulated run's control time counts from a request's admission on an idle engine, as a
         # measured run's first token waits for it (the bundled model's offline TTFT ran ~0.6 ms past
         # its prefill step measured, 0 simulated: `python -m harness.bench.simulate --models demo`).
-        sim = self.simulation.executor if self.simulation is not None else None
+        sim = self._sim_executor()
         idle = sim.step_begin() if sim is not None else False
         try:
             self._admit(request)
@@ -369,6 +369,10 @@ class RuntimeEngine(Engine):
             if idle:  # nothing admitted: the engine is idle again
                 sim.step_end(False)
             raise
+
+    def _sim_executor(self) -> Any:
+        """A simulated run's executor, which keeps its control time (engines/sim/executor.py); None measured."""
+        return self.simulation.executor if self.simulation is not None else None
 
     def _admit(self, request: EngineRequest) -> None:
         vocab = self.checkpoint.config.vocab_size
@@ -417,7 +421,7 @@ class RuntimeEngine(Engine):
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> StepOutput:
         self._check_started()
-        sim = self.simulation.executor if self.simulation is not None else None
+        sim = self._sim_executor()
         if sim is not None:  # its control time (engines/sim/executor.py)
             sim.step_begin()
         for controller in self.parts.controllers:
@@ -427,7 +431,7 @@ class RuntimeEngine(Engine):
         schedule = self.scheduler.schedule()
         batch = build_batch(schedule, self.kv.allocator, self.ledger)
         if self._recorder is not None and batch is not None:
-            self._route_keys[:] = batch.row_keys()
+            self._route_keys = batch.row_keys()  # a new list each step: the recorder keeps it
         result = self.executor.execute(batch) if batch is not None else None
         if self._recorder is not None and self._routed:
             self._flush_routing()

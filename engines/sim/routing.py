@@ -1040,11 +1040,11 @@ class SyntheticRouting:
 
 class RoutingRecorder:
     """Accumulates (layers, keys, ids) per step; `write(path)` writes the parquet trace once. A
-    recording run is timed with its recording, so a step only keeps what it was given (its keys
-    copied, its ids as they are) and `write` builds the columns."""
+    recording run is timed with its recording, so a step only keeps what it was given and `write`
+    builds the columns."""
 
     def __init__(self) -> None:
-        self._steps: list[tuple[tuple[int, ...], list[tuple[str, int]], Any]] = []
+        self._steps: list[tuple[tuple[int, ...], Sequence[tuple[str, int]], Any]] = []
         self.rows = 0
 
     def add(self, layer: int, keys: Sequence[tuple[str, int]], ids: np.ndarray) -> None:
@@ -1052,16 +1052,17 @@ class RoutingRecorder:
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.shape[0] != len(keys):
             raise ValueError(f"RoutingRecorder.add: ids must be [len(keys), top_k], got {ids.shape}, {len(keys)} keys")
-        self.add_step([layer], keys, ids.astype(np.int32)[None])
+        self.add_step([layer], list(keys), ids.astype(np.int32)[None])  # copies: a caller may reuse both
 
     def add_step(self, layers: Sequence[int], keys: Sequence[tuple[str, int]], ids: Any) -> None:
         """One step's choices in every MoE layer: `ids` [len(layers), len(keys), top_k], a host array
-        or CPU tensor the caller does not change afterwards (kept as it is until `write`)."""
+        or CPU tensor; `keys` and `ids` are kept as they are until `write`, so the caller must not
+        change them afterwards."""
         shape = tuple(ids.shape)
         if len(shape) != 3 or shape[:2] != (len(layers), len(keys)):
             raise ValueError(f"RoutingRecorder.add_step: ids must be [len(layers), len(keys), top_k], got {shape}, "
                              f"{len(layers)} layers, {len(keys)} keys")
-        self._steps.append((tuple(int(layer) for layer in layers), list(keys), ids))
+        self._steps.append((tuple(int(layer) for layer in layers), keys, ids))
         self.rows += len(keys) * len(layers)
 
     def write(self, path: str | Path) -> Path:
