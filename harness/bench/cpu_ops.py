@@ -5,6 +5,7 @@ and decode attention as gather + SDPA against the in-place C kernel (runtime/cpu
     python -m harness.bench.cpu_ops [--rounds 5]
     python -m harness.bench.cpu_ops --host-malloc [--seeds 4]
     python -m harness.bench.cpu_ops --dequant [--models DIR,...] [--rounds 5]
+    python -m harness.bench.cpu_ops --rows [--models DIR,...] [--rounds 5]
 
 Shapes are the Mixtral-shaped benchmark model's decode step at 256 sequences (hidden 512,
 expert intermediate 768, vocab 32000, 2 KV heads of 64, 16-token blocks, ~110 keys each):
@@ -22,6 +23,9 @@ batches 2-10 and their prefill time per token and decode step (medians; this thr
 
 `--dequant`: `model_dequant_seconds` (below) of the bundled model and the benchmark models (or
 `--models`), with the engines' host-memory setting and with glibc's defaults, a fresh process each.
+
+`--rows`: `model_gemm_seconds` (below) of the Mixtral-shaped benchmark model (or `--models`): each part's
+time by row count, 1-16 and 32, as `pwbench hw calibrate --model` times it for the cost model's curves.
 
 `model_gemm_seconds` / `model_gemm_entry`: one model's own GEMM shapes at 1-1024 rows, for
 `pwbench hw calibrate --model DIR` (the cost model's shape-keyed curves, engines/sim/calibrate.py).
@@ -129,9 +133,16 @@ def attention_rows(rounds: int) -> tuple[float, float, float] | None:
 
 
 ATTENTION_CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
-MODEL_ROWS = {"dense": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
-              "expert": (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-              "head": (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+# Every row count up to the packed kernel's (engines/runtime/gemm.py MIN_ROWS), then doubling: below it
+# F.linear's float32 kernel on this CPU runs the rows in blocks of three, each block reading the whole
+# weight again, so the time is a staircase in the rows (the 62 MiB LM head [32000, 512]: ~5.5 ms for 1-3
+# rows, ~11.5 for 4-6, ~17 for 7-9, ~22 for 10-12, then ~9 ms packed at 16). Timed at powers of two only,
+# the curve put 6 rows between 4's and 8's times and 12 rows between 8's and packed 16's: a decode step of
+# 6 sequences priced its LM head ~20% high, one of 12 sequences ~45% low.
+_SMALL_ROWS = tuple(range(1, 16))
+MODEL_ROWS = {"dense": (*_SMALL_ROWS, 16, 32, 64, 128, 256, 512, 1024),
+              "expert": (*_SMALL_ROWS, 16, 32, 64, 128, 256, 512),
+              "head": (*_SMALL_ROWS, 16, 32, 64, 128, 256)}
 
 
 def model_matrices(shape, mla=None) -> dict[str, list[tuple[int, int]]]:
@@ -493,14 +504,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: the CPU reference's RTN dequantization of one expert of each model (as `pwbench hw "
                         "calibrate --model` times it), with the engines' host-memory setting and with glibc's "
                         "defaults, a fresh process each, --rounds times")
+    p.add_argument("--rows", action="store_true",
+                   help="instead: each model's dense projections, one expert (gate_up then down) and LM head by "
+                        "row count (1-16, 32; ms, the median over --rounds), as `pwbench hw calibrate --model` "
+                        "times them")
     p.add_argument("--models", default=None, metavar="DIR,...",
-                   help="--dequant: model folders (config.json is enough; default: the bundled model and the "
+                   help="--dequant, --rows: model folders (config.json is enough; default: the bundled model and the "
                         "Mixtral- and DeepSeek-V3-shaped benchmark models' configs)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.seeds < 1:
         p.error("--rounds and --seeds must be at least 1")
     if args.dequant:
         return dequant_table(args.models, args.rounds)
+    if args.rows:
+        return rows_table(args.models, args.rounds)
     if args.host_malloc:
         print(f"{'seed':>4} {'setting':<7} {'faults, batches 2-10':>21} {'prefill us/token':>17} {'decode ms':>10}")
         for seed, setting, faults, prefill, decode in host_malloc_rows(args.seeds):
@@ -525,25 +542,65 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def dequant_table(models: str | None, rounds: int) -> int:
-    import tempfile
+def model_folders(models: str | None, tmp: str, default: tuple[str, ...]) -> list[str] | None:
+    """`--models`' folders (None, after one line, where one has no config.json), or the `default`
+    ones: "demo" (the bundled model) and benchmark architectures, built config-only under `tmp`."""
     from pathlib import Path
 
     from engines.common.demo import demo_model_path
     from harness.bench.engines import build_model
 
-    with tempfile.TemporaryDirectory(prefix="pwbench-dequant-") as tmp:
-        if models:
-            folders = [m for m in models.split(",") if m]
-            missing = [m for m in folders if not (Path(m) / "config.json").is_file()]
-            if missing:
-                print(f"harness.bench.cpu_ops: --models {missing[0]}: no config.json there; give a model folder")
-                return 2
+    if models:
+        folders = [m for m in models.split(",") if m]
+        missing = [m for m in folders if not (Path(m) / "config.json").is_file()]
+        if missing:
+            print(f"harness.bench.cpu_ops: --models {missing[0]}: no config.json there; give a model folder")
+            return None
+        return folders
+    folders = []
+    for arch in default:
+        if arch == "demo":
+            folders.append(str(demo_model_path()))
         else:
-            folders = [str(demo_model_path())]
-            for arch in ("mixtral", "deepseek_v3"):
-                folders.append(str(Path(tmp) / f"{arch}-shaped"))
-                build_model(Path(folders[-1]), arch, config_only=True)
+            folders.append(str(Path(tmp) / f"{arch}-shaped"))
+            build_model(Path(folders[-1]), arch, config_only=True)
+    return folders
+
+
+def rows_table(models: str | None, rounds: int) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+
+    shown = (*range(1, 17), 32)
+    with tempfile.TemporaryDirectory(prefix="pwbench-rows-") as tmp:
+        folders = model_folders(models, tmp, ("mixtral",))
+        if folders is None:
+            return 2
+        print(f"torch threads: {torch.get_num_threads()}; ms per call by rows, the median over {rounds} rounds; "
+              f"packed MKL kernel from {gemm.MIN_ROWS} rows")
+        for folder in folders:
+            config = open_checkpoint(folder, config_only=True).config
+            shape = model_shape(config, 4)
+            mats = model_matrices(shape, config.mla)
+            seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
+            print(f"\n{Path(folder).name}: " + "; ".join(
+                f"{part} " + " + ".join(f"[{n}, {k}]" for n, k in mats[part]) for part in MODEL_ROWS))
+            print(f"{'rows':>5} " + " ".join(f"{part:>9}" for part in MODEL_ROWS))
+            for r in shown:
+                print(f"{r:>5} " + " ".join(f"{seconds[part][str(r)] * 1e3:>9.3f}" for part in MODEL_ROWS))
+    return 0
+
+
+def dequant_table(models: str | None, rounds: int) -> int:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pwbench-dequant-") as tmp:
+        folders = model_folders(models, tmp, ("demo", "mixtral", "deepseek_v3"))
+        if folders is None:
+            return 2
         rows = dequant_rows(folders, rounds)
     bits = sorted({b for *_, sec in rows for b in sec}, key=int)
     print(f"one expert dequantized (both matrices, float32), ms and GB/s of full-width bytes; {rounds} round(s), "

@@ -505,6 +505,34 @@ def test_curves_measured_on_the_models_shapes_replace_the_generic_ones():
     assert "none" in plain.assumptions()["shaped_curves"]
 
 
+def test_a_staircase_measured_at_every_row_count_prices_each_row_count_as_timed():
+    """CPU F.linear below 16 rows takes the rows in blocks of three, each reading the whole weight:
+    the LM head's time is a staircase in the rows (harness/bench/cpu_ops.py MODEL_ROWS). Fitted from
+    every row count, the head of a step with r logit rows costs the time measured at r (plus the
+    argmax, r x 10 x 2 B / (1e9 x 0.5) = r x 40 ns); fitted from powers of two only, 6 and 12 rows
+    fall between the steps of the staircase."""
+    from engines.sim.calibrate import fit_model_curves
+
+    key = shape_key(TINY)
+
+    def timed(r: int) -> float:  # 1 us per block of three rows, 1 us from 16 (the packed kernel)
+        return 1e-6 if r >= 16 else 1e-6 * math.ceil(r / 3)
+
+    def head_s(rows: tuple[int, ...], logit_rows: int) -> float:
+        entry = {"dtype_bytes": 2, "params": {"head": 44}, "seconds": {"head": {str(r): timed(r) for r in rows}}}
+        curve = fit_model_curves(key, entry, 1e9, 1e12)[f"head@{key}"]
+        model = CostModel(profile(**{f"head@{key}": Curve(tuple(map(tuple, curve["points"])), "fit")}), TINY,
+                          "bfloat16")
+        return model.step(replace(TINY_WORK, logit_rows=logit_rows)).parts["head"]
+
+    every = tuple(range(1, 17))
+    for r in (1, 3, 4, 6, 7, 12, 15, 16):
+        assert head_s(every, r) == pytest.approx(timed(r) + r * 40e-9)
+    powers = (1, 2, 4, 8, 16)
+    assert head_s(powers, 6) > 1.1 * head_s(every, 6)  # between 4 rows' 2 us and 8 rows' 3 us
+    assert head_s(powers, 12) < 0.8 * head_s(every, 12)  # between 8 rows' 3 us and 16 rows' 1 us
+
+
 def test_model_shape_curves_are_the_roofline_over_the_seconds_measured():
     """engines/sim/calibrate.py: a model's shape measurement (seconds by part and rows) -> curves
     keyed by its shape; the FLOP peak is the best GEMM rate measured, so none clips."""
