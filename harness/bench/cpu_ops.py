@@ -136,9 +136,10 @@ ATTENTION_CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
 # Every row count up to the packed kernel's (engines/runtime/gemm.py MIN_ROWS), then doubling: below it
 # F.linear's float32 kernel on this CPU runs the rows in blocks of three, each block reading the whole
 # weight again, so the time is a staircase in the rows (the 62 MiB LM head [32000, 512]: ~5.5 ms for 1-3
-# rows, ~11.5 for 4-6, ~17 for 7-9, ~22 for 10-12, then ~9 ms packed at 16). Timed at powers of two only,
-# the curve put 6 rows between 4's and 8's times and 12 rows between 8's and packed 16's: a decode step of
-# 6 sequences priced its LM head ~20% high, one of 12 sequences ~45% low.
+# rows, ~11.5 for 4-6, ~17 for 7-9, ~22 for 10-12, then ~9 ms packed at 16: `--rows`). Timed at powers of
+# two only, the curve priced 6 rows between 4's and 8's times (~15% high) and 12 rows between 8's and
+# packed 16's (about half): a twelve-sequence decode step came out 14-17% fast at 32-128 tokens of
+# context (docs/simulation.md).
 _SMALL_ROWS = tuple(range(1, 16))
 MODEL_ROWS = {"dense": (*_SMALL_ROWS, 16, 32, 64, 128, 256, 512, 1024),
               "expert": (*_SMALL_ROWS, 16, 32, 64, 128, 256, 512),
