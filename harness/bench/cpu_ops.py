@@ -510,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
                         "row count (1-16, 32; ms, the median over --rounds), as `pwbench hw calibrate --model` "
                         "times them")
     p.add_argument("--models", default=None, metavar="DIR,...",
-                   help="--dequant, --rows: model folders (config.json is enough; default: the bundled model and the "
-                        "Mixtral- and DeepSeek-V3-shaped benchmark models' configs)")
+                   help="--dequant, --rows: model folders (config.json is enough; default: --dequant the bundled "
+                        "model and the Mixtral- and DeepSeek-V3-shaped benchmark models' configs, --rows the "
+                        "Mixtral-shaped one's)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.seeds < 1:
         p.error("--rounds and --seeds must be at least 1")
