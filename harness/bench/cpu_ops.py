@@ -140,10 +140,10 @@ ATTENTION_CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
 # two only, the curve priced 6 rows between 4's and 8's times (~15% high) and 12 rows between 8's and
 # packed 16's (about half): a twelve-sequence decode step came out 14-17% fast at 32-128 tokens of
 # context (docs/simulation.md).
-_SMALL_ROWS = tuple(range(1, 16))
-MODEL_ROWS = {"dense": (*_SMALL_ROWS, 16, 32, 64, 128, 256, 512, 1024),
-              "expert": (*_SMALL_ROWS, 16, 32, 64, 128, 256, 512),
-              "head": (*_SMALL_ROWS, 16, 32, 64, 128, 256)}
+_SMALL_ROWS = tuple(range(1, gemm.MIN_ROWS + 1))
+MODEL_ROWS = {"dense": (*_SMALL_ROWS, 32, 64, 128, 256, 512, 1024),
+              "expert": (*_SMALL_ROWS, 32, 64, 128, 256, 512),
+              "head": (*_SMALL_ROWS, 32, 64, 128, 256)}
 
 
 def model_matrices(shape, mla=None) -> dict[str, list[tuple[int, int]]]:
@@ -576,7 +576,7 @@ def rows_table(models: str | None, rounds: int) -> int:
     from engines.runtime.checkpoint import open_checkpoint
     from engines.runtime.shape import model_shape
 
-    shown = (*range(1, 17), 32)
+    shown = (*_SMALL_ROWS, 2 * gemm.MIN_ROWS)
     with tempfile.TemporaryDirectory(prefix="pwbench-rows-") as tmp:
         folders = model_folders(models, tmp, ("mixtral",))
         if folders is None:
