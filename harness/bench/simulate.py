@@ -44,10 +44,14 @@ tok/s, TTFT and TPOT p50/p99, KV capacity, h2d bytes per output token, prefix-ca
 expert-cache hit rates and mean expert bits where the engine reports them.
 
 The `cpu` profile is what `pwbench hw calibrate` cached for this CPU, run again right before
-each engine's runs on each model (`pwbench hw calibrate --model MODEL`: this CPU, the model's own
-GEMM shapes, the runtime's per-call and prefill overheads; `--calibrate model` once before each
-model's runs, `never` takes the cache as it is), with this benchmark's thread count
-(OMP_NUM_THREADS=1). An offline run's steps are the same batches on both
+each engine's runs on each model and once after the model's last engine's (`pwbench hw calibrate
+--model MODEL`: this CPU, the model's own GEMM shapes, the runtime's per-call and prefill
+overheads), with this benchmark's thread count (OMP_NUM_THREADS=1). Each engine's twins are
+simulated once the calibration after its runs is taken, on the median of the three calibrations
+nearest its runs, leaf by leaf (`Calibrations`: the one before its runs, the one after, and the
+one before that, or for a model's first engine the two after it). `--calibrate model`
+calibrates once before each model's runs and prices every twin on that, `never` takes the cache
+as it is. An offline run's steps are the same batches on both
 sides: the line after it gives the median prefill and decode step, measured / simulated.
 Results: docs/simulation-validation.md.
 """
@@ -62,6 +66,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -421,17 +426,23 @@ def calibrate(model: str) -> None:
     result = calibrate_cpu([model])
     own = next((e["prefill_overhead"] for e in (result.get("model_gemm") or {}).values()
                 if e.get("model") == model and e.get("prefill_overhead")), None)
-    p = cpu_profile()
-    print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {p.memory_bytes_per_s / 1e9:.1f} GB/s, "
-          f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call and "
-          f"{p.decode_sequence_overhead_s * 1e6:.2f} us per decode sequence and layer, prefill "
-          f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
-          f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment and {p.prefill_step_overhead_s * 1e6:.1f} us "
-          "per step per layer" + (f" (this model's own: {own['element_s'] * 1e9:.2f} ns, {own['segment_s'] * 1e6:.1f} "
-                                  f"us and {own['step_s'] * 1e6:.1f} us)" if own else "")
-          + "; the engines' parts per layer: "
-          + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
-                      for k, v in p.executor_overhead_s.items()))
+    print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {describe_profile(cpu_profile(), own)}",
+          flush=True)
+
+
+def describe_profile(p: Any, own: dict[str, float] | None = None) -> str:
+    """The cpu profile's rates in a line (`own`: the model's own fitted prefill overheads)."""
+    return (f"{p.memory_bytes_per_s / 1e9:.1f} GB/s, "
+            f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call and "
+            f"{p.decode_sequence_overhead_s * 1e6:.2f} us per decode sequence and layer, prefill "
+            f"{p.prefill_element_overhead_s * 1e9:.2f} ns per element and "
+            f"{p.prefill_segment_overhead_s * 1e6:.1f} us per segment and {p.prefill_step_overhead_s * 1e6:.1f} us "
+            "per step per layer"
+            + (f" (this model's own: {own['element_s'] * 1e9:.2f} ns, {own['segment_s'] * 1e6:.1f} us and "
+               f"{own['step_s'] * 1e6:.1f} us)" if own else "")
+            + "; the engines' parts per layer: "
+            + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
+                        for k, v in p.executor_overhead_s.items()))
 
 
 def step_residuals(measured: Path, simulated: Path) -> str | None:
@@ -548,16 +559,29 @@ def simulate_replay(common: dict[str, Any], options: dict[str, Any], target: str
     return _fresh(_simulate_one, common, sim_options, output)
 
 
+Row = tuple[str, str, dict, dict]
+
+
 def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
              tmp_name: str, warmup: int, cpu_clock: bool = True, repeats: int = 1, device: str = "cpu",
-             target: str = "cpu") -> tuple[str, str, dict, dict] | None:
-    """One engine on one workload, measured `repeats` times (its routing recorded) and then simulated
-    replaying the median measured run by the CPU time its steps took (of two, the lower: the same
-    batches, tokens and routing each time, so the runs differ by what neighbours on this shared
-    machine took; a run one burst hit is left out, as `pwbench hw calibrate` takes each probe
-    step's median over passes), each run in a fresh interpreter; prints what it did and returns the
-    table row (None: it does not run, and says why). `device`: where the measured runs run;
-    `target`: the profile (name or TOML file) the simulated run prices."""
+             target: str = "cpu") -> Row | None:
+    """One engine on one workload, measured and then simulated (`measure_pair`, then its twin at once)."""
+    finish = measure_pair(arch, engine, wl, spec, given, model, options, tmp_name, warmup, cpu_clock, repeats,
+                          device, target)
+    return finish() if finish else None
+
+
+def measure_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
+                 tmp_name: str, warmup: int, cpu_clock: bool = True, repeats: int = 1, device: str = "cpu",
+                 target: str = "cpu") -> Callable[[], Row | None] | None:
+    """One engine on one workload, measured `repeats` times (its routing recorded); returns what
+    simulates it later: replaying the median measured run by the CPU time its steps took (of two,
+    the lower: the same batches, tokens and routing each time, so the runs differ by what neighbours
+    on this shared machine took; a run one burst hit is left out, as `pwbench hw calibrate` takes
+    each probe step's median over passes), on the profile as it is when called; each run in a fresh
+    interpreter. The returned call prints what it did and returns the table row (None: the twin does
+    not run, and says why); None here: the measured runs do not run, and say why. `device`: where
+    the measured runs run; `target`: the profile (name or TOML file) the simulated run prices."""
     tmp = Path(tmp_name)
     tag = f"{arch}-{engine}-{wl}"
     common = dict(workload=spec, given=given, engine=engine, model=model, warmup=warmup, quality=False)
@@ -570,13 +594,28 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
             print(runs[0][5])
         # the median run by its steps' CPU time (of two, the lower): one a neighbour's burst hit is left out
         chosen = sorted(runs, key=lambda r: r[2])[(len(runs) - 1) // 2]
-        folder_m, measured, _, share, trace, _, _ = chosen
+        t1 = time.perf_counter()
+    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why, a killed process too; the rest go on)
+        _does_not_run(tag, exc)
+        return None
+    return lambda: _simulate_pair(tag, engine, wl, common, options, target, tmp, runs, chosen, t1 - t0, cpu_clock)
+
+
+def _does_not_run(tag: str, exc: BaseException) -> None:
+    print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+          flush=True)
+
+
+def _simulate_pair(tag: str, engine: str, wl: str, common: dict[str, Any], options: dict[str, Any], target: str,
+                   tmp: Path, runs: list, chosen: tuple, measured_wall_s: float, cpu_clock: bool) -> Row | None:
+    """`measure_pair`'s second half: the chosen measured run's simulated twin, printed; the table row."""
+    folder_m, measured, _, share, trace, _, _ = chosen
+    try:
         t1 = time.perf_counter()
         folder_s, simulated = simulate_replay(common, options, target, trace, str(tmp / f"{tag}-simulated"))
         t2 = time.perf_counter()
-    except Exception as exc:  # noqa: BLE001  (a row that cannot run says why, a killed process too; the rest go on)
-        print(f"{tag}: does not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
-              flush=True)
+    except Exception as exc:  # noqa: BLE001  (as measure_pair's)
+        _does_not_run(tag, exc)
         return None
     m, s = metrics(measured), metrics(simulated)
     m["repeats"] = [metrics(r[1]) for r in runs if r is not chosen]  # the measurement's own spread
@@ -588,14 +627,14 @@ def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model
     replay = (simulated.get("simulated") or {}).get("routing") or {}
     spread = (f"; {len(runs)} measured runs' step CPU s (host speed at start-end) "
               f"{', '.join(f'{r[2]:.3f} ({_speeds(r[6])})' for r in runs)}, the median taken (of two, the lower)")
-    print(f"{tag}: measured {m['duration s']:.2f} s ({t1 - t0:.1f} s wall), simulated "
+    print(f"{tag}: measured {m['duration s']:.2f} s ({measured_wall_s:.1f} s wall), simulated "
           f"{s['duration s']:.2f} s ({t2 - t1:.1f} s wall); replay hits {replay.get('replay_hits')}, "
           f"misses {replay.get('replay_misses')}; largest run's peak RSS so far "
           f"{peak_rss_gb(resource.RUSAGE_CHILDREN):.2f} GB{spread}")
     residuals = step_residuals(Path(folder_m), Path(folder_s))
     if residuals:
         print(f"{tag}: step medians measured / simulated: {residuals}")
-    sys.stdout.flush()
+    print(summary(tag, m, s), flush=True)
     return engine, wl, m, s
 
 
@@ -766,6 +805,80 @@ def reprice(keep: Path, target: str) -> None:
         print_table(arch, found)
 
 
+def bracket(c: int, taken: int) -> list[int]:
+    """The calibrations (indices into a model's, in the order taken; `taken` so far) an engine's twins
+    are priced on: the one right before its runs (`c`), the one right after them (c + 1) and the one
+    before c (the model's first engine: the two after it), those taken."""
+    wanted = [c - 1, c, c + 1] if c > 0 else [0, 1, 2]
+    return [i for i in wanted if i < taken]
+
+
+def median_calibration(snapshots: list[Any], middle: int) -> Any:
+    """`pwbench hw calibrate`'s cache (hw.json) as the median of `snapshots` of it, leaf by leaf: each
+    number the median of the numbers at its place (of two, their mean), lists of one length element by
+    element; anything else (a text, a place one snapshot lacks) as in snapshots[middle]."""
+    mid = snapshots[middle]
+    if all(isinstance(x, dict) for x in snapshots):
+        return {k: median_calibration([x[k] for x in snapshots], middle) if all(k in x for x in snapshots) else v
+                for k, v in mid.items()}
+    if all(isinstance(x, list) and len(x) == len(mid) for x in snapshots):
+        return [median_calibration(list(parts), middle) for parts in zip(*snapshots)]
+    if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in snapshots):
+        return mid if all(x == mid for x in snapshots) else statistics.median(snapshots)
+    return mid
+
+
+class Calibrations:
+    """One model's calibrations with `--calibrate engine`: one before each engine's runs and one after
+    the last. Each engine's twins wait until the calibration after its runs is taken, then are priced
+    on the median of the three nearest its runs (`bracket`): a calibration lasts a minute and one in
+    a few lands in a neighbour's burst (one read 2.23 us per counted torch call where those around it
+    read 1.55-1.95), and the host's speed drifts between minutes, so the median of those before and
+    after the runs stands for the host while they ran better than the one before alone
+    (docs/simulation-validation.md)."""
+
+    def __init__(self, model: str) -> None:
+        self.model, self.snapshots = model, []
+        self.waiting: list[tuple[int, str, list[Callable[[], Row | None]]]] = []  # (calibration before, engine, twins)
+
+    def take(self) -> None:
+        from engines.common.peaks import cache_path
+
+        calibrate(self.model)
+        self.snapshots.append(json.loads(cache_path().read_text()))
+
+    def wait(self, engine: str, twins: list[Callable[[], Row | None]]) -> None:
+        """`engine`'s twins, measured since the last calibration."""
+        if twins:
+            self.waiting.append((len(self.snapshots) - 1, engine, twins))
+
+    def price(self, final: bool = False) -> list[Row]:
+        """The waiting twins whose calibrations are all taken (`final`: every waiting twin, on those
+        taken), each engine's on the median of its `bracket`; the cache then holds the last
+        calibration again (the next measured runs read it: moegen's planner)."""
+        from engines.common.peaks import cache_path
+        from engines.sim.hardware import cpu_profile
+
+        rows, path = [], cache_path()
+        while self.waiting and (final or max(bracket(self.waiting[0][0], 1 << 30)) < len(self.snapshots)):
+            c, engine, twins = self.waiting.pop(0)
+            chosen = bracket(c, len(self.snapshots))
+            _write_json(path, median_calibration([self.snapshots[i] for i in chosen], chosen.index(c)))
+            print(f"{engine}: its twins priced on the median of this model's calibrations "
+                  f"{', '.join(f'#{i + 1}' for i in chosen)} (#{c + 1} right before its runs): "
+                  f"{describe_profile(cpu_profile())}", flush=True)
+            rows.extend(row for twin in twins if (row := twin()) is not None)
+        if self.snapshots:
+            _write_json(path, self.snapshots[-1])
+        return rows
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def peak_rss_gb(who: int = resource.RUSAGE_SELF) -> float:
     """The largest resident set this process (or the largest of its finished children) reached, GB."""
     return resource.getrusage(who).ru_maxrss * 1024 / 1e9  # Linux: KiB
@@ -853,10 +966,11 @@ def main() -> None:
     parser.add_argument("--calibrate", choices=("engine", "model", "never"), default="engine",
                         help="when to run `pwbench hw calibrate --model MODEL` (this CPU, the model's own GEMM "
                              "shapes and the runtime's overheads, ~45-100 s, cached) on the cpu: before each engine's "
-                             "runs on a model (default: this shared host's speed drifts by tens of percent between "
-                             "minutes, so each engine's simulated twins are priced on a calibration taken a minute "
-                             "or two before its measured runs), once before each model's, or never (the cpu profile "
-                             "as cached prices them)")
+                             "runs on a model and after the last engine's (default: this shared host's speed drifts "
+                             "by tens of percent between minutes, and a calibration now and then lands in a "
+                             "neighbour's burst, so each engine's simulated twins are priced on the median of the "
+                             "three calibrations nearest its measured runs), once before each model's, or never (the "
+                             "cpu profile as cached prices them)")
     parser.add_argument("--no-calibration", "--no-shape-calibration", dest="calibrate", action="store_const",
                         const="never", help="the same as --calibrate never")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
@@ -944,8 +1058,10 @@ def main() -> None:
                 if not (Path(model) / "config.json").is_file():
                     build_model(Path(model), arch)
             calibrating = args.calibrate != "never" and args.device == "cpu"
+            bracketing = calibrating and args.calibrate == "engine"
+            calibrations = Calibrations(model)
             if calibrating:
-                calibrate(model)
+                calibrations.take()
             fresh = True  # no engine's runs since that calibration
             if args.decode_grid:
                 trace = str(tmp / f"{arch}-decode-grid.routing.parquet")  # the simulated grid replays it
@@ -992,19 +1108,26 @@ def main() -> None:
                         print(f"{arch}-{engine}-{wl}: skipped (several minutes of CPU quantization and "
                               "dequantization; --slow runs it)")
                     continue
-                if calibrating and args.calibrate == "engine" and pairs and not fresh:
-                    calibrate(model)  # the twins of this engine's runs priced on the host as it is now
+                if bracketing and pairs and not fresh:
+                    calibrations.take()  # after the last engine's runs, before this one's
+                    rows.extend(calibrations.price())
                 fresh = False
+                twins = []
                 for wl, spec, given in pairs:
-                    tag = f"{arch}-{engine}-{wl}"
                     sys.stdout.flush()
-                    row = run_pair(arch, engine, wl, spec, given, model, options, str(tmp), warmup(wl),
-                                   args.clock == "cpu" and args.device == "cpu",
-                                   args.repeats or (SIZES[arch]["repeats"] if args.device == "cpu" else 1),
-                                   args.device, target)
-                    if row is not None:
-                        rows.append(row)
-                        print(summary(tag, row[2], row[3]), flush=True)
+                    twin = measure_pair(arch, engine, wl, spec, given, model, options, str(tmp), warmup(wl),
+                                        args.clock == "cpu" and args.device == "cpu",
+                                        args.repeats or (SIZES[arch]["repeats"] if args.device == "cpu" else 1),
+                                        args.device, target)
+                    if twin is not None:
+                        twins.append(twin)
+                if bracketing:  # priced once the calibrations after its runs are taken
+                    calibrations.wait(engine, twins)
+                else:
+                    rows.extend(row for twin in twins if (row := twin()) is not None)
+            if calibrations.waiting:
+                calibrations.take()  # after the model's last engine's runs
+                rows.extend(calibrations.price(final=True))
             if rows:
                 totals = add_counts(totals, print_table(arch, rows))
     print_totals(totals)
