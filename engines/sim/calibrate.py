@@ -281,7 +281,9 @@ def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tup
 
 
 # A model shape measurement's parts -> the curve each fits (engines/sim/cost.py SHAPED).
-MODEL_PARTS = {"dense": "gemm", "expert": "grouped_gemm", "head": "head"}
+# ("expert_dequantized": the expert's GEMMs right after the CPU reference dequantized it, weights in the caches)
+MODEL_PARTS = {"dense": "gemm", "expert": "grouped_gemm", "head": "head",
+               "expert_dequantized": "grouped_gemm_dequantized"}
 
 
 # engines/quant's `dequantize` makes this many torch calls per RTN matrix (counted in

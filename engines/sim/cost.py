@@ -147,10 +147,13 @@ CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elem
 # "dequant_cpu_packed" (the CPU reference's RTN dequantization of one expert) replaces the generic
 # one of `CostModel.cpu_dequant`; "attention_prefill_context" (a prefill chunk after context: the
 # runtime's masked SDPA over the whole rectangle) falls back to "attention_prefill".
+# "grouped_gemm_dequantized" (an RTN expert's GEMMs right after the CPU reference dequantized it:
+# its weights just written, in the caches) falls back to "grouped_gemm".
 SHAPED = ("gemm", "grouped_gemm", "head", "attention_decode", "attention_prefill", "attention_prefill_context",
-          "dequant_cpu_packed")
+          "dequant_cpu_packed", "grouped_gemm_dequantized")
 # Optional curves that fall back to another where the profile has neither a shaped nor a generic one.
-FALLBACK = {"head": "gemm", "attention_prefill_context": "attention_prefill"}
+FALLBACK = {"head": "gemm", "attention_prefill_context": "attention_prefill",
+            "grouped_gemm_dequantized": "grouped_gemm"}
 
 
 def shape_key(shape: ModelShape) -> str:
@@ -355,7 +358,10 @@ class CostModel:
     # path: MLA's gather and expansion read its latent cache several times over)
     # 11: the prefill rates fitted on the model's own checkpoint where the profile has them
     # (`prefill_overhead_rates`: the model_prefill_*_overhead_s tables at its shape key)
-    VERSION: ClassVar[str] = "11"
+    # 12: an RTN ("packed") expert's GEMMs on the CPU reference at `grouped_gemm_dequantized` where the
+    # profile has it (timed right after the dequantization, as that reference runs them: weights in the
+    # caches; a static-rtn Mixtral-shaped decode step of 6-12 sequences came out 13-17% high without it)
+    VERSION: ClassVar[str] = "12"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -411,6 +417,8 @@ class CostModel:
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
             full = self.shape.expert_bytes  # (never below reading its stored bytes: the roofline)
+            if scheme == "packed":  # each expert dequantized right before its GEMMs: its weights in the caches
+                eff = c["grouped_gemm_dequantized"].at(tokens)  # (pagedweight's planes: a layer's group at once)
             return max(nbytes / self.bw,
                        self._cpu_dequant_s(tokens, bits, scheme, group) + gemm_s(full, flops, self.bw, self.peak, eff))
         if bits < self.dtype_bits and self.dequant:
@@ -562,9 +570,11 @@ class CostModel:
         grouped = (f"; {', '.join(sorted(self.group_dequant))}: by the experts of one width a layer dequantizes in "
                    f"one stacked call (dequant_group_* curves)") if self.group_dequant else ""
         own = " (packed: measured on this model's experts)" if "dequant_cpu_packed" in self.shaped else ""
+        hot = ("; packed experts' GEMMs at grouped_gemm_dequantized (timed right after the dequantization: "
+               "weights in the caches)") if "grouped_gemm_dequantized" in self.shaped else ""
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
                 f"weights at the measured dequant_cpu_{{{', '.join(sorted(self.cpu_dequant))}}} efficiency by bit "
-                f"width{own}{grouped}, and its torch calls per expert run ({calls}) "
+                f"width{own}{grouped}{hot}, and its torch calls per expert run ({calls}) "
                 f"(a scheme not measured: {old})")
 
     def assumptions(self) -> dict[str, Any]:

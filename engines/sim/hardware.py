@@ -67,6 +67,8 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     "elementwise": ("tokens per step", "memory_bytes_per_s"),
     "sample": ("rows", "memory_bytes_per_s"),
     "head": ("rows", "roofline"),  # the LM head's GEMM (optional: the cost model reads gemm without it)
+    # an RTN expert's GEMMs right after the CPU reference dequantized it (optional: grouped_gemm without it)
+    "grouped_gemm_dequantized": ("rows per expert", "roofline"),
     # the CPU reference's dequantization (shared processor): full-width weight bytes written per
     # second, as a fraction of memory_bytes_per_s, by bit width; per storage scheme
     "dequant_cpu_packed": ("bits", "memory_bytes_per_s"),

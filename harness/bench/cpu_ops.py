@@ -276,6 +276,49 @@ def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, 
     return out
 
 
+def dequantized_gemm_seconds(shape, group_size: int, rounds: int = 5, min_call_s: float = 0.004) -> dict[str, float]:
+    """Seconds of one routed expert's GEMMs (gate_up, then down) right after the static engines' CPU
+    path dequantized it (engines/quant/ops.py `fused_moe_reference`: `grouped_swiglu` indexes the
+    expert's two 4-bit RTN matrices, each dequantized to float32 then, and runs its SwiGLU on them),
+    at each row count of MODEL_ROWS["expert"]: the weights just written, in the caches, where the
+    resident experts' GEMMs (`model_gemm_seconds`) read theirs from memory (Mixtral-shaped, one row:
+    ~0.25 ms against ~0.4). Only the GEMMs are timed, each call's dequantization outside the clock;
+    the experts cycle as `model_dequant_seconds`'s do. Rounds time every row count once each; the
+    median over `rounds`. {rows: seconds}."""
+    from engines.quant.qweight import dequantize, quantize_rtn
+    from engines.runtime.memory import keep_freed_host_memory
+
+    keep_freed_host_memory()
+    gen = torch.Generator().manual_seed(1)
+    d, i = shape.hidden, shape.intermediate
+    n = max(1, min(DEQUANT_EXPERTS, DEQUANT_BYTES // max(1, 3 * d * i * 4)))
+    gate_up = quantize_rtn(torch.randn(n, 2 * i, d, generator=gen), 4, group_size)
+    down = quantize_rtn(torch.randn(n, d, i, generator=gen), 4, group_size)
+    experts = itertools.cycle(range(n))
+
+    def call(x: torch.Tensor) -> float:
+        e = next(experts)
+        w1, w2 = dequantize(gate_up.expert(e), torch.float32), dequantize(down.expert(e), torch.float32)
+        t = time.perf_counter()
+        h = F.linear(x, w1)
+        F.linear(h[:, :i].contiguous(), w2)
+        return time.perf_counter() - t
+
+    rows = MODEL_ROWS["expert"]
+    inputs = {r: torch.randn(r, d, generator=gen) for r in rows}
+    calls = {}
+    for r, x in inputs.items():  # warm up; calls per timing so that each lasts min_call_s (dequantizations included)
+        call(x)
+        t = time.perf_counter()
+        call(x)
+        calls[r] = max(2, int(min_call_s / max(time.perf_counter() - t, 1e-7)))
+    times: dict[int, list[float]] = {r: [] for r in rows}
+    for _ in range(rounds):
+        for r, x in inputs.items():
+            times[r].append(sum(call(x) for _ in range(calls[r])) / calls[r])
+    return {str(r): _median(ts) for r, ts in times.items()}
+
+
 def attention_heads(shape, mla=None) -> tuple[int, int, int, int] | None:
     """(query heads, KV heads, key dim, value dim) of the model's prefill SDPA as the runtime calls
     it: GQA's heads; MLA's absorbed form (`mla`, its ModelConfig.mla: one shared head of keys
@@ -387,6 +430,7 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
     group = static_group_size(shape)
     seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
+    seconds["expert_dequantized"] = dequantized_gemm_seconds(shape, group, rounds)
     seconds["decode_attention"], kv_bytes = decode_attention_seconds(config, rounds)
     heads = attention_heads(shape, config.mla)
     # the FLOPs a prefill curve's time is a fraction of are the cost model's count, 4 x heads x head_dim
@@ -397,8 +441,10 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
                               "dtype_bytes": 4, "threads": torch.get_num_threads(), "dequant_group_size": group,
                               "attention": attention,
                               "decode_kv_bytes_per_token": kv_bytes,
-                              "matrices": {k: [list(m) for m in v] for k, v in mats.items()},
-                              "params": {k: sum(n * k_ for n, k_ in v) for k, v in mats.items()},
+                              "matrices": {k: [list(m) for m in v] for k, v in
+                                           {**mats, "expert_dequantized": mats["expert"]}.items()},
+                              "params": {k: sum(n * k_ for n, k_ in v) for k, v in
+                                         {**mats, "expert_dequantized": mats["expert"]}.items()},
                               "seconds": seconds}
 
 
@@ -588,11 +634,14 @@ def rows_table(models: str | None, rounds: int) -> int:
             shape = model_shape(config, 4)
             mats = model_matrices(shape, config.mla)
             seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
+            seconds["dequantized"] = dequantized_gemm_seconds(shape, static_group_size(shape), rounds)
+            parts = (*MODEL_ROWS, "dequantized")
             print(f"\n{Path(folder).name}: " + "; ".join(
-                f"{part} " + " + ".join(f"[{n}, {k}]" for n, k in mats[part]) for part in MODEL_ROWS))
-            print(f"{'rows':>5} " + " ".join(f"{part:>9}" for part in MODEL_ROWS))
+                f"{part} " + " + ".join(f"[{n}, {k}]" for n, k in mats[part]) for part in MODEL_ROWS)
+                + " (dequantized: the expert's GEMMs right after dequantizing it, as static-* on the CPU)")
+            print(f"{'rows':>5} " + " ".join(f"{part:>11}" for part in parts))
             for r in shown:
-                print(f"{r:>5} " + " ".join(f"{seconds[part][str(r)] * 1e3:>9.3f}" for part in MODEL_ROWS))
+                print(f"{r:>5} " + " ".join(f"{seconds[part][str(r)] * 1e3:>11.3f}" for part in parts))
     return 0
 
 

@@ -6,14 +6,14 @@
                                      [--repeats N] [--calibrate engine|model|never] [--workloads offline,rag_long]
     python -m harness.bench.simulate --device cuda [--profile h200] [--models demo,mixtral_layers]
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
-    python -m harness.bench.simulate --decode-grid [--models demo]
+    python -m harness.bench.simulate --decode-grid [--models demo] [--grid-engine moe|static-rtn]
     python -m harness.bench.simulate --prefill-grid [--models demo]
     python -m harness.bench.simulate --recount DIR
 
 Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
 one fresh process, measured (with the page faults of each pass) and simulated: a first pass above
 the rest is one-time cost (which the offline runs' warm-up, a batch of the same shape, takes out),
-a gap in every pass is the cost model's. `--decode-grid` prints engine moe's decode step by
+a gap in every pass is the cost model's. `--decode-grid` prints engine moe's (`--grid-engine`) decode step by
 sequences and context, measured and simulated, and runs nothing else; `--prefill-grid` its
 prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps. The
 probe's and the grids' simulated side replays the routing its measured side recorded (the same
@@ -638,18 +638,24 @@ def _simulate_pair(tag: str, engine: str, wl: str, common: dict[str, Any], optio
     return engine, wl, m, s
 
 
-def probe_engine(model: str, device: str, target: str, trace: str = "") -> tuple[Any, Any]:
-    """A started engine moe for the probes and its clock: measured on `device` (this thread's CPU
-    time on the CPU, the synchronized wall clock on a GPU), recording its routing to `trace` where
-    given, or, with `target` set, simulated on it (its virtual clock), replaying `trace` where given
-    (the probes send the same requests in both: same ids, same prompts), else uniform routing."""
+GRID_ENGINES = ("moe", "static-rtn")  # the engines `--decode-grid` steps (--grid-engine)
+
+
+def probe_engine(model: str, device: str, target: str, trace: str = "", name: str = "moe") -> tuple[Any, Any]:
+    """A started engine `name` (moe, or static-rtn at 4 bits) for the probes and its clock: measured
+    on `device` (this thread's CPU time on the CPU, the synchronized wall clock on a GPU), recording
+    its routing to `trace` where given, or, with `target` set, simulated on it (its virtual clock),
+    replaying `trace` where given (the probes send the same requests in both: same ids, same
+    prompts), else uniform routing."""
     from engines.registry import create_engine
     from harness.cli.hw import step_clock
 
     routing = f"replay:{trace}" if trace else "uniform"
     options = {"model": model, **({"simulate": target, "routing": routing} if target
                                   else {"device": device, **({"record_routing": trace} if trace else {})})}
-    engine = create_engine("moe", options)
+    if name == "static-rtn":
+        options["bits"] = 4
+    engine = create_engine(name, options)
     engine.start()
     return engine, engine.virtual_clock.now if target else step_clock(device)
 
@@ -701,19 +707,20 @@ GRID_SEQUENCES, GRID_CONTEXTS, GRID_OUTPUT = (1, 2, 6, 12), (32, 128, 512, 1500)
 GRID_SPREAD = (0.5, 0.65, 0.8, 1.0, 1.15, 1.3)  # (the bundled model holds 2,048 positions)
 
 
-def decode_grid(model: str, device: str, target: str, trace: str = "") -> dict[tuple[Any, int], float]:
-    """Engine moe's decode step (the median over a batch's decode steps, its first two left out) for
-    each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS and ("spread", context): six prompts of
-    GRID_SPREAD x the context, in one engine, measured on `device` (this thread's CPU time on the CPU)
-    or, with `target` set, simulated on it (replaying `trace`, the measured grid's routing, where
-    given): {(sequences, context): ms}. Where the
+def decode_grid(model: str, device: str, target: str, trace: str = "",
+                name: str = "moe") -> dict[tuple[Any, int], float]:
+    """Engine `name`'s decode step (moe's, or static-rtn's at 4 bits; the median over a batch's decode
+    steps, its first two left out) for each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS
+    and ("spread", context): six prompts of GRID_SPREAD x the context, in one engine, measured on
+    `device` (this thread's CPU time on the CPU) or, with `target` set, simulated on it (replaying
+    `trace`, the measured grid's routing, where given): {(sequences, context): ms}. Where the
     cost model's per-sequence and per-step prices part, the errors move with the sequences; where its
     price of a decode attention group is off, the spread row parts from the 6-sequence one; run in a
     fresh interpreter (`main`)."""
     import random
 
     rng = random.Random(1)
-    engine, clock = probe_engine(model, device, target, trace)
+    engine, clock = probe_engine(model, device, target, trace, name)
     out = {}
     try:
         keys = [(n, c) for n in (*GRID_SEQUENCES, "spread") for c in GRID_CONTEXTS]
@@ -993,6 +1000,9 @@ def main() -> None:
                         help="measure nothing else: engine moe's decode step by sequences (1-12) and context "
                              "(32-1,500 tokens), measured and simulated, for each of --models (after calibrating, "
                              "unless --no-calibration)")
+    parser.add_argument("--grid-engine", choices=GRID_ENGINES, default="moe",
+                        help="--decode-grid: the engine stepped (static-rtn: 4-bit RTN experts, dequantized on "
+                             "each call on the CPU)")
     parser.add_argument("--prefill-grid", action="store_true",
                         help="measure nothing else: engine moe's prefill step by the batch's prompt lengths, each "
                              "batch then decoding 1 or 16 tokens, measured and simulated, for each of --models "
@@ -1065,9 +1075,9 @@ def main() -> None:
             fresh = True  # no engine's runs since that calibration
             if args.decode_grid:
                 trace = str(tmp / f"{arch}-decode-grid.routing.parquet")  # the simulated grid replays it
-                measured = _fresh(decode_grid, model, args.device, "", trace)
-                simulated = _fresh(decode_grid, model, args.device, target, trace)
-                print(f"\n## {arch}: engine moe's decode step, ms measured / simulated (error %)\n")
+                measured = _fresh(decode_grid, model, args.device, "", trace, args.grid_engine)
+                simulated = _fresh(decode_grid, model, args.device, target, trace, args.grid_engine)
+                print(f"\n## {arch}: engine {args.grid_engine}'s decode step, ms measured / simulated (error %)\n")
                 print("| sequences | " + " | ".join(f"context {c}" for c in GRID_CONTEXTS) + " |")
                 print("|---|" + "---|" * len(GRID_CONTEXTS))
                 for n in (*GRID_SEQUENCES, "spread"):

@@ -21,10 +21,11 @@ def test_rows_table_prints_each_part_by_rows(capsys):
     assert main(["--rows", "--rounds", "1", "--models", str(demo_model_path())]) == 0
     out = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(out) if line.split()[:1] == ["rows"])
-    assert out[header].split() == ["rows", *MODEL_ROWS]
+    # and an expert's GEMMs right after its dequantization (static-* on the CPU)
+    assert out[header].split() == ["rows", *MODEL_ROWS, "dequantized"]
     table = [line.split() for line in out[header + 1:]]
     assert [int(r[0]) for r in table] == [*range(1, 17), 32]
-    assert all(len(r) == 1 + len(MODEL_ROWS) and all(float(x) > 0 for x in r[1:]) for r in table)
+    assert all(len(r) == 2 + len(MODEL_ROWS) and all(float(x) > 0 for x in r[1:]) for r in table)
 
 
 def test_rows_table_refuses_a_folder_without_a_config(tmp_path, capsys):
