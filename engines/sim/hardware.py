@@ -21,9 +21,12 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
     head              rows of the LM head's GEMM       as gemm (optional: the cost model reads gemm without it)
     attention_prefill_context  chunk tokens            as attention_prefill, for a chunk after context (the
                                                        masked rectangle; optional: attention_prefill without it)
+    grouped_gemm_dequantized  rows per expert          as grouped_gemm, for an RTN expert's GEMMs right after the
+                                                       CPU reference dequantized it (its weights in the caches;
+                                                       optional: grouped_gemm without it)
 
 `gemm@K`, `grouped_gemm@K`, `head@K`, `attention_decode@K`, `attention_prefill@K`, `attention_prefill_context@K`,
-`dequant_cpu_packed@K` (optional): the same curves measured
+`dequant_cpu_packed@K`, `grouped_gemm_dequantized@K` (optional): the same curves measured
 on one model's shapes (K: engines/sim/cost.py `shape_key`, e.g. "d512-h8-q512-kv128-i768-v32000-b4";
 `pwbench hw calibrate --model DIR` fits them); the cost model reads them for a model of that shape
 instead of the generic ones. A profile may carry them for several models.
@@ -81,7 +84,7 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
 # CPU reference's dequantization by its older count where it has no dequant_cpu_* curve (by
 # dequant_cpu_* where it has no dequant_group_* curve).
 OPTIONAL_CURVES = frozenset({"elementwise", "sample", "dequant_cpu_packed", "dequant_cpu_bitplanes", "head",
-                             "attention_prefill_context",
+                             "attention_prefill_context", "grouped_gemm_dequantized",
                              *(k for k in EFFICIENCY_KEYS if k.startswith("dequant_group_"))})
 # A curve measured on one model's shapes is stored as `name@key` (engines/sim/cost.py `shape_key`);
 # only the names the cost model reads that way (engines/sim/cost.py SHAPED) take one.
