@@ -312,11 +312,16 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
         n, per_row = float(params.get(part, 0)), seconds.get(part) or {}
         if n <= 0 or not per_row:
             continue
-        pts = [(float(r), max(width * n / bw, 2 * int(r) * n / peak) / _rate(per_row, r)) for r in per_row]
+        if part == "expert_dequantized":  # weights just written, in the caches: the FLOPs alone bound it
+            pts = [(float(r), 2 * int(r) * n / peak / _rate(per_row, r)) for r in per_row]
+        else:
+            pts = [(float(r), max(width * n / bw, 2 * int(r) * n / peak) / _rate(per_row, r)) for r in per_row]
         shapes = " + ".join(f"[{a}, {b}]" for a, b in (entry.get("matrices") or {}).get(part, ()))
         out[f"{curve}@{key}"] = _curve(pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at "
                                             f"{entry.get('measured_at', '?')}: {part} ({shapes}) timed at each row "
-                                            "count as the runtime calls it, against its roofline bound")
+                                            "count as the runtime calls it, against its "
+                                            + ("FLOPs at the peak" if part == "expert_dequantized" else
+                                               "roofline bound"))
     dequant = seconds.get("dequant_packed") or {}
     if dequant and params.get("expert"):
         full = width * float(params["expert"])

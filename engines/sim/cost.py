@@ -148,12 +148,12 @@ CURVES = ("gemm", "grouped_gemm", "attention_decode", "attention_prefill", "elem
 # one of `CostModel.cpu_dequant`; "attention_prefill_context" (a prefill chunk after context: the
 # runtime's masked SDPA over the whole rectangle) falls back to "attention_prefill".
 # "grouped_gemm_dequantized" (an RTN expert's GEMMs right after the CPU reference dequantized it:
-# its weights just written, in the caches) falls back to "grouped_gemm".
+# its weights just written, in the caches; a fraction of the FLOP peak) prices those GEMMs where the
+# profile has it, else they are priced as a resident expert's ("grouped_gemm").
 SHAPED = ("gemm", "grouped_gemm", "head", "attention_decode", "attention_prefill", "attention_prefill_context",
           "dequant_cpu_packed", "grouped_gemm_dequantized")
 # Optional curves that fall back to another where the profile has neither a shaped nor a generic one.
-FALLBACK = {"head": "gemm", "attention_prefill_context": "attention_prefill",
-            "grouped_gemm_dequantized": "grouped_gemm"}
+FALLBACK = {"head": "gemm", "attention_prefill_context": "attention_prefill"}
 
 
 def shape_key(shape: ModelShape) -> str:
@@ -383,6 +383,8 @@ class CostModel:
         self.curves = {k: _Interp(chosen[k].points if k in chosen else ()) for k in CURVES}
         for name, other in FALLBACK.items():
             self.curves[name] = _Interp(chosen[name].points) if name in chosen else self.curves[other]
+        hot = self.shaped.get("grouped_gemm_dequantized", "grouped_gemm_dequantized")
+        self.dequantized_gemm = _Interp(eff[hot].points) if hot in eff else None  # of the FLOP peak
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         # (the RTN one measured on this model's own experts where the profile has it: `module_curves`)
@@ -417,10 +419,13 @@ class CostModel:
         eff = c["grouped_gemm"].at(tokens)
         if bits < self.dtype_bits and self.shared:  # the CPU reference: dequantize, then a dense GEMM
             full = self.shape.expert_bytes  # (never below reading its stored bytes: the roofline)
-            if scheme == "packed":  # each expert dequantized right before its GEMMs: its weights in the caches
-                eff = c["grouped_gemm_dequantized"].at(tokens)  # (pagedweight's planes: a layer's group at once)
-            return max(nbytes / self.bw,
-                       self._cpu_dequant_s(tokens, bits, scheme, group) + gemm_s(full, flops, self.bw, self.peak, eff))
+            if scheme == "packed" and self.dequantized_gemm is not None:
+                # each expert dequantized right before its GEMMs: its weights in the caches, the FLOP peak's
+                # share alone (pagedweight's planes: a layer's group at once, out of the caches by its GEMMs)
+                compute = flops / (self.peak * self.dequantized_gemm.at(tokens))
+            else:
+                compute = gemm_s(full, flops, self.bw, self.peak, eff)
+            return max(nbytes / self.bw, self._cpu_dequant_s(tokens, bits, scheme, group) + compute)
         if bits < self.dtype_bits and self.dequant:
             bw_eff = self.dequant[_bits_key(self.profile.efficiency, bits)].at(tokens)
         else:
@@ -570,8 +575,8 @@ class CostModel:
         grouped = (f"; {', '.join(sorted(self.group_dequant))}: by the experts of one width a layer dequantizes in "
                    f"one stacked call (dequant_group_* curves)") if self.group_dequant else ""
         own = " (packed: measured on this model's experts)" if "dequant_cpu_packed" in self.shaped else ""
-        hot = ("; packed experts' GEMMs at grouped_gemm_dequantized (timed right after the dequantization: "
-               "weights in the caches)") if "grouped_gemm_dequantized" in self.shaped else ""
+        hot = ("; packed experts' GEMMs at grouped_gemm_dequantized of the FLOP peak (timed right after the "
+               "dequantization: weights in the caches)") if self.dequantized_gemm is not None else ""
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
                 f"weights at the measured dequant_cpu_{{{', '.join(sorted(self.cpu_dequant))}}} efficiency by bit "
                 f"width{own}{grouped}{hot}, and its torch calls per expert run ({calls}) "

@@ -21,9 +21,9 @@ What each efficiency curve is a fraction of (its `basis`), over the size named:
     head              rows of the LM head's GEMM       as gemm (optional: the cost model reads gemm without it)
     attention_prefill_context  chunk tokens            as attention_prefill, for a chunk after context (the
                                                        masked rectangle; optional: attention_prefill without it)
-    grouped_gemm_dequantized  rows per expert          as grouped_gemm, for an RTN expert's GEMMs right after the
-                                                       CPU reference dequantized it (its weights in the caches;
-                                                       optional: grouped_gemm without it)
+    grouped_gemm_dequantized  rows per expert          fraction of the FLOP peak, for an RTN expert's GEMMs right
+                                                       after the CPU reference dequantized it (its weights in the
+                                                       caches: no memory term; optional: grouped_gemm without it)
 
 `gemm@K`, `grouped_gemm@K`, `head@K`, `attention_decode@K`, `attention_prefill@K`, `attention_prefill_context@K`,
 `dequant_cpu_packed@K`, `grouped_gemm_dequantized@K` (optional): the same curves measured
@@ -70,8 +70,9 @@ EFFICIENCY_KEYS: dict[str, tuple[str, str]] = {  # key -> (what the size is, wha
     "elementwise": ("tokens per step", "memory_bytes_per_s"),
     "sample": ("rows", "memory_bytes_per_s"),
     "head": ("rows", "roofline"),  # the LM head's GEMM (optional: the cost model reads gemm without it)
-    # an RTN expert's GEMMs right after the CPU reference dequantized it (optional: grouped_gemm without it)
-    "grouped_gemm_dequantized": ("rows per expert", "roofline"),
+    # an RTN expert's GEMMs right after the CPU reference dequantized it (optional: grouped_gemm without it):
+    # its weights come from the caches, faster than memory_bytes_per_s, so a fraction of the FLOP peak
+    "grouped_gemm_dequantized": ("rows per expert", "flops_per_s"),
     # the CPU reference's dequantization (shared processor): full-width weight bytes written per
     # second, as a fraction of memory_bytes_per_s, by bit width; per storage scheme
     "dequant_cpu_packed": ("bits", "memory_bytes_per_s"),
