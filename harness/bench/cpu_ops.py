@@ -284,14 +284,17 @@ def dequantized_gemm_seconds(shape, group_size: int, rounds: int = 5, min_call_s
     resident experts' GEMMs (`model_gemm_seconds`) read theirs from memory (Mixtral-shaped, one row:
     ~0.25 ms against ~0.4). Only the GEMMs are timed, each call's dequantization outside the clock;
     the experts cycle as `model_dequant_seconds`'s do. Rounds time every row count once each; the
-    median over `rounds`. {rows: seconds}."""
+    median over `rounds`. {rows: seconds}; {} for an expert over DEQUANT_BYTES in float32 (Mixtral-8x7B's
+    705 MB: no cache holds it, so its GEMMs read memory as a resident expert's do)."""
     from engines.quant.qweight import dequantize, quantize_rtn
     from engines.runtime.memory import keep_freed_host_memory
 
+    d, i = shape.hidden, shape.intermediate
+    if 3 * d * i * 4 > DEQUANT_BYTES:
+        return {}
     keep_freed_host_memory()
     gen = torch.Generator().manual_seed(1)
-    d, i = shape.hidden, shape.intermediate
-    n = max(1, min(DEQUANT_EXPERTS, DEQUANT_BYTES // max(1, 3 * d * i * 4)))
+    n = max(1, min(DEQUANT_EXPERTS, DEQUANT_BYTES // (3 * d * i * 4)))
     gate_up = quantize_rtn(torch.randn(n, 2 * i, d, generator=gen), 4, group_size)
     down = quantize_rtn(torch.randn(n, d, i, generator=gen), 4, group_size)
     experts = itertools.cycle(range(n))
@@ -641,7 +644,8 @@ def rows_table(models: str | None, rounds: int) -> int:
                 + " (dequantized: the expert's GEMMs right after dequantizing it, as static-* on the CPU)")
             print(f"{'rows':>5} " + " ".join(f"{part:>11}" for part in parts))
             for r in shown:
-                print(f"{r:>5} " + " ".join(f"{seconds[part][str(r)] * 1e3:>11.3f}" for part in parts))
+                print(f"{r:>5} " + " ".join(f"{seconds[part][str(r)] * 1e3:>11.3f}" if seconds[part] else f"{'-':>11}"
+                                            for part in parts))
     return 0
 
 

@@ -3,9 +3,13 @@ shape-keyed curves on, by row count, and `--rows`, which prints them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engines.common.demo import demo_model_path
 from engines.runtime import gemm
 from harness.bench.cpu_ops import MODEL_ROWS, main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_row_count_below_the_packed_kernel_is_timed():
@@ -32,3 +36,20 @@ def test_rows_table_refuses_a_folder_without_a_config(tmp_path, capsys):
     assert main(["--rows", "--models", str(tmp_path)]) == 2
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and str(tmp_path) in out[0] and "config.json" in out[0]
+
+
+def test_the_gemms_after_dequantization_are_timed_only_where_a_cache_could_hold_the_expert():
+    """`dequantized_gemm_seconds` (the static engines' CPU path: an RTN expert dequantized, then its
+    GEMMs on weights just written) times every expert row count; an expert over DEQUANT_BYTES in
+    float32 (the Mixtral-8x7B preset's, 705 MB) is not timed: no cache holds it, the resident
+    experts' curve prices it, and timing it would quantize 705 MB of weights."""
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+    from harness.bench.cpu_ops import DEQUANT_BYTES, dequantized_gemm_seconds
+
+    preset = model_shape(open_checkpoint(str(ROOT / "engines/sim/presets/mixtral-8x7b"), config_only=True).config, 4)
+    assert 3 * preset.hidden * preset.intermediate * 4 > DEQUANT_BYTES
+    assert dequantized_gemm_seconds(preset, 128, rounds=1) == {}
+    demo = model_shape(open_checkpoint(str(demo_model_path()), config_only=True).config, 4)
+    timed = dequantized_gemm_seconds(demo, 32, rounds=1, min_call_s=1e-4)
+    assert list(timed) == [str(r) for r in MODEL_ROWS["expert"]] and all(v > 0 for v in timed.values())
