@@ -638,24 +638,20 @@ def _simulate_pair(tag: str, engine: str, wl: str, common: dict[str, Any], optio
     return engine, wl, m, s
 
 
-GRID_ENGINES = ("moe", "static-rtn")  # the engines `--decode-grid` steps (--grid-engine)
-
-
-def probe_engine(model: str, device: str, target: str, trace: str = "", name: str = "moe") -> tuple[Any, Any]:
-    """A started engine `name` (moe, or static-rtn at 4 bits) for the probes and its clock: measured
-    on `device` (this thread's CPU time on the CPU, the synchronized wall clock on a GPU), recording
-    its routing to `trace` where given, or, with `target` set, simulated on it (its virtual clock),
-    replaying `trace` where given (the probes send the same requests in both: same ids, same
-    prompts), else uniform routing."""
+def probe_engine(model: str, device: str, target: str, trace: str = "", name: str = "moe",
+                 engine_opts: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """A started engine `name` (with `engine_opts`: `engine_options`' for it) for the probes and its
+    clock: measured on `device` (this thread's CPU time on the CPU, the synchronized wall clock on a
+    GPU), recording its routing to `trace` where given, or, with `target` set, simulated on it (its
+    virtual clock), replaying `trace` where given (the probes send the same requests in both: same
+    ids, same prompts), else uniform routing."""
     from engines.registry import create_engine
     from harness.cli.hw import step_clock
 
     routing = f"replay:{trace}" if trace else "uniform"
     options = {"model": model, **({"simulate": target, "routing": routing} if target
                                   else {"device": device, **({"record_routing": trace} if trace else {})})}
-    if name == "static-rtn":
-        options["bits"] = 4
-    engine = create_engine(name, options)
+    engine = create_engine(name, {**(engine_opts or {}), **options})
     engine.start()
     return engine, engine.virtual_clock.now if target else step_clock(device)
 
@@ -707,10 +703,10 @@ GRID_SEQUENCES, GRID_CONTEXTS, GRID_OUTPUT = (1, 2, 6, 12), (32, 128, 512, 1500)
 GRID_SPREAD = (0.5, 0.65, 0.8, 1.0, 1.15, 1.3)  # (the bundled model holds 2,048 positions)
 
 
-def decode_grid(model: str, device: str, target: str, trace: str = "",
-                name: str = "moe") -> dict[tuple[Any, int], float]:
-    """Engine `name`'s decode step (moe's, or static-rtn's at 4 bits; the median over a batch's decode
-    steps, its first two left out) for each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS
+def decode_grid(model: str, device: str, target: str, trace: str = "", name: str = "moe",
+                engine_opts: dict[str, Any] | None = None) -> dict[tuple[Any, int], float]:
+    """Engine `name`'s decode step (with `engine_opts`; the median over a batch's decode steps, its
+    first two left out) for each (sequences, context) of GRID_SEQUENCES x GRID_CONTEXTS
     and ("spread", context): six prompts of GRID_SPREAD x the context, in one engine, measured on
     `device` (this thread's CPU time on the CPU) or, with `target` set, simulated on it (replaying
     `trace`, the measured grid's routing, where given): {(sequences, context): ms}. Where the
@@ -720,7 +716,7 @@ def decode_grid(model: str, device: str, target: str, trace: str = "",
     import random
 
     rng = random.Random(1)
-    engine, clock = probe_engine(model, device, target, trace, name)
+    engine, clock = probe_engine(model, device, target, trace, name, engine_opts)
     out = {}
     try:
         keys = [(n, c) for n in (*GRID_SEQUENCES, "spread") for c in GRID_CONTEXTS]
@@ -1000,9 +996,9 @@ def main() -> None:
                         help="measure nothing else: engine moe's decode step by sequences (1-12) and context "
                              "(32-1,500 tokens), measured and simulated, for each of --models (after calibrating, "
                              "unless --no-calibration)")
-    parser.add_argument("--grid-engine", choices=GRID_ENGINES, default="moe",
-                        help="--decode-grid: the engine stepped (static-rtn: 4-bit RTN experts, dequantized on "
-                             "each call on the CPU)")
+    parser.add_argument("--grid-engine", default="moe",
+                        help="--decode-grid: the engine stepped, with the options the benchmark gives it (e.g. "
+                             "static-rtn: 4-bit RTN experts, dequantized on each call on the CPU; default moe)")
     parser.add_argument("--prefill-grid", action="store_true",
                         help="measure nothing else: engine moe's prefill step by the batch's prompt lengths, each "
                              "batch then decoding 1 or 16 tokens, measured and simulated, for each of --models "
@@ -1042,6 +1038,14 @@ def main() -> None:
             engines.append(name)
         else:
             print(f"skip {name}: it cannot be simulated yet (class flag `simulates` is false)")
+    if args.decode_grid:
+        try:
+            grid_cls = engine_class(args.grid_engine)
+        except Exception as exc:  # noqa: BLE001  (as --engines')
+            raise SystemExit(f"--grid-engine: {exc}") from None
+        if not getattr(grid_cls, "simulates", False):
+            raise SystemExit(f"--grid-engine {args.grid_engine}: it cannot be simulated (class flag `simulates` is "
+                             "false); choose one that simulates, e.g. moe or static-rtn")
     if args.device == "cuda":
         profile = gpu_profile(args.profile)
     else:
@@ -1075,8 +1079,9 @@ def main() -> None:
             fresh = True  # no engine's runs since that calibration
             if args.decode_grid:
                 trace = str(tmp / f"{arch}-decode-grid.routing.parquet")  # the simulated grid replays it
-                measured = _fresh(decode_grid, model, args.device, "", trace, args.grid_engine)
-                simulated = _fresh(decode_grid, model, args.device, target, trace, args.grid_engine)
+                grid_opts = engine_options(args.grid_engine, model_sizes(model, target))
+                measured = _fresh(decode_grid, model, args.device, "", trace, args.grid_engine, grid_opts)
+                simulated = _fresh(decode_grid, model, args.device, target, trace, args.grid_engine, grid_opts)
                 print(f"\n## {arch}: engine {args.grid_engine}'s decode step, ms measured / simulated (error %)\n")
                 print("| sequences | " + " | ".join(f"context {c}" for c in GRID_CONTEXTS) + " |")
                 print("|---|" + "---|" * len(GRID_CONTEXTS))
