@@ -280,10 +280,11 @@ def nonnegative_least_squares(x: list[tuple[float, ...]], y: list[float]) -> tup
     return best
 
 
-# A model shape measurement's parts -> the curve each fits (engines/sim/cost.py SHAPED).
-# ("expert_dequantized": the expert's GEMMs right after the CPU reference dequantized it, weights in the caches)
-MODEL_PARTS = {"dense": "gemm", "expert": "grouped_gemm", "head": "head",
-               "expert_dequantized": "grouped_gemm_dequantized"}
+# A model shape measurement's parts -> (the curve each fits (engines/sim/cost.py SHAPED), whether its
+# weights come from memory: its time a fraction of the roofline bound, else of the FLOPs at the peak).
+# "expert_dequantized": the expert's GEMMs right after the CPU reference dequantized it, weights in the caches.
+MODEL_PARTS = {"dense": ("gemm", True), "expert": ("grouped_gemm", True), "head": ("head", True),
+               "expert_dequantized": ("grouped_gemm_dequantized", False)}
 
 
 # engines/quant's `dequantize` makes this many torch calls per RTN matrix (counted in
@@ -308,20 +309,17 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
     out: dict[str, dict[str, Any]] = {}
     params, seconds = entry.get("params") or {}, entry.get("seconds") or {}
     width = float(entry.get("dtype_bytes", 4))
-    for part, curve in MODEL_PARTS.items():
+    for part, (curve, from_memory) in MODEL_PARTS.items():
         n, per_row = float(params.get(part, 0)), seconds.get(part) or {}
         if n <= 0 or not per_row:
             continue
-        if part == "expert_dequantized":  # weights just written, in the caches: the FLOPs alone bound it
-            pts = [(float(r), 2 * int(r) * n / peak / _rate(per_row, r)) for r in per_row]
-        else:
-            pts = [(float(r), max(width * n / bw, 2 * int(r) * n / peak) / _rate(per_row, r)) for r in per_row]
+        memory_s = width * n / bw if from_memory else 0.0
+        pts = [(float(r), max(memory_s, 2 * int(r) * n / peak) / _rate(per_row, r)) for r in per_row]
         shapes = " + ".join(f"[{a}, {b}]" for a, b in (entry.get("matrices") or {}).get(part, ()))
         out[f"{curve}@{key}"] = _curve(pts, f"`pwbench hw calibrate --model {entry.get('model', '?')}` at "
                                             f"{entry.get('measured_at', '?')}: {part} ({shapes}) timed at each row "
                                             "count as the runtime calls it, against its "
-                                            + ("FLOPs at the peak" if part == "expert_dequantized" else
-                                               "roofline bound"))
+                                            + ("roofline bound" if from_memory else "FLOPs at the peak"))
     dequant = seconds.get("dequant_packed") or {}
     if dequant and params.get("expert"):
         full = width * float(params["expert"])

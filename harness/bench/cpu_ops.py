@@ -434,6 +434,7 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     group = static_group_size(shape)
     seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
     seconds["expert_dequantized"] = dequantized_gemm_seconds(shape, group, rounds)
+    parts = {**mats, "expert_dequantized": mats["expert"]}  # the same matrices, timed after dequantization
     seconds["decode_attention"], kv_bytes = decode_attention_seconds(config, rounds)
     heads = attention_heads(shape, config.mla)
     # the FLOPs a prefill curve's time is a fraction of are the cost model's count, 4 x heads x head_dim
@@ -444,10 +445,8 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
                               "dtype_bytes": 4, "threads": torch.get_num_threads(), "dequant_group_size": group,
                               "attention": attention,
                               "decode_kv_bytes_per_token": kv_bytes,
-                              "matrices": {k: [list(m) for m in v] for k, v in
-                                           {**mats, "expert_dequantized": mats["expert"]}.items()},
-                              "params": {k: sum(n * k_ for n, k_ in v) for k, v in
-                                         {**mats, "expert_dequantized": mats["expert"]}.items()},
+                              "matrices": {k: [list(m) for m in v] for k, v in parts.items()},
+                              "params": {k: sum(n * k_ for n, k_ in v) for k, v in parts.items()},
                               "seconds": seconds}
 
 

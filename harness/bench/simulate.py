@@ -509,7 +509,7 @@ def unaligned_residuals(m: dict[str, list], s: dict[str, list]) -> str | None:
 
 def _measure_one(tag: str, k: int, common: dict[str, Any], options: dict[str, Any], tmp_name: str,
                  cpu_clock: bool, moe_trace: str) -> tuple[str, dict, float, float | None, str, str | None, list]:
-    """Measured run `k` of a pair, its routing recorded (in a fresh interpreter: `run_pair`): (folder,
+    """Measured run `k` of a pair, its routing recorded (in a fresh interpreter: `measure_pair`): (folder,
     result, its steps' CPU s, the core share, the routing trace it replays, a note or None, the host's
     speed when its timed part began and after it ended)."""
     from engines.base import EngineError
@@ -541,7 +541,7 @@ def _speeds(speeds: list[float]) -> str:
 
 
 def _simulate_one(common: dict[str, Any], options: dict[str, Any], output: str) -> tuple[str, dict]:
-    """The pair's simulated run (in a fresh interpreter: `run_pair`): (folder, result)."""
+    """The pair's simulated run (in a fresh interpreter: `measure_pair`): (folder, result)."""
     from harness.run import RunArgs, execute
 
     folder, result = execute(RunArgs(**common, engine_options=options, output=output))
@@ -560,15 +560,6 @@ def simulate_replay(common: dict[str, Any], options: dict[str, Any], target: str
 
 
 Row = tuple[str, str, dict, dict]
-
-
-def run_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
-             tmp_name: str, warmup: int, cpu_clock: bool = True, repeats: int = 1, device: str = "cpu",
-             target: str = "cpu") -> Row | None:
-    """One engine on one workload, measured and then simulated (`measure_pair`, then its twin at once)."""
-    finish = measure_pair(arch, engine, wl, spec, given, model, options, tmp_name, warmup, cpu_clock, repeats,
-                          device, target)
-    return finish() if finish else None
 
 
 def measure_pair(arch: str, engine: str, wl: str, spec: Any, given: frozenset, model: str, options: dict[str, Any],
@@ -817,7 +808,8 @@ def bracket(c: int, taken: int) -> list[int]:
 
 
 def median_calibration(snapshots: list[Any], middle: int) -> Any:
-    """`pwbench hw calibrate`'s cache (hw.json) as the median of `snapshots` of it, leaf by leaf: each
+    """`pwbench hw calibrate`'s measurement (this CPU's entry of hw.json) as the median of `snapshots` of
+    it, leaf by leaf: each
     number the median of the numbers at its place (of two, their mean), lists of one length element by
     element; anything else (a text, a place one snapshot lacks) as in snapshots[middle]."""
     mid = snapshots[middle]
@@ -845,10 +837,10 @@ class Calibrations:
         self.waiting: list[tuple[int, str, list[Callable[[], Row | None]]]] = []  # (calibration before, engine, twins)
 
     def take(self) -> None:
-        from engines.common.peaks import cache_path
+        from engines.common.peaks import cached_peaks, cpu_model
 
         calibrate(self.model)
-        self.snapshots.append(json.loads(cache_path().read_text()))
+        self.snapshots.append(cached_peaks()[cpu_model()])  # this CPU's entry of the cache (hw.json)
 
     def wait(self, engine: str, twins: list[Callable[[], Row | None]]) -> None:
         """`engine`'s twins, measured since the last calibration."""
@@ -859,27 +851,21 @@ class Calibrations:
         """The waiting twins whose calibrations are all taken (`final`: every waiting twin, on those
         taken), each engine's on the median of its `bracket`; the cache then holds the last
         calibration again (the next measured runs read it: moegen's planner)."""
-        from engines.common.peaks import cache_path
         from engines.sim.hardware import cpu_profile
+        from harness.hw import save_cached
 
-        rows, path = [], cache_path()
+        rows = []
         while self.waiting and (final or max(bracket(self.waiting[0][0], 1 << 30)) < len(self.snapshots)):
             c, engine, twins = self.waiting.pop(0)
             chosen = bracket(c, len(self.snapshots))
-            _write_json(path, median_calibration([self.snapshots[i] for i in chosen], chosen.index(c)))
+            save_cached(median_calibration([self.snapshots[i] for i in chosen], chosen.index(c)))
             print(f"{engine}: its twins priced on the median of this model's calibrations "
                   f"{', '.join(f'#{i + 1}' for i in chosen)} (#{c + 1} right before its runs): "
                   f"{describe_profile(cpu_profile())}", flush=True)
             rows.extend(row for twin in twins if (row := twin()) is not None)
         if self.snapshots:
-            _write_json(path, self.snapshots[-1])
+            save_cached(self.snapshots[-1])
         return rows
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def peak_rss_gb(who: int = resource.RUSAGE_SELF) -> float:

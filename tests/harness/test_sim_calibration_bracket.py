@@ -51,15 +51,15 @@ def _snapshot(per_call_us: float, bandwidth_gb_s: float) -> dict:
 
 def test_each_engines_twins_are_priced_on_the_median_of_its_bracket(tmp_path, monkeypatch):
     monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
-    from engines.common.peaks import cache_path
+    from engines.common.peaks import cache_path, cpu_model
     from engines.sim.hardware import cpu_profile
 
     cal = Calibrations("model")
     taken = [_snapshot(1.6, 13.0), _snapshot(2.2, 12.0), _snapshot(1.5, 13.4), _snapshot(1.7, 12.8)]
 
-    def take(k: int) -> None:  # what `take` leaves: the calibration in the cache, its snapshot kept
+    def take(k: int) -> None:  # what `take` leaves: the calibration in the cache, this CPU's entry kept
         cache_path().write_text(json.dumps(taken[k]))
-        cal.snapshots.append(taken[k])
+        cal.snapshots.append(taken[k][cpu_model()])
 
     seen: dict[str, tuple[float, float]] = {}
 
