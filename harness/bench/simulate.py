@@ -424,14 +424,25 @@ def calibrate(model: str) -> None:
 
     t = time.perf_counter()
     result = calibrate_cpu([model])
-    own = next((e["prefill_overhead"] for e in (result.get("model_gemm") or {}).values()
-                if e.get("model") == model and e.get("prefill_overhead")), None)
-    print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): {describe_profile(cpu_profile(), own)}",
-          flush=True)
+    print(f"{Path(model).name}: calibrated ({time.perf_counter() - t:.0f} s): "
+          f"{describe_profile(cpu_profile(), model_entry(result, model))}", flush=True)
 
 
-def describe_profile(p: Any, own: dict[str, float] | None = None) -> str:
-    """The cpu profile's rates in a line (`own`: the model's own fitted prefill overheads)."""
+def model_entry(measurement: dict[str, Any], model: str) -> dict[str, Any] | None:
+    """`model`'s shape measurement in `pwbench hw calibrate`'s (measurements["model_gemm"]), None without one."""
+    return next((e for e in (measurement.get("model_gemm") or {}).values() if e.get("model") == model), None)
+
+
+def describe_profile(p: Any, entry: dict[str, Any] | None = None) -> str:
+    """The cpu profile's rates in a line; with `entry` (`model_entry`), the model's own: its fitted
+    prefill overheads, and one expert's times as measured (resident, its 4-bit RTN dequantization,
+    its GEMMs right after it; one row): the static engines' steps turn on the last two, which drift
+    with the host's minute more than the rest."""
+    own = (entry or {}).get("prefill_overhead")
+    seconds = (entry or {}).get("seconds") or {}
+    expert = {name: seconds.get(part, {}).get(key) for name, part, key in (
+        ("resident", "expert", "1"), ("dequantized 4-bit", "dequant_packed", "4"),
+        ("its GEMMs after", "expert_dequantized", "1"))}
     return (f"{p.memory_bytes_per_s / 1e9:.1f} GB/s, "
             f"{p.flops() / 1e9:.0f} GFLOP/s, {p.op_overhead_s * 1e6:.2f} us per counted torch call and "
             f"{p.decode_sequence_overhead_s * 1e6:.2f} us per decode sequence and layer, prefill "
@@ -442,7 +453,9 @@ def describe_profile(p: Any, own: dict[str, float] | None = None) -> str:
                f"{own['step_s'] * 1e6:.1f} us)" if own else "")
             + "; the engines' parts per layer: "
             + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
-                        for k, v in p.executor_overhead_s.items()))
+                        for k, v in p.executor_overhead_s.items())
+            + ("; one expert (ms, one row): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in expert.items() if v)
+               if any(expert.values()) else ""))
 
 
 def step_residuals(measured: Path, simulated: Path) -> str | None:
@@ -851,6 +864,7 @@ class Calibrations:
         """The waiting twins whose calibrations are all taken (`final`: every waiting twin, on those
         taken), each engine's on the median of its `bracket`; the cache then holds the last
         calibration again (the next measured runs read it: moegen's planner)."""
+        from engines.common.peaks import cached_peaks, cpu_model
         from engines.sim.hardware import cpu_profile
         from harness.hw import save_cached
 
@@ -861,7 +875,8 @@ class Calibrations:
             save_cached(median_calibration([self.snapshots[i] for i in chosen], chosen.index(c)))
             print(f"{engine}: its twins priced on the median of this model's calibrations "
                   f"{', '.join(f'#{i + 1}' for i in chosen)} (#{c + 1} right before its runs): "
-                  f"{describe_profile(cpu_profile())}", flush=True)
+                  f"{describe_profile(cpu_profile(), model_entry(cached_peaks()[cpu_model()], self.model))}",
+                  flush=True)
             rows.extend(row for twin in twins if (row := twin()) is not None)
         if self.snapshots:
             save_cached(self.snapshots[-1])

@@ -86,3 +86,25 @@ def test_each_engines_twins_are_priced_on_the_median_of_its_bracket(tmp_path, mo
     assert [r[0] for r in rows] == ["pagedweight", "pagedweight"]
     assert seen["pagedweight"] == pytest.approx((1.7, 12.8))  # median of #2-#4: 2.2, 1.5, 1.7 us; 12, 13.4, 12.8
     assert json.loads(cache_path().read_text()) == taken[3] and not cal.waiting
+
+
+def test_the_log_line_gives_the_models_own_expert_times(tmp_path, monkeypatch):
+    """`describe_profile` with the model's shape measurement (`model_entry`): the times `pwbench hw
+    calibrate --model` took for one expert, in ms, as measured (not fitted), so a static engine's miss
+    can be read against the calibrations its twins were priced on."""
+    monkeypatch.setenv("PWBENCH_CACHE", str(tmp_path))
+    from engines.common.peaks import cache_path
+    from engines.sim.hardware import cpu_profile
+    from harness.bench.simulate import describe_profile, model_entry
+
+    cache_path().write_text(json.dumps(_snapshot(1.6, 13.0)))
+    ours = {"model": "/m/ours", "seconds": {"expert": {"1": 4.0e-4, "2": 5.0e-4}, "dequant_packed": {"4": 3.9e-3},
+                                            "expert_dequantized": {"1": 2.5e-4}}}
+    measurement = {"model_gemm": {"k1": {"model": "/m/other", "seconds": {"expert": {"1": 1.0}}}, "k2": ours}}
+    assert model_entry(measurement, "/m/ours") is ours and model_entry(measurement, "/m/none") is None
+    line = describe_profile(cpu_profile(), ours)
+    assert line.endswith("; one expert (ms, one row): resident 0.400, dequantized 4-bit 3.900, its GEMMs after 0.250")
+    # a model whose expert was not timed after dequantization (over DEQUANT_BYTES): the two it has
+    del ours["seconds"]["expert_dequantized"]
+    assert describe_profile(cpu_profile(), ours).endswith("resident 0.400, dequantized 4-bit 3.900")
+    assert "one expert" not in describe_profile(cpu_profile())
