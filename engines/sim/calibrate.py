@@ -42,7 +42,8 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
                         time per context token (the slope) / bandwidth
     dequant_cpu_packed@K the same entry's dequantization of one expert (both matrices, RTN records
                         of the static engines' group size for its widths) at each bit width, as
-                        the torch reference runs it: full-width bytes / seconds / bandwidth
+                        the torch reference runs it, its torch calls included: full-width bytes /
+                        seconds / bandwidth
 
 The FLOP peak is the best float32 GEMM rate measured in the session (`best_flops`): the 1024^3
 matmul, the square curve's row counts and the model shapes' (one core's rate moves 10-30% between
@@ -173,7 +174,7 @@ def fit_cpu_curves(measurements: Mapping[str, Any]) -> dict[str, dict[str, Any]]
         out["sample"] = _curve([(ARGMAX_ROWS, _rate(m, "argmax_bytes_per_s") / bw)],
                                f"{src}: argmax_bytes_per_s / memory_bandwidth_bytes_per_s ({ARGMAX_ROWS} rows)")
     for key, entry in sorted((m.get("model_gemm") or {}).items()):
-        out.update(fit_model_curves(key, entry, bw, peak, float(m.get("op_overhead_s") or 0.0)))
+        out.update(fit_model_curves(key, entry, bw, peak))
     out["copy"] = {"points": [[1.0, 1.0]], "source": "one processor: a copy is a memcpy at "
                    "link_pinned_bytes_per_s = memory_bandwidth_bytes_per_s / 2 (read + write)"}
     return out
@@ -287,25 +288,23 @@ MODEL_PARTS = {"dense": ("gemm", True), "expert": ("grouped_gemm", True), "head"
                "expert_dequantized": ("grouped_gemm_dequantized", False)}
 
 
-# engines/quant's `dequantize` makes this many torch calls per RTN matrix (counted in
-# tests/unit/test_sim_cost.py). Timed in a tight loop, a dequantization dispatches them at the tight
-# loop's price (`pwbench hw`'s op_overhead_s, ~0.8 us here); inside a step the runtime pays its own
-# per call (~1.6 us), which the cost model prices with the rest of a quantized expert's calls
-# (OPS_PER_QUANTIZED_EXPERT_CPU). A model's dequant_cpu_packed@KEY curve keeps the data's time: the
-# expert's timing less its two matrices' calls at the tight price, at least DEQUANT_DATA_FLOOR of it.
-# It matters for small experts: the bundled model's takes ~0.13 ms, ~0.05 of it those calls.
-DEQUANTIZE_CALLS_PER_MATRIX = 32
-DEQUANT_DATA_FLOOR = 0.1
+# A model's dequant_cpu_packed@KEY curve is its expert's timing as it is: the static engines' CPU path
+# indexes each RTN matrix (`QuantizedWeight.expert`, 10 torch calls) and dequantizes it (`dequantize`,
+# 32), which is what `model_dequant_seconds` times, and those 84 calls are all a packed expert run makes
+# beyond a full-width one's 2 (engines/sim/cost.py OPS_PER_QUANTIZED_EXPERT_CPU, counted in
+# tests/unit/test_sim_cost.py), so the cost model prices no call of it again. Inside a running engine the
+# same indexing takes what the timing took: 0.93x (the bundled model), 1.00x (Mixtral-shaped) and
+# 1.05x (DeepSeek-V3-shaped) of it in alternations in one process (docs/simulation-validation.md,
+# "Cost model 13"); cost model 12 took 64 calls out at the tight loop's price and priced 82 at the
+# runtime's, ~0.09 ms more than the timing per DeepSeek-V3-shaped expert (of ~0.9).
 
 
-def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
-                     call_s: float = 0.0) -> dict[str, dict[str, Any]]:
+def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float) -> dict[str, dict[str, Any]]:
     """One model's shape measurement (measurements["model_gemm"][key]: `params` and `seconds`
     by part and row count, `matrices`, `model`, `measured_at`) -> {"gemm@key", "grouped_gemm@key",
     "head@key": curve}: at each row count r, the roofline bound of the part's matrices (4-byte
     weights: max(4 x params / bw, 2 x r x params / peak)) over the seconds measured; and
-    "dequant_cpu_packed@key" from one expert's dequantization by bits, less its calls at `call_s`
-    each (the tight loop's time per torch call)."""
+    "dequant_cpu_packed@key" from one expert's dequantization by bits, its torch calls included."""
     out: dict[str, dict[str, Any]] = {}
     params, seconds = entry.get("params") or {}, entry.get("seconds") or {}
     width = float(entry.get("dtype_bytes", 4))
@@ -324,19 +323,13 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float,
     if dequant and params.get("expert"):
         full = width * float(params["expert"])
         shapes = " + ".join(f"[{a}, {b}]" for a, b in (entry.get("matrices") or {}).get("expert", ()))
-        calls = 2 * DEQUANTIZE_CALLS_PER_MATRIX
-
-        def data_s(b: str) -> float:
-            t = _rate(dequant, b)
-            return max(t - calls * call_s, DEQUANT_DATA_FLOOR * t)
-
         out[f"dequant_cpu_packed@{key}"] = _curve(
-            [(float(b), full / data_s(b) / bw) for b in dequant],
+            [(float(b), full / _rate(dequant, b) / bw) for b in dequant],
             f"`pwbench hw calibrate --model {entry.get('model', '?')}` at {entry.get('measured_at', '?')}: one "
-            f"expert ({shapes}) dequantized from RTN records of group {entry.get('dequant_group_size', '?')} by "
-            f"the torch reference, less its {calls} torch calls at {call_s * 1e6:.2f} us (the tight loop's "
-            "op_overhead_s; the cost model prices a quantized expert's calls itself): full-width bytes per "
-            "second by bit width / memory_bandwidth_bytes_per_s")
+            f"expert ({shapes}) indexed and dequantized from RTN records of group "
+            f"{entry.get('dequant_group_size', '?')} by the torch reference, its torch calls included (all a "
+            "packed expert run makes beyond a full-width one's: the cost model prices none again): full-width "
+            "bytes per second by bit width / memory_bandwidth_bytes_per_s")
     per_ctx, kv_bytes = seconds.get("decode_attention") or {}, float(entry.get("decode_kv_bytes_per_token") or 0)
     if len(per_ctx) >= 2 and kv_bytes > 0:  # the time per context token: least squares slope over the contexts
         c = [float(k) for k in per_ctx]

@@ -32,7 +32,8 @@ efficiencies are the hardware profile's curves (engines/sim/hardware.py) at the 
   own experts, where the profile has it), or, where measured, "dequant_group_{scheme}_{b}" by the
   full-width bytes of the experts of that width a layer dequantizes in one stacked call
   (pagedweight's planes; the step's runs of the width over its MoE layers), then a dense GEMM,
-  plus the quantized expert's torch calls (OPS_PER_QUANTIZED_EXPERT_CPU) at the per-call price.
+  plus the quantized expert's torch calls (OPS_PER_QUANTIZED_EXPERT_CPU) at the per-call price
+  (none for RTN records priced on "dequant_cpu_packed@K": its timing holds them).
 - Attention: decode reads each sequence's KV (context x kv_bytes_per_token) at
   "attention_decode" over its context (its FLOPs, 4 x heads x head_dim per key and layer, at
   "gemm" over the query heads sharing a KV read); prefill, 4 x heads x head_dim FLOPs per layer
@@ -361,7 +362,11 @@ class CostModel:
     # 12: an RTN ("packed") expert's GEMMs on the CPU reference at `grouped_gemm_dequantized` where the
     # profile has it (timed right after the dequantization, as that reference runs them: weights in the
     # caches; a static-rtn Mixtral-shaped decode step of 6-12 sequences came out 13-17% high without it)
-    VERSION: ClassVar[str] = "12"
+    # 13: `dequant_cpu_packed@key` keeps its timing's torch calls (the indexing and dequantization it times
+    # make all of a packed expert's 82), and a packed run priced on it pays no call again (`_quantized_calls`;
+    # 12 took 64 out at the tight loop's price and priced 82 at the runtime's: ~10% of a DeepSeek-V3-shaped
+    # expert's dequantization more than it takes in a running engine)
+    VERSION: ClassVar[str] = "13"
 
     def __init__(self, profile: Any, shape: ModelShape, dtype: str) -> None:
         if dtype not in profile.flops_per_s:
@@ -444,6 +449,14 @@ class CostModel:
             return full / (self.bw * measured.at(bits))
         return 2 * full / (self.bw * self.curves["elementwise"].at(tokens))
 
+    def _quantized_calls(self, scheme: str) -> int:
+        """Torch calls a quantized expert run of `scheme` makes beyond a full-width one's on the CPU
+        reference, priced at op_overhead_s: none for RTN records where the profile has their
+        dequantization measured on this model's experts (`dequant_cpu_packed@key` times all of them)."""
+        if scheme == "packed" and "dequant_cpu_packed" in self.shaped:
+            return 0
+        return _QUANTIZED_OPS.get(scheme, _QUANTIZED_OPS["packed"])
+
     def cpu_dequantization(self, runs: tuple[ExpertRun, ...]) -> tuple[float, int]:
         """(seconds, torch calls) of the CPU reference's dequantization of `runs`' quantized
         experts to full width, as `step` prices it, for an executor that prices the rest of the
@@ -456,7 +469,7 @@ class CostModel:
             if r.bits < self.dtype_bits:
                 group = groups.get((r.scheme, r.nbytes), 1.0)
                 seconds += self._cpu_dequant_s(r.tokens, r.bits, r.scheme, group) * r.count
-                calls += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * r.count
+                calls += self._quantized_calls(r.scheme) * r.count
         return seconds, calls
 
     def _decode_s(self, context: int, kv_bytes_per_token: int) -> float:
@@ -509,7 +522,7 @@ class CostModel:
                 read += r.nbytes * n
                 n_runs += n
                 if r.bits < self.dtype_bits:
-                    quantized_ops += _QUANTIZED_OPS.get(r.scheme, _QUANTIZED_OPS["packed"]) * n
+                    quantized_ops += self._quantized_calls(r.scheme) * n
             # Attention.
             dmemo = self._decode_memo
             if dmemo.kv_bytes_per_token != kvb or len(dmemo) > _MEMO_LIMIT:
@@ -574,7 +587,8 @@ class CostModel:
             return f"shared processor: the torch reference dequantizes each call ({old}), then a dense GEMM"
         grouped = (f"; {', '.join(sorted(self.group_dequant))}: by the experts of one width a layer dequantizes in "
                    f"one stacked call (dequant_group_* curves)") if self.group_dequant else ""
-        own = " (packed: measured on this model's experts)" if "dequant_cpu_packed" in self.shaped else ""
+        own = (" (packed: measured on this model's experts, its torch calls included: none priced again)"
+               if "dequant_cpu_packed" in self.shaped else "")
         hot = ("; packed experts' GEMMs at grouped_gemm_dequantized of the FLOP peak (timed right after the "
                "dequantization: weights in the caches)") if self.dequantized_gemm is not None else ""
         return (f"shared processor: the torch reference dequantizes each call, then a dense GEMM: the full-width "
