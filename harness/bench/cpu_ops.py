@@ -241,7 +241,8 @@ def static_group_size(shape) -> int:
     return fit_group_size(StaticQuantConfig.group_size, (shape.hidden, shape.intermediate))[0]
 
 
-def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, float]:
+def model_dequant_seconds(shape, group_size: int, rounds: int = 5,
+                          bits: tuple[int, ...] | None = None) -> dict[str, float]:
     """Seconds the CPU torch reference takes to dequantize one routed expert of `shape` (gate_up
     [2I, D] and down [D, I], RTN records of `group_size` at each width of harness/hw.py DEQUANT_BITS)
     as the static engines' CPU path does it (engines/quant/ops.py `QuantizedExperts`:
@@ -249,7 +250,7 @@ def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, 
     (engines/runtime/memory.py `keep_freed_host_memory`), as a CPU engine runs (`--dequant` prints
     it against glibc's defaults). The median over `rounds` timings of DEQUANT_EXPERTS experts (fewer
     where they would pass DEQUANT_BYTES; an expert larger than that: a slice of both matrices' rows,
-    its time scaled by the elements), per expert. {bits: seconds}."""
+    its time scaled by the elements), per expert; at `bits` (default DEQUANT_BITS). {bits: seconds}."""
     from engines.quant.qweight import dequantize, quantize_rtn
     from engines.runtime.memory import keep_freed_host_memory
     from harness.hw import DEQUANT_BITS
@@ -263,16 +264,16 @@ def model_dequant_seconds(shape, group_size: int, rounds: int = 5) -> dict[str, 
     rows_gu, rows_dn = max(1, round(2 * i * share)), max(1, round(d * share))
     scale = 3 * d * i / (rows_gu * d + rows_dn * i)
     out = {}
-    for bits in DEQUANT_BITS:
-        gate_up = quantize_rtn(torch.randn(n, rows_gu, d, generator=gen), bits, group_size)
-        down = quantize_rtn(torch.randn(n, rows_dn, i, generator=gen), bits, group_size)
+    for b in bits or DEQUANT_BITS:
+        gate_up = quantize_rtn(torch.randn(n, rows_gu, d, generator=gen), b, group_size)
+        down = quantize_rtn(torch.randn(n, rows_dn, i, generator=gen), b, group_size)
 
         def run(gate_up=gate_up, down=down) -> None:
             for e in range(n):
                 dequantize(gate_up.expert(e), torch.float32)
                 dequantize(down.expert(e), torch.float32)
 
-        out[str(bits)] = _timeit(run, repeats=rounds, min_s=0.2, warmup=1) / n * scale
+        out[str(b)] = _timeit(run, repeats=rounds, min_s=0.2, warmup=1) / n * scale
     return out
 
 
@@ -430,12 +431,19 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
     config = open_checkpoint(model, config_only=True).config
     shape = model_shape(config, 4)  # the CPU runs float32
     mats = model_matrices(shape, config.mla)
-    seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
     group = static_group_size(shape)
-    seconds["dequant_packed"] = model_dequant_seconds(shape, group, rounds)
+    # The static engines' CPU steps are mostly one expert's dequantization, timed for ~0.2 s per width,
+    # and one such window can fall in a slow quarter-second of this host (the Mixtral-shaped expert at 4
+    # bits: 3.60, 4.53, 6.45 and 3.59 ms in one validation run's four calibrations): three windows spread
+    # over the measurement (before the GEMMs, after them, after the decode attention), the median per width.
+    windows = [model_dequant_seconds(shape, group, rounds)]
+    seconds = model_gemm_seconds(shape, rounds, mla=config.mla)
     seconds["expert_dequantized"] = dequantized_gemm_seconds(shape, group, rounds)
+    windows.append(model_dequant_seconds(shape, group, rounds))
     parts = {**mats, "expert_dequantized": mats["expert"]}  # the same matrices, timed after dequantization
     seconds["decode_attention"], kv_bytes = decode_attention_seconds(config, rounds)
+    windows.append(model_dequant_seconds(shape, group, rounds))
+    seconds["dequant_packed"] = {b: _median([w[b] for w in windows]) for b in windows[0]}
     heads = attention_heads(shape, config.mla)
     # the FLOPs a prefill curve's time is a fraction of are the cost model's count, 4 x heads x head_dim
     # a pair (MLA: its query head dim); "sdpa" is what was timed
@@ -443,6 +451,7 @@ def model_gemm_entry(model: str, rounds: int = 5) -> tuple[str, dict]:
                  "sdpa": "{} query heads over {} KV heads, keys of {}, values of {}".format(*heads)} if heads else None
     return shape_key(shape), {"model": str(model), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                               "dtype_bytes": 4, "threads": torch.get_num_threads(), "dequant_group_size": group,
+                              "dequant_packed_windows": windows,
                               "attention": attention,
                               "decode_kv_bytes_per_token": kv_bytes,
                               "matrices": {k: [list(m) for m in v] for k, v in parts.items()},

@@ -8,6 +8,7 @@
     python -m harness.bench.simulate --reprice DIR [--profile NAME_OR_TOML]
     python -m harness.bench.simulate --decode-grid [--models demo] [--grid-engine moe|static-rtn]
     python -m harness.bench.simulate --prefill-grid [--models demo]
+    python -m harness.bench.simulate --dequant-ab [--models demo,mixtral,deepseek_v3]
     python -m harness.bench.simulate --recount DIR
 
 Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
@@ -15,7 +16,9 @@ one fresh process, measured (with the page faults of each pass) and simulated: a
 the rest is one-time cost (which the offline runs' warm-up, a batch of the same shape, takes out),
 a gap in every pass is the cost model's. `--decode-grid` prints engine moe's (`--grid-engine`) decode step by
 sequences and context, measured and simulated, and runs nothing else; `--prefill-grid` its
-prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps. The
+prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps;
+`--dequant-ab` a running static-rtn engine's time per expert dequantization against the
+calibration's timing of it, alternating in one process (cost model 13 prices the latter). The
 probe's and the grids' simulated side replays the routing its measured side recorded (the same
 requests in both), so a small batch compares prices, not a uniform router against the model's.
 
@@ -455,7 +458,9 @@ def describe_profile(p: Any, entry: dict[str, Any] | None = None) -> str:
             + ", ".join(f"{k} {v * 1e6:.0f} us + {p.executor_token_overhead_s.get(k, 0.0) * 1e9:.0f} ns per token"
                         for k, v in p.executor_overhead_s.items())
             + ("; one expert (ms, one row): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in expert.items() if v)
-               if any(expert.values()) else ""))
+               if any(expert.values()) else "")
+            + (" (the median of {})".format(", ".join(f"{w['4'] * 1e3:.3f}" for w in windows))
+               if (windows := (entry or {}).get("dequant_packed_windows")) and all("4" in w for w in windows) else ""))
 
 
 def step_residuals(measured: Path, simulated: Path) -> str | None:
@@ -698,6 +703,65 @@ def prefill_probe(model: str, arch: str, requests: int, device: str, target: str
     finally:
         engine.stop()
     return took, faults
+
+
+# `--dequant-ab`: rounds of the alternation, and the offline batch each engine round decodes.
+DEQUANT_AB_ROUNDS, DEQUANT_AB_OUTPUT = 8, 16
+
+
+def dequant_alternation(model: str, arch: str, requests: int,
+                        rounds: int = DEQUANT_AB_ROUNDS) -> list[tuple[float, float]]:
+    """Whether `pwbench hw calibrate --model`'s timing of one expert's 4-bit RTN dequantization
+    (harness/bench/cpu_ops.py `model_dequant_seconds`) is what a running static-rtn engine takes for
+    it: in one process (this thread's CPU time, one torch thread), `rounds` times over, the engine's
+    offline batch (`requests` prompts of the model's offline lengths, DEQUANT_AB_OUTPUT tokens each)
+    with each expert indexing of its CPU path timed (engines/quant/ops.py `_DequantizedStack`: the
+    matrix's `expert`, then `dequantize`: what the calibration times), then the calibration's timing.
+    Returns (engine, calibration) seconds per expert (both matrices) per round, printing each."""
+    import random
+
+    from engines.quant import ops
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+    from harness.bench.cpu_ops import model_dequant_seconds, static_group_size
+
+    shape = model_shape(open_checkpoint(model, config_only=True).config, 4)
+    group = static_group_size(shape)
+    took: list[float] = []
+    index = ops._DequantizedStack.__getitem__
+
+    def timed(self: Any, e: int) -> Any:
+        t = time.thread_time()
+        out = index(self, e)
+        took.append(time.thread_time() - t)
+        return out
+
+    lo, hi = SIZES[arch]["input_range"]
+    rng = random.Random(0)
+    lengths = [rng.randint(lo, hi) for _ in range(requests)]
+    engine, _ = probe_engine(model, "cpu", "", name="static-rtn",
+                             engine_opts=engine_options("static-rtn", model_sizes(model)))
+    out = []
+    try:
+        for k in range(rounds + 1):  # the first round warms up
+            took.clear()
+            ops._DequantizedStack.__getitem__ = timed
+            try:
+                add_prompts(engine, rng, f"ab{k}", lengths, DEQUANT_AB_OUTPUT)
+                while engine.has_unfinished():
+                    engine.step()
+            finally:
+                ops._DequantizedStack.__getitem__ = index
+            in_engine = 2 * sum(took) / len(took)  # each expert run indexes its two matrices
+            calibration = model_dequant_seconds(shape, group, 3, bits=(4,))["4"]
+            if k:
+                out.append((in_engine, calibration))
+                print(f"{arch}: round {k}: a running static-rtn engine {in_engine * 1e6:.0f} us per expert (mean of "
+                      f"{len(took) // 2}), the calibration's timing {calibration * 1e6:.0f} us: "
+                      f"{calibration / in_engine:.3f}x", flush=True)
+    finally:
+        engine.stop()
+    return out
 
 
 # `--decode-grid`: decode steps by sequences in the batch and context per sequence.
@@ -1000,6 +1064,10 @@ def main() -> None:
     parser.add_argument("--grid-engine", default="moe",
                         help="--decode-grid: the engine stepped, with the options the benchmark gives it (e.g. "
                              "static-rtn: 4-bit RTN experts, dequantized on each call on the CPU; default moe)")
+    parser.add_argument("--dequant-ab", action="store_true",
+                        help="measure nothing else: for each of --models, a running static-rtn engine's time per "
+                             "expert indexing and dequantizing its 4-bit RTN matrices against `pwbench hw calibrate "
+                             "--model`'s timing of the same, alternating in one process")
     parser.add_argument("--prefill-grid", action="store_true",
                         help="measure nothing else: engine moe's prefill step by the batch's prompt lengths, each "
                              "batch then decoding 1 or 16 tokens, measured and simulated, for each of --models "
@@ -1072,6 +1140,14 @@ def main() -> None:
                 model = str(tmp / f"{arch}-shaped")
                 if not (Path(model) / "config.json").is_file():
                     build_model(Path(model), arch)
+            if args.dequant_ab:
+                if args.device != "cpu":
+                    raise SystemExit("--dequant-ab: the CPU reference's dequantization; run it without --device cuda")
+                pairs = _fresh(dequant_alternation, model, arch, args.requests)
+                ratios = sorted(c / e for e, c in pairs)
+                print(f"{arch}: the calibration's timing against a running engine's, median of {len(ratios)} rounds "
+                      f"{statistics.median(ratios):.3f}x (range {ratios[0]:.3f}-{ratios[-1]:.3f}x)", flush=True)
+                continue
             calibrating = args.calibrate != "never" and args.device == "cpu"
             bracketing = calibrating and args.calibrate == "engine"
             calibrations = Calibrations(model)

@@ -53,3 +53,36 @@ def test_the_gemms_after_dequantization_are_timed_only_where_a_cache_could_hold_
     demo = model_shape(open_checkpoint(str(demo_model_path()), config_only=True).config, 4)
     timed = dequantized_gemm_seconds(demo, 32, rounds=1, min_call_s=1e-4)
     assert list(timed) == [str(r) for r in MODEL_ROWS["expert"]] and all(v > 0 for v in timed.values())
+
+
+def test_dequant_ab_times_a_running_engines_dequantization_and_restores_its_path():
+    """`python -m harness.bench.simulate --dequant-ab`'s alternation on the bundled model, one round:
+    a (running engine, calibration) pair of positive seconds per expert, and the static engines' CPU
+    path (engines/quant/ops.py `_DequantizedStack`) as it was after it (the timing wraps it for the
+    engine's rounds only)."""
+    from engines.quant import ops
+    from harness.bench.simulate import dequant_alternation
+
+    index = ops._DequantizedStack.__getitem__
+    pairs = dequant_alternation(str(demo_model_path()), "demo", 2, rounds=1)
+    assert len(pairs) == 1 and all(t > 0 for t in pairs[0])
+    assert ops._DequantizedStack.__getitem__ is index
+
+
+def test_the_dequantization_is_timed_in_three_windows_and_their_median_kept(monkeypatch):
+    """`pwbench hw calibrate --model` times one expert's dequantization before the GEMMs, after them and
+    after the decode attention (one ~0.2 s window can fall in a slow quarter-second of a shared host)
+    and keeps the median per width, with the windows beside it. The timings here are stand-ins that
+    return in order (the real ones are tested in test_cpu_ops_dequant.py); the oracle is the median by hand."""
+    from harness.bench import cpu_ops
+
+    windows = iter([{"2": 1.0, "4": 3.6}, {"2": 2.0, "4": 6.4}, {"2": 1.5, "4": 3.9}])
+    order = []
+    monkeypatch.setattr(cpu_ops, "model_dequant_seconds", lambda *a, **k: order.append("dequant") or next(windows))
+    monkeypatch.setattr(cpu_ops, "model_gemm_seconds", lambda *a, **k: order.append("gemm") or {})
+    monkeypatch.setattr(cpu_ops, "dequantized_gemm_seconds", lambda *a, **k: order.append("hot") or {})
+    monkeypatch.setattr(cpu_ops, "decode_attention_seconds", lambda *a, **k: order.append("attention") or ({}, 0))
+    _, entry = cpu_ops.model_gemm_entry(str(demo_model_path()))
+    assert order == ["dequant", "gemm", "hot", "dequant", "attention", "dequant"]
+    assert entry["seconds"]["dequant_packed"] == {"2": 1.5, "4": 3.9}
+    assert [w["4"] for w in entry["dequant_packed_windows"]] == [3.6, 6.4, 3.9]
