@@ -292,11 +292,11 @@ MODEL_PARTS = {"dense": ("gemm", True), "expert": ("grouped_gemm", True), "head"
 # indexes each RTN matrix (`QuantizedWeight.expert`, 10 torch calls) and dequantizes it (`dequantize`,
 # 32), which is what `model_dequant_seconds` times, and those 84 calls are all a packed expert run makes
 # beyond a full-width one's 2 (engines/sim/cost.py OPS_PER_QUANTIZED_EXPERT_CPU, counted in
-# tests/unit/test_sim_cost.py), so the cost model prices no call of it again. Inside a running engine the
-# same indexing takes what the timing took: 0.93x (the bundled model), 1.00x (Mixtral-shaped) and
-# 1.05x (DeepSeek-V3-shaped) of it in alternations in one process (docs/simulation-validation.md,
-# "Cost model 13"); cost model 12 took 64 calls out at the tight loop's price and priced 82 at the
-# runtime's, ~0.09 ms more than the timing per DeepSeek-V3-shaped expert (of ~0.9).
+# tests/unit/test_sim_cost.py), so the cost model prices no call of it again. The timing is 0.92x (the
+# bundled model), 0.98x (Mixtral-shaped) and 0.99x (DeepSeek-V3-shaped) of what a running engine takes for
+# the same indexing (`python -m harness.bench.simulate --dequant-ab`; docs/simulation-validation.md, the
+# thirty-eighth run); cost model 12 took 64 calls out at the tight loop's price and priced 82 at the
+# runtime's, ~0.08 ms more than the timing per expert run (9% of a DeepSeek-V3-shaped expert's ~0.85 ms).
 
 
 def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float) -> dict[str, dict[str, Any]]:

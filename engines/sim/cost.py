@@ -390,6 +390,10 @@ class CostModel:
             self.curves[name] = _Interp(chosen[name].points) if name in chosen else self.curves[other]
         hot = self.shaped.get("grouped_gemm_dequantized", "grouped_gemm_dequantized")
         self.dequantized_gemm = _Interp(eff[hot].points) if hot in eff else None  # of the FLOP peak
+        # Each quantized scheme's torch calls per run priced at op_overhead_s: none for RTN records where
+        # the profile has their dequantization measured on this model's experts (that timing holds them all).
+        self.quantized_calls = {k: 0 if k == "packed" and "dequant_cpu_packed" in self.shaped else v
+                                for k, v in _QUANTIZED_OPS.items()}
         self.dequant = {k: _Interp(c.points) for k, c in eff.items() if k.startswith("dequant_gemm_")}
         # The CPU reference's dequantization by bit width, per storage scheme (measured by `pwbench hw`).
         # (the RTN one measured on this model's own experts where the profile has it: `module_curves`)
@@ -451,11 +455,8 @@ class CostModel:
 
     def _quantized_calls(self, scheme: str) -> int:
         """Torch calls a quantized expert run of `scheme` makes beyond a full-width one's on the CPU
-        reference, priced at op_overhead_s: none for RTN records where the profile has their
-        dequantization measured on this model's experts (`dequant_cpu_packed@key` times all of them)."""
-        if scheme == "packed" and "dequant_cpu_packed" in self.shaped:
-            return 0
-        return _QUANTIZED_OPS.get(scheme, _QUANTIZED_OPS["packed"])
+        reference, priced at op_overhead_s (`self.quantized_calls`, a scheme not counted as packed)."""
+        return self.quantized_calls.get(scheme, self.quantized_calls["packed"])
 
     def cpu_dequantization(self, runs: tuple[ExpertRun, ...]) -> tuple[float, int]:
         """(seconds, torch calls) of the CPU reference's dequantization of `runs`' quantized

@@ -999,8 +999,19 @@ def eager_profile(p: Any, tmp: Path) -> str:
     return str(path)
 
 
-def main() -> None:
+def simulates(name: str, flag: str) -> bool:
+    """Whether the registry's engine `name` can be simulated (its class flag `simulates`); an unknown
+    name exits with the registry's one-line error, prefixed by `flag`."""
     from engines.registry import engine_class
+
+    try:
+        cls = engine_class(name)
+    except Exception as exc:  # noqa: BLE001  (an unknown name is the registry's one-line error)
+        raise SystemExit(f"{flag}: {exc}") from None
+    return bool(getattr(cls, "simulates", False))
+
+
+def main() -> None:
     from engines.sim.hardware import cpu_profile
     from harness.bench.engines import build_model
 
@@ -1099,20 +1110,12 @@ def main() -> None:
         raise SystemExit(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(MODELS)}")
     engines = []
     for name in (e for e in args.engines.split(",") if e):
-        try:
-            cls = engine_class(name)
-        except Exception as exc:  # noqa: BLE001  (an unknown name is the registry's one-line error)
-            raise SystemExit(f"--engines: {exc}") from None
-        if getattr(cls, "simulates", False):
+        if simulates(name, "--engines"):
             engines.append(name)
         else:
             print(f"skip {name}: it cannot be simulated yet (class flag `simulates` is false)")
     if args.decode_grid:
-        try:
-            grid_cls = engine_class(args.grid_engine)
-        except Exception as exc:  # noqa: BLE001  (as --engines')
-            raise SystemExit(f"--grid-engine: {exc}") from None
-        if not getattr(grid_cls, "simulates", False):
+        if not simulates(args.grid_engine, "--grid-engine"):
             raise SystemExit(f"--grid-engine {args.grid_engine}: it cannot be simulated (class flag `simulates` is "
                              "false); choose one that simulates, e.g. moe or static-rtn")
     if args.device == "cuda":
