@@ -31,11 +31,13 @@ read + write) and matmul_flops_per_s (a 1024^3 float32 matmul). What each measur
                         (gate_up then down) and of its LM head at each row count, as the runtime
                         calls them (harness/bench/cpu_ops.py `model_gemm_seconds`), against the
                         roofline bound of those matrices: max(bytes / bandwidth, FLOPs / peak)
-    attention_prefill@K the same entry's causal SDPA over one chunk of n tokens with the model's
-                        heads, KV heads and head_dim (not for MLA), at each n: the cost model's
+    attention_prefill@K the same entry's attention over one chunk of n tokens from position 0 as
+                        the runtime runs it (paged_attention: causal SDPA over the chunk's own
+                        keys; GQA's heads, or MLA's absorbed form), at each n: the cost model's
                         FLOPs for it (4 x heads x head_dim x n x n / 2) / peak / seconds
-    attention_prefill_context@K  the same after n tokens of context, with the runtime's mask over
-                        the [n, 2n] rectangle: 4 x heads x head_dim x n x 2n FLOPs / peak / seconds
+    attention_prefill_context@K  the same after n tokens of context: the 2n keys gathered from a
+                        paged cache, the runtime's mask over the [n, 2n] rectangle:
+                        4 x heads x head_dim x n x 2n FLOPs / peak / seconds
     attention_decode@K  the same entry's decode attention of 16 sequences as the runtime runs it
                         for that model's cache (GQA: the C kernel in place; MLA: gather, expand,
                         SDPA) at several contexts: the cache's bytes per token and layer over the
@@ -347,9 +349,11 @@ def fit_model_curves(key: str, entry: Mapping[str, Any], bw: float, peak: float)
     att = entry.get("attention") or {}
     # (curve, seconds key, query-key pairs of a chunk of n as the cost model counts them, what was timed)
     for curve, part, pairs, what in (
-            ("attention_prefill", "attention", 0.5, "causal SDPA over one chunk"),
+            ("attention_prefill", "attention", 0.5, "the runtime's paged_attention over one chunk from position 0 "
+             "(causal SDPA over its own keys)"),
             ("attention_prefill_context", "attention_context", 2.0,
-             "SDPA over one chunk after as many tokens of context, with the runtime's mask (the whole rectangle)")):
+             "the runtime's paged_attention over one chunk after as many tokens of context (its keys gathered from "
+             "a paged cache, its mask over the whole rectangle)")):
         per_chunk = seconds.get(part) or {}
         if not att or not per_chunk:
             continue

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from engines.runtime import cpu_attention, gemm
-from engines.runtime.attention import AttentionBatch, DecodeGroup, context_mask, paged_attention
+from engines.runtime.attention import AttentionBatch, DecodeGroup, paged_attention
 from engines.runtime.kv_cache import PagedKVCache, block_rows, gather_blocks
 from harness.hw import _timeit
 
@@ -218,10 +218,9 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
     out: dict[str, dict[str, float]] = {part: {} for part in MODEL_ROWS}
     for (part, r), ts in times.items():
         out[part][str(r)] = _median(ts)
-    heads = attention_heads(shape, mla)
-    if heads is not None:
-        out["attention"] = prefill_attention_seconds(*heads, rounds=rounds)
-        out["attention_context"] = prefill_attention_seconds(*heads, rounds=rounds, context=True)
+    if attention_heads(shape, mla) is not None:
+        out["attention"] = prefill_attention_seconds(shape, mla, rounds)
+        out["attention_context"] = prefill_attention_seconds(shape, mla, rounds, context=True)
     return out
 
 
@@ -335,22 +334,41 @@ def attention_heads(shape, mla=None) -> tuple[int, int, int, int] | None:
     return shape.heads, shape.kv_size // shape.head_dim, shape.head_dim, shape.head_dim
 
 
-def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, value_dim: int, rounds: int = 5,
-                              context: bool = False) -> dict[str, float]:
-    """Seconds of one SDPA over a prefill chunk of n tokens as the runtime calls it per chunk
-    (engines/runtime/attention.py `paged_attention`: [1, heads, n, head_dim] queries, enable_gqa):
-    causal over the chunk's own [1, kv_heads, n, head_dim] keys (values of value_dim; no context before it),
-    or with `context`, after n tokens of context: over 2n keys with the runtime's `context_mask`,
-    built per call as the runtime builds it (the whole [n, 2n] rectangle computed). At each n of
-    ATTENTION_CHUNKS; the median over `rounds` rounds of every n. {n: seconds}."""
-    keys = 2 if context else 1
-    args = {n: (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys * n, head_dim),
-                torch.randn(1, kv_heads, keys * n, value_dim)) for n in ATTENTION_CHUNKS}
+def prefill_attention_seconds(shape, mla=None, rounds: int = 5, context: bool = False) -> dict[str, float] | None:
+    """Seconds of one layer's attention over a prefill chunk of n tokens as the runtime runs it
+    (engines/runtime/attention.py `paged_attention` on one PrefillSegment, its queries and keys laid
+    out as the runtime passes them: [n, heads, dim] rows, transposed per chunk): causal over the
+    chunk's own keys, or with `context`, after n tokens of context: the sequence's 2n keys gathered
+    from a paged cache (blocks scattered over its pool; MLA's latent expanded), attended with the
+    runtime's `context_mask` over the whole [n, 2n] rectangle, as a prefix-cache hit's chunk is.
+    At each n of ATTENTION_CHUNKS; the median over `rounds` rounds of every n. {n: seconds}; None for
+    a shape without whole heads (`attention_heads`)."""
+    from engines.runtime.attention import PrefillSegment
+    from engines.runtime.memory import keep_freed_host_memory
+
+    heads = attention_heads(shape, mla)
+    if heads is None:
+        return None
+    keep_freed_host_memory()  # as the engines run (the gather and MLA's expansion allocate per call)
+    h, kv_heads, k_dim, v_dim, q_dim, expand = paged_layout(shape.heads, heads[1], shape.head_dim, mla)
+    blocks = -(-2 * max(ATTENTION_CHUNKS) // DECODE_BLOCK)
+    cache = PagedKVCache(1, 2 * blocks, DECODE_BLOCK, kv_heads, k_dim, torch.float32, torch.device("cpu"),
+                         value_dim=v_dim)
+    for pool in cache.k + cache.v:
+        pool.normal_()
+    order = torch.randperm(2 * blocks)
+    args = {}
+    for n in ATTENTION_CHUNKS:
+        k, v = torch.randn(n, kv_heads, k_dim), torch.randn(n, kv_heads, v_dim)
+        if expand is not None:  # this step's K/V as the runtime passes them (`attend_cached`)
+            k, v = expand(k, v)
+        start = n if context else 0
+        segment = PrefillSegment(0, n, start, order[: -(-(start + n) // DECODE_BLOCK)])
+        args[n] = (torch.randn(n, h, q_dim), k, v, AttentionBatch(torch.zeros(n, dtype=torch.long), 0, [], [segment]))
 
     def call(n: int) -> None:
-        q, k, v = args[n]
-        mask = context_mask(n, 2 * n, None) if context else None
-        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not context, enable_gqa=kv_heads != heads)
+        q, k, v, batch = args[n]
+        paged_attention(q, k, v, cache, 0, batch, None, expand=expand)
 
     reps = {}
     for n in ATTENTION_CHUNKS:
@@ -368,6 +386,18 @@ def prefill_attention_seconds(heads: int, kv_heads: int, head_dim: int, value_di
     return {str(n): _median(ts) for n, ts in times.items()}
 
 
+def paged_layout(heads: int, kv_heads: int, head_dim: int, mla=None) -> tuple:
+    """One layer as the runtime's paged cache holds it: (query heads, the cache's KV heads, K pool
+    dim, V pool dim, query dim, `expand`): GQA's heads, or MLA's latent in the K pool and its rope key
+    in the V pool (one "head" each), expanded into keys and values by `mla_keys_values`."""
+    if mla is not None:
+        from engines.runtime.mla import mla_keys_values
+
+        latent, rope = mla.kv_lora_rank, mla.qk_rope_head_dim
+        return heads, 1, latent, rope, latent + rope, mla_keys_values
+    return heads, kv_heads, head_dim, head_dim, head_dim, None
+
+
 # `decode_attention_seconds`: DECODE_SEQUENCES sequences' decode attention at these contexts (tokens
 # attended each), blocks of DECODE_BLOCK tokens scattered over a pool of DECODE_POOL_BLOCKS. 16
 # sequences of 1,536 tokens are 12-25 MB of cache per layer for the benchmark's models, far more than a
@@ -383,16 +413,10 @@ def decode_attention_seconds(config, rounds: int = 5) -> tuple[dict[str, float],
     expanded by `mla_keys_values`, then SDPA), at each context of DECODE_CONTEXTS, the median over
     `rounds` rounds, per sequence: ({context: seconds}, the cache's bytes per token and layer)."""
     from engines.runtime.memory import keep_freed_host_memory
-    from engines.runtime.mla import mla_keys_values
 
     keep_freed_host_memory()  # as the engines run (MLA's expansion allocates a copy of the context each call)
-    heads, m = config.num_heads, config.mla
-    if m is not None:  # the K pool holds the latent, the V pool the rope key (one "head" each)
-        kv_heads, k_dim, v_dim, q_dim, expand = 1, m.kv_lora_rank, m.qk_rope_head_dim, \
-            m.kv_lora_rank + m.qk_rope_head_dim, mla_keys_values
-    else:
-        kv_heads, k_dim, expand = config.num_kv_heads, config.head_dim, None
-        v_dim = q_dim = k_dim
+    heads, kv_heads, k_dim, v_dim, q_dim, expand = paged_layout(config.num_heads, config.num_kv_heads,
+                                                                config.head_dim, config.mla)
     cache = PagedKVCache(1, DECODE_POOL_BLOCKS, DECODE_BLOCK, kv_heads, k_dim, torch.float32, torch.device("cpu"),
                          value_dim=v_dim)
     for pool in cache.k + cache.v:

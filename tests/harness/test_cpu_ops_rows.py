@@ -86,3 +86,58 @@ def test_the_dequantization_is_timed_in_three_windows_and_their_median_kept(monk
     assert order == ["dequant", "gemm", "hot", "dequant", "attention", "dequant"]
     assert entry["seconds"]["dequant_packed"] == {"2": 1.5, "4": 3.9}
     assert [w["4"] for w in entry["dequant_packed_windows"]] == [3.6, 6.4, 3.9]
+
+
+def test_prefill_attention_is_timed_through_the_runtimes_paged_attention(monkeypatch):
+    """`prefill_attention_seconds` times the runtime's own `paged_attention` on one prefill chunk: from
+    position 0, causal over the chunk's keys; after n tokens of context, over the 2n keys its block
+    table holds in a paged cache (a prefix-cache hit's chunk: gather, mask, SDPA), GQA's heads or
+    MLA's latent expanded. Oracle: each timed call's output against attention computed by hand over
+    the keys read block by block from the cache's pools (the chunk's rows attend its context and
+    itself up to their position)."""
+    import torch
+
+    from engines.runtime import attention
+    from engines.runtime.checkpoint import open_checkpoint
+    from engines.runtime.shape import model_shape
+    from harness.bench import cpu_ops
+
+    seen = []
+    real = cpu_ops.paged_attention
+
+    def checked(q, k, v, cache, layer, batch, window, expand=None):
+        out = real(q, k, v, cache, layer, batch, window, expand=expand)
+        seen.append((q.shape, batch.prefills[0].start_pos, batch.prefills[0].length, expand))
+        if len(seen) > 2 * len(cpu_ops.ATTENTION_CHUNKS):
+            return out  # the first calls of each size checked against the oracle
+        (seg,) = batch.prefills
+        ctx = seg.start_pos + seg.length
+        kp, vp = cache.pools(layer)
+        keys = torch.cat([kp[:, b] for b in seg.table.tolist()], dim=1)[:, :ctx]  # [K, ctx, d]
+        vals = torch.cat([vp[:, b] for b in seg.table.tolist()], dim=1)[:, :ctx]
+        if seg.start_pos == 0:  # the chunk's own keys, as passed
+            keys, vals = k.transpose(0, 1), v.transpose(0, 1)
+        elif expand is not None:
+            keys, vals = expand(keys, vals)
+        heads, kv = q.shape[1], keys.shape[0]
+        keys, vals = keys.repeat_interleave(heads // kv, 0), vals.repeat_interleave(heads // kv, 0)
+        scores = torch.einsum("nhd,hcd->hnc", q, keys) * q.shape[-1] ** -0.5
+        allowed = torch.arange(ctx)[None, :] <= torch.arange(seg.start_pos, ctx)[:, None]
+        want = torch.einsum("hnc,hcd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vals)
+        assert torch.allclose(out, want, atol=1e-4), (q.shape, seg.start_pos)
+        return out
+
+    monkeypatch.setattr(cpu_ops, "ATTENTION_CHUNKS", (16, 24))
+    monkeypatch.setattr(cpu_ops, "paged_attention", checked)
+    assert attention.paged_attention is real
+    for folder in (demo_model_path(), ROOT / "engines/sim/presets/deepseek-v3"):
+        config = open_checkpoint(str(folder), config_only=True).config
+        shape = model_shape(config, 4)
+        for context in (False, True):
+            seen.clear()
+            timed = cpu_ops.prefill_attention_seconds(shape, config.mla, rounds=1, context=context)
+            assert list(timed) == ["16", "24"] and all(s > 0 for s in timed.values())
+            q_dim = config.mla.kv_lora_rank + config.mla.qk_rope_head_dim if config.mla else config.head_dim
+            assert {s[0] for s in seen} == {(n, config.num_heads, q_dim) for n in (16, 24)}
+            assert {(s[1], s[2]) for s in seen} == {(n if context else 0, n) for n in (16, 24)}
+            assert all((s[3] is not None) == (config.mla is not None) for s in seen)
