@@ -10,13 +10,15 @@
     python -m harness.bench.simulate --prefill-grid [--models demo]
     python -m harness.bench.simulate --dequant-ab [--models demo,mixtral,deepseek_v3]
     python -m harness.bench.simulate --recount DIR
+    python -m harness.bench.simulate --across DIR DIR [DIR ...]
 
 Before each model's runs a prefill probe prints engine moe's offline prefill step four times in
 one fresh process, measured (with the page faults of each pass) and simulated: a first pass above
 the rest is one-time cost (which the offline runs' warm-up, a batch of the same shape, takes out),
 a gap in every pass is the cost model's. `--decode-grid` prints engine moe's (`--grid-engine`) decode step by
 sequences and context, measured and simulated, and runs nothing else; `--prefill-grid` its
-prefill step by the batch's prompt lengths, after prefill-only steps and after decode steps;
+prefill step by the batch's prompt lengths, and of chunks after a prefix-cache hit, after
+prefill-only steps and after decode steps;
 `--dequant-ab` a running static-rtn engine's time per expert dequantization against the
 calibration's timing of it, alternating in one process (cost model 13 prices the latter). The
 probe's and the grids' simulated side replays the routing its measured side recorded (the same
@@ -62,6 +64,7 @@ Results: docs/simulation-validation.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import resource
@@ -415,6 +418,51 @@ def recount(keep: Path) -> None:
     for arch, found in rows.items():
         totals = add_counts(totals, print_table(arch, found))
     print_totals(totals)
+
+
+def measured_medians(keep: Path) -> dict[tuple[str, str, str], dict[str, float]]:
+    """Each pair a `--keep` folder compared, (model, engine, workload): each time cell's median over
+    its measured runs."""
+    out = {}
+    for sim in sorted(keep.glob("*-simulated")):
+        tag = sim.name[: -len("-simulated")]
+        runs = [metrics(json.loads((f / "run.json").read_text())) for f in sorted(keep.glob(f"{tag}-measured*"))
+                if (f / "run.json").is_file()]
+        cells = {key: statistics.median(vals) for key in LINE
+                 if (vals := [r[key] for r in runs if r.get(key) is not None])}
+        if cells:
+            out[pair_of(tag)] = cells
+    return out
+
+
+def across(keeps: list[Path]) -> None:
+    """`--across`: the measured side of two or more `--keep` folders (the same pairs measured in
+    other hours; the measured runs do not depend on the cost model), each two against each other:
+    how many time cells the median measured run of one has within issue 31's line of the other's,
+    per model, and the cells off. Nothing runs: how far this host's own measurement moves between
+    the hours a calibration and a run can fall in."""
+    found = [(k, measured_medians(k)) for k in keeps]
+    for folder, cells in found:
+        if not cells:
+            raise SystemExit(f"--across {folder}: no measured pairs in it; give --keep folders of earlier runs")
+    for (a, ma), (b, mb) in itertools.combinations(found, 2):
+        counts: dict[str, list[int]] = {}
+        off = []
+        for pair, cells in ma.items():
+            for key, value in cells.items():
+                ok = within_line(key, value, (mb.get(pair) or {}).get(key))
+                if ok is None:
+                    continue
+                c = counts.setdefault(pair[0], [0, 0])
+                c[0], c[1] = c[0] + ok, c[1] + 1
+                if not ok:
+                    off.append(f"{' '.join(pair)} {key} {value:.4g} / {mb[pair][key]:.4g} "
+                               f"({error(value, mb[pair][key]):+.0f}%)")
+        print(f"{a.name} / {b.name}: time cells of the measured medians within the line: "
+              + "; ".join(f"{m} {ok} of {n}" for m, (ok, n) in counts.items())
+              + f"; all {sum(c[0] for c in counts.values())} of {sum(c[1] for c in counts.values())}", flush=True)
+        for line in off:
+            print(f"  off: {line}")
 
 
 def calibrate(model: str) -> None:
@@ -809,27 +857,50 @@ def decode_grid(model: str, device: str, target: str, trace: str = "", name: str
 PREFILL_GRID = ((32,), (128,), (384,), (880,), (1500,), (64,) * 4, (32,) * 8, (64,) * 12, (32,) * 24, (128,) * 6,
                 (253, 79, 119, 141, 108, 180), (440,) * 2)
 PREFILL_GRID_OUTPUTS, PREFILL_GRID_REPEATS = (1, GRID_OUTPUT + 4), 3
+# and chunks after a prefix-cache hit, as an open-loop run's later turns prefill: (tokens cached, new tokens)
+PREFILL_AFTER_CACHED = ((128, 500), (256, 400), (512, 300))
 
 
-def prefill_grid(model: str, device: str, target: str, output: int, trace: str = "") -> dict[tuple[int, ...], float]:
+def prefill_grid_rows() -> list[tuple[Any, ...]]:
+    """The prefill grid's rows: PREFILL_GRID's prompt lengths, then ("cached", cached, new) per
+    chunk of PREFILL_AFTER_CACHED."""
+    return [*PREFILL_GRID, *(("cached", *c) for c in PREFILL_AFTER_CACHED)]
+
+
+def prefill_grid(model: str, device: str, target: str, output: int, trace: str = "") -> dict[tuple[Any, ...], float]:
     """Engine moe's prefill step for each batch of PREFILL_GRID (distinct random prompts of those
-    lengths, each decoding `output` tokens after it, untimed), PREFILL_GRID_REPEATS times with the
-    batches in turn, in one engine, measured on `device` (this thread's CPU time on the CPU) or,
-    with `target` set, simulated on it (replaying `trace`, the measured grid's routing, where
-    given): {prompt lengths: the median ms}. Run in a fresh interpreter (`main`)."""
+    lengths, each decoding `output` tokens after it, untimed) and for each chunk of
+    PREFILL_AFTER_CACHED (a prompt whose first tokens a request before it left in the prefix cache:
+    its new tokens computed after them), PREFILL_GRID_REPEATS times with the batches in turn, in one
+    engine, measured on `device` (this thread's CPU time on the CPU) or, with `target` set,
+    simulated on it (replaying `trace`, the measured grid's routing, where given): {prompt lengths,
+    or ("cached", tokens cached, new tokens): the median ms}. Run in a fresh interpreter (`main`)."""
     import random
+
+    from engines.base import EngineRequest
 
     rng = random.Random(2)
     engine, clock = probe_engine(model, device, target, trace)
-    took: dict[tuple[int, ...], list[float]] = {}
+    took: dict[tuple[Any, ...], list[float]] = {}
+
+    def tokens(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(3, 1000) for _ in range(n))
+
     try:
         for r in range(PREFILL_GRID_REPEATS + 1):  # the first round warms up
-            for k, lengths in enumerate(PREFILL_GRID):
-                add_prompts(engine, rng, f"p{r}-{k}", lengths, output)
+            for k, key in enumerate(prefill_grid_rows()):
+                if key[0] == "cached":  # the prefix's request first (its prefill only), then the whole prompt
+                    prefix = tokens(key[1])
+                    engine.add_request(EngineRequest(f"p{r}-{k}-prefix", prefix, 1, ignore_eos=True))
+                    while engine.has_unfinished():
+                        engine.step()
+                    engine.add_request(EngineRequest(f"p{r}-{k}", prefix + tokens(key[2]), output, ignore_eos=True))
+                else:
+                    add_prompts(engine, rng, f"p{r}-{k}", key, output)
                 t = clock()
                 engine.step()  # the batch's prefill
                 if r:
-                    took.setdefault(lengths, []).append(1e3 * (clock() - t))
+                    took.setdefault(key, []).append(1e3 * (clock() - t))
                 while engine.has_unfinished():
                     engine.step()
     finally:
@@ -837,7 +908,9 @@ def prefill_grid(model: str, device: str, target: str, output: int, trace: str =
     return {k: statistics.median(v) for k, v in took.items()}
 
 
-def _lengths(lengths: tuple[int, ...]) -> str:
+def _lengths(lengths: tuple[Any, ...]) -> str:
+    if lengths[0] == "cached":
+        return f"{lengths[2]} after {lengths[1]} cached"
     return f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else ", ".join(map(str, lengths))
 
 
@@ -1085,10 +1158,19 @@ def main() -> None:
                              "(after calibrating, unless --no-calibration)")
     parser.add_argument("--recount", default=None, metavar="DIR",
                         help="run nothing: the tables and the line's counts of the runs a --keep DIR holds")
+    parser.add_argument("--across", nargs="+", default=None, metavar="DIR",
+                        help="run nothing: the measured side of two or more --keep DIRs (the same pairs measured "
+                             "in other hours) against each other, time cells within the line")
     args = parser.parse_args()
-    for flag, folder in (("--recount", args.recount), ("--reprice", args.reprice)):
-        if folder and not Path(folder).is_dir():
-            raise SystemExit(f"{flag} {folder}: not a folder; give a --keep folder of an earlier run")
+    for flag, folders in (("--recount", [args.recount]), ("--reprice", [args.reprice]), ("--across", args.across)):
+        for folder in folders or ():
+            if folder and not Path(folder).is_dir():
+                raise SystemExit(f"{flag} {folder}: not a folder; give a --keep folder of an earlier run")
+    if args.across:
+        if len(args.across) < 2:
+            raise SystemExit("--across: give two or more --keep folders")
+        across([Path(f) for f in args.across])
+        return
     if args.recount:
         recount(Path(args.recount))
         return
@@ -1180,7 +1262,7 @@ def main() -> None:
                 print("| prompts | " + " | ".join(f"{n} output token{'s' if n > 1 else ''}"
                                                   for n in PREFILL_GRID_OUTPUTS) + " |")
                 print("|---|" + "---|" * len(PREFILL_GRID_OUTPUTS))
-                for lengths in PREFILL_GRID:
+                for lengths in prefill_grid_rows():
                     print(f"| {_lengths(lengths)} | " + " | ".join(
                         cell({"ms": mg[lengths]}, {"ms": sg[lengths]}, "ms") for mg, sg in grids.values()) + " |",
                         flush=True)
