@@ -218,9 +218,9 @@ def model_gemm_seconds(shape, rounds: int = 5, min_call_s: float = 0.004, mla=No
     out: dict[str, dict[str, float]] = {part: {} for part in MODEL_ROWS}
     for (part, r), ts in times.items():
         out[part][str(r)] = _median(ts)
-    if attention_heads(shape, mla) is not None:
-        out["attention"] = prefill_attention_seconds(shape, mla, rounds)
-        out["attention_context"] = prefill_attention_seconds(shape, mla, rounds, context=True)
+    for part, context in (("attention", False), ("attention_context", True)):
+        if (timed := prefill_attention_seconds(shape, mla, rounds, context=context)) is not None:
+            out[part] = timed
     return out
 
 

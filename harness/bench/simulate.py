@@ -323,9 +323,14 @@ def line_counts(rows: list[tuple[str, str, dict, dict]]) -> dict[str, int]:
                 out["repeated cells"] += 1
                 out["repeats"] += abs(rep) <= LINE[key]
                 out["both off"] += (not sim) and abs(rep) > LINE[key]
-                values = [v for r in [m, *m["repeats"]] if (v := r.get(key)) is not None]
-                out["vs median"] += bool(within_line(key, statistics.median(values), s.get(key)))
+                median = cell_medians([m, *m["repeats"]])[key]
+                out["vs median"] += bool(within_line(key, median, s.get(key)))
     return out
+
+
+def cell_medians(runs: list[dict]) -> dict[str, float]:
+    """Each time cell's median over `runs` (metrics dicts), where any of them has it."""
+    return {key: statistics.median(vals) for key in LINE if (vals := [r[key] for r in runs if r.get(key) is not None])}
 
 
 def print_table(model: str, rows: list[tuple[str, str, dict, dict]]) -> dict[str, int]:
@@ -394,6 +399,18 @@ def pair_of(tag: str) -> tuple[str, str, str]:
     return arch, engine, wl
 
 
+def kept_pairs(keep: Path) -> list[tuple[str, Path, list[Path]]]:
+    """The pairs a `--keep` folder compared: (tag, its simulated run's folder, its measured runs' folders
+    that hold a run.json), for each pair with at least one measured run."""
+    out = []
+    for sim in sorted(keep.glob("*-simulated")):
+        tag = sim.name[: -len("-simulated")]
+        measured = [f for f in sorted(keep.glob(f"{tag}-measured*")) if (f / "run.json").is_file()]
+        if measured:
+            out.append((tag, sim, measured))
+    return out
+
+
 def recount(keep: Path) -> None:
     """The tables and the line's counts of a `--keep` folder's runs as they are, nothing run again:
     each pair's simulated run against its first measured run, the others as its repeats (and its
@@ -402,10 +419,8 @@ def recount(keep: Path) -> None:
     what it printed; the count against each cell's median over all measured runs does not depend
     on that choice."""
     rows: dict[str, list] = {}
-    for sim in sorted(keep.glob("*-simulated")):
-        tag = sim.name[: -len("-simulated")]
-        measured = [f for f in sorted(keep.glob(f"{tag}-measured*")) if (f / "run.json").is_file()]
-        if not measured or not (sim / "run.json").is_file():
+    for tag, sim, measured in kept_pairs(keep):
+        if not (sim / "run.json").is_file():
             continue
         runs = [metrics(json.loads((f / "run.json").read_text())) for f in measured]
         m, s = {**runs[0], "repeats": runs[1:]}, metrics(json.loads((sim / "run.json").read_text()))
@@ -424,13 +439,8 @@ def measured_medians(keep: Path) -> dict[tuple[str, str, str], dict[str, float]]
     """Each pair a `--keep` folder compared, (model, engine, workload): each time cell's median over
     its measured runs."""
     out = {}
-    for sim in sorted(keep.glob("*-simulated")):
-        tag = sim.name[: -len("-simulated")]
-        runs = [metrics(json.loads((f / "run.json").read_text())) for f in sorted(keep.glob(f"{tag}-measured*"))
-                if (f / "run.json").is_file()]
-        cells = {key: statistics.median(vals) for key in LINE
-                 if (vals := [r[key] for r in runs if r.get(key) is not None])}
-        if cells:
+    for tag, _, measured in kept_pairs(keep):
+        if cells := cell_medians([metrics(json.loads((f / "run.json").read_text())) for f in measured]):
             out[pair_of(tag)] = cells
     return out
 
@@ -450,14 +460,14 @@ def across(keeps: list[Path]) -> None:
         off = []
         for pair, cells in ma.items():
             for key, value in cells.items():
-                ok = within_line(key, value, (mb.get(pair) or {}).get(key))
+                other = (mb.get(pair) or {}).get(key)
+                ok = within_line(key, value, other)
                 if ok is None:
                     continue
                 c = counts.setdefault(pair[0], [0, 0])
                 c[0], c[1] = c[0] + ok, c[1] + 1
                 if not ok:
-                    off.append(f"{' '.join(pair)} {key} {value:.4g} / {mb[pair][key]:.4g} "
-                               f"({error(value, mb[pair][key]):+.0f}%)")
+                    off.append(f"{' '.join(pair)} {key} {value:.4g} / {other:.4g} ({error(value, other):+.0f}%)")
         print(f"{a.name} / {b.name}: time cells of the measured medians within the line: "
               + "; ".join(f"{m} {ok} of {n}" for m, (ok, n) in counts.items())
               + f"; all {sum(c[0] for c in counts.values())} of {sum(c[1] for c in counts.values())}", flush=True)
